@@ -1,0 +1,24 @@
+"""Chunk I/O and decoding: read rows of zarr arrays, fast on local stores.
+
+`open_reader` picks `DirectReader` (``os.preadv`` + our own decode, for LocalStore arrays
+with codecs we handle) or `ZarrReader` (zarr-python, for everything else); both implement
+the `ArrayReader` protocol. See `dali_zarr.io.readers` for exactly which arrays take which.
+"""
+
+from .codecs import ChunkDecoder, DecodeError
+from .layout import ArrayLayout, ChunkCodecs, ShardLayout, parse_layout
+from .readers import ArrayReader, DirectReader, ZarrReader, default_executor, open_reader
+
+__all__ = [
+    "ArrayLayout",
+    "ArrayReader",
+    "ChunkCodecs",
+    "ChunkDecoder",
+    "DecodeError",
+    "DirectReader",
+    "ShardLayout",
+    "ZarrReader",
+    "default_executor",
+    "open_reader",
+    "parse_layout",
+]

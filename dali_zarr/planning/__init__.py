@@ -1,0 +1,22 @@
+"""Pure planning layer: which rows each rank reads, in which windows and batches, per epoch.
+
+No I/O and no communication happen here (except rank discovery and seed agreement at
+DistributedSampler construction, delegated to :mod:`dali_zarr.distributed`): a plan is a
+pure function of (seed, epoch, n_obs, rank, world_size, settings).
+"""
+
+from dali_zarr.planning.partition import ranges_to_rows, rows_delivered, window_rows_of
+from dali_zarr.planning.plan import EpochPlan, WindowPlan, iter_batches
+from dali_zarr.planning.samplers import ChunkSampler, DistributedSampler, plan_epoch
+
+__all__ = [
+    "ChunkSampler",
+    "DistributedSampler",
+    "EpochPlan",
+    "WindowPlan",
+    "iter_batches",
+    "plan_epoch",
+    "ranges_to_rows",
+    "rows_delivered",
+    "window_rows_of",
+]

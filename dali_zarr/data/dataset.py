@@ -1,0 +1,416 @@
+"""Datasets: what a store holds (AnnData CSR, AnnData dense, plain N-D arrays, collections).
+
+A dataset answers one question for the loader: "give me the rows of these global
+``[start, stop)`` ranges, concatenated". It turns row ranges into element ranges (CSR) and
+delegates the bytes to an :class:`~dali_zarr.io.ArrayReader`, so the I/O backend can change
+(pread, zarr, kvikio) without touching planning or the DALI graph.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import zarr
+
+from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
+from dali_zarr.errors import DatasetError
+from dali_zarr.io import ArrayReader, open_reader
+
+Layout = Literal["csr", "dense"]
+
+
+@dataclass(frozen=True)
+class CsrRows:
+    """Rows of a CSR matrix, re-based so ``indptr[0] == 0`` (one window's worth)."""
+
+    data: np.ndarray
+    indices: np.ndarray
+    indptr: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.indptr) - 1
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """Rows of a dense array: ``values`` has shape ``(n_rows, *feature_shape)``."""
+
+    values: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return len(self.values)
+
+
+Rows = CsrRows | DenseRows
+
+
+def _ranges_rows(ranges: np.ndarray) -> np.ndarray:
+    """Global row ids of ``[start, stop)`` ranges, concatenated (vectorized arange-concat)."""
+    lengths = ranges[:, 1] - ranges[:, 0]
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.repeat(ranges[:, 0] - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return starts + np.arange(total, dtype=np.int64)
+
+
+class Dataset(ABC):
+    """A readable set of observations along axis 0 with optional obs columns."""
+
+    name: str
+    n_obs: int
+    feature_shape: tuple[int, ...]
+    dtype: np.dtype
+    layout: Layout
+    #: dtype of CSR column ids handed to the DALI graph (every window uses the same one).
+    index_dtype: np.dtype = np.dtype(np.int64)
+
+    @abstractmethod
+    def read_rows(self, ranges: np.ndarray) -> Rows:
+        """Rows of the ``(k, 2)`` global ``[start, stop)`` ranges, concatenated in order."""
+
+    @abstractmethod
+    def obs_column(self, name: str) -> ObsColumn:
+        """One obs column over all observations (loaded once, then cached)."""
+
+    @abstractmethod
+    def read_paths(self) -> dict[str, str]:
+        """Which read path serves each array ("direct", or "zarr: <why>"), for reporting."""
+
+    def categories(self, column: str) -> tuple[str, ...] | None:
+        """Category names of a categorical obs column, to map batch codes back to labels."""
+        return self.obs_column(column).categories
+
+    @property
+    def n_features(self) -> int:
+        return int(np.prod(self.feature_shape, dtype=np.int64))
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.name!r}, n_obs={self.n_obs}, "
+            f"features={self.feature_shape}, dtype={self.dtype}, layout={self.layout})"
+        )
+
+
+class _StoreDataset(Dataset):
+    """A single store: holds its obs group (if any) and caches loaded columns."""
+
+    def __init__(self, name: str, obs: zarr.Group | None) -> None:
+        self.name = name
+        self._obs = obs
+        self._columns: dict[str, ObsColumn] = {}
+
+    def obs_column(self, name: str) -> ObsColumn:
+        if name not in self._columns:
+            if self._obs is None:
+                raise DatasetError(
+                    f"{self.name}: has no obs dataframe, so obs column {name!r} cannot be "
+                    "loaded; open an AnnData store or drop obs=[...]."
+                )
+            column = read_obs_column(self._obs, name, dataset=self.name)
+            if len(column.values) != self.n_obs:
+                raise DatasetError(
+                    f"{self.name}/obs/{name}: has {len(column.values)} values for "
+                    f"{self.n_obs} observations; the store is inconsistent."
+                )
+            self._columns[name] = column
+        return self._columns[name]
+
+
+class DenseDataset(_StoreDataset):
+    """A dense array with observations on axis 0 (plain Zarr array or AnnData dense ``X``)."""
+
+    layout: Layout = "dense"
+
+    def __init__(self, reader: ArrayReader, *, name: str, obs: zarr.Group | None = None) -> None:
+        super().__init__(name, obs)
+        if len(reader.shape) < 1:
+            raise DatasetError(f"{name}: a 0-d array holds no observations.")
+        if reader.dtype.kind not in "biuf":
+            raise DatasetError(
+                f"{name}: dtype {reader.dtype} is not numeric; only numeric arrays can be batched."
+            )
+        self._reader = reader
+        self.n_obs = int(reader.shape[0])
+        self.feature_shape = tuple(int(s) for s in reader.shape[1:])
+        self.dtype = np.dtype(reader.dtype)
+
+    def read_rows(self, ranges: np.ndarray) -> DenseRows:
+        return DenseRows(self._reader.read_rows(ranges))
+
+    def read_paths(self) -> dict[str, str]:
+        return {self._reader.name: _describe(self._reader)}
+
+
+class CsrDataset(_StoreDataset):
+    """An AnnData ``csr_matrix`` group: ``indptr`` in memory, ``data``/``indices`` read by range."""
+
+    layout: Layout = "csr"
+
+    def __init__(
+        self,
+        group: zarr.Group,
+        *,
+        name: str,
+        obs: zarr.Group | None,
+        executor: Executor | None,
+        force_zarr: bool,
+    ) -> None:
+        super().__init__(name, obs)
+        for key in ("data", "indices", "indptr"):
+            if key not in group or not isinstance(group[key], zarr.Array):
+                raise DatasetError(
+                    f"{name}: a csr_matrix group needs arrays data, indices and indptr; "
+                    f"{key!r} is missing. The store is incomplete: re-write it."
+                )
+        shape = group.attrs.get("shape")
+        if not shape or len(shape) != 2:
+            raise DatasetError(f"{name}: csr_matrix group has no valid 'shape' attribute.")
+        self.n_obs, n_features = int(shape[0]), int(shape[1])
+        self.feature_shape = (n_features,)
+        self._data = open_reader(
+            group["data"], name=f"{name}/data", executor=executor, force_zarr=force_zarr
+        )
+        self._indices = open_reader(
+            group["indices"], name=f"{name}/indices", executor=executor, force_zarr=force_zarr
+        )
+        self.dtype = np.dtype(self._data.dtype)
+        self.index_dtype = np.dtype(self._indices.dtype)
+        if self.dtype.kind not in "biuf" or self._indices.dtype.kind not in "iu":
+            raise DatasetError(
+                f"{name}: data dtype {self.dtype} / indices dtype {self._indices.dtype} "
+                "are not numeric/integer."
+            )
+        self.indptr = np.asarray(group["indptr"][...]).astype(np.int64, copy=False)
+        self._check_indptr()
+
+    def _check_indptr(self) -> None:
+        indptr, name = self.indptr, self.name
+        if indptr.shape != (self.n_obs + 1,):
+            raise DatasetError(
+                f"{name}/indptr: has {len(indptr)} entries for {self.n_obs} rows "
+                f"(expected {self.n_obs + 1}); the store is inconsistent."
+            )
+        if indptr[0] != 0 or np.any(np.diff(indptr) < 0):
+            raise DatasetError(f"{name}/indptr: must start at 0 and never decrease.")
+        nnz = int(indptr[-1])
+        for reader in (self._data, self._indices):
+            if reader.shape[0] < nnz:
+                raise DatasetError(
+                    f"{reader.name}: has {reader.shape[0]} elements but indptr ends at {nnz}; "
+                    "the store is truncated or inconsistent."
+                )
+
+    def read_rows(self, ranges: np.ndarray) -> CsrRows:
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
+        rows = _ranges_rows(ranges)
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(self.indptr[rows + 1] - self.indptr[rows], out=indptr[1:])
+        data = self._data.read_rows(element_ranges)
+        indices = self._indices.read_rows(element_ranges)
+        self._check_indices(indices, ranges)
+        return CsrRows(data, indices, indptr)
+
+    def _check_indices(self, indices: np.ndarray, ranges: np.ndarray) -> None:
+        """Out-of-range column ids would be written out of bounds by densify: refuse them."""
+        if len(indices) == 0:
+            return
+        low, high = int(indices.min()), int(indices.max())
+        if low < 0 or high >= self.feature_shape[0]:
+            raise DatasetError(
+                f"{self._indices.name}: column index {high if high >= 0 else low} is outside "
+                f"[0, {self.feature_shape[0]}) in rows of ranges {ranges[:4].tolist()}...; "
+                "the store is corrupted or its 'shape' attribute is wrong."
+            )
+
+    def read_paths(self) -> dict[str, str]:
+        return {r.name: _describe(r) for r in (self._data, self._indices)}
+
+
+class Collection(Dataset):
+    """Several datasets with the same feature axis, concatenated along observations."""
+
+    def __init__(self, parts: Sequence[Dataset]) -> None:
+        if not parts:
+            raise DatasetError("an empty list of stores is not a dataset.")
+        first = parts[0]
+        for part in parts[1:]:
+            if (part.layout, part.feature_shape) != (first.layout, first.feature_shape):
+                raise DatasetError(
+                    f"collection: {part.name} has {part.layout} X with features "
+                    f"{part.feature_shape} but {first.name} has {first.layout} X with features "
+                    f"{first.feature_shape}; all stores must share the feature axis."
+                )
+            if part.dtype != first.dtype:
+                raise DatasetError(
+                    f"collection: {part.name} stores X as {part.dtype} but {first.name} as "
+                    f"{first.dtype}; re-write them with one dtype."
+                )
+        self.parts = list(parts)
+        self.name = "+".join(p.name for p in parts)
+        self.layout = first.layout
+        self.feature_shape = first.feature_shape
+        self.dtype = first.dtype
+        self.index_dtype = np.result_type(*[p.index_dtype for p in parts])
+        self.offsets = np.cumsum([0] + [p.n_obs for p in parts]).astype(np.int64)
+        self.n_obs = int(self.offsets[-1])
+        self._columns: dict[str, ObsColumn] = {}
+
+    def read_rows(self, ranges: np.ndarray) -> Rows:
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        # Split every range at store boundaries, keeping order, then read runs per store.
+        cuts = self.offsets[1:-1]
+        pieces: list[tuple[int, int, int]] = []  # (part, local start, local stop)
+        for start, stop in ranges.tolist():
+            while start < stop:
+                part = int(np.searchsorted(cuts, start, side="right"))
+                end = min(stop, int(self.offsets[part + 1]))
+                base = int(self.offsets[part])
+                pieces.append((part, start - base, end - base))
+                start = end
+        # Consecutive pieces of one store are read in one call; results are stitched in order.
+        outputs: list[Rows] = []
+        run: list[tuple[int, int]] = []
+        run_part = -1
+        for part, lo, hi in [*pieces, (-1, 0, 0)]:
+            if part != run_part and run:
+                outputs.append(self.parts[run_part].read_rows(np.array(run, dtype=np.int64)))
+                run = []
+            run_part = part
+            run.append((lo, hi))
+        return _concat_rows(outputs, self.layout, self.feature_shape, self.dtype)
+
+    def obs_column(self, name: str) -> ObsColumn:
+        if name not in self._columns:
+            self._columns[name] = concat_obs_columns([p.obs_column(name) for p in self.parts])
+        return self._columns[name]
+
+    def read_paths(self) -> dict[str, str]:
+        paths: dict[str, str] = {}
+        for part in self.parts:
+            paths.update(part.read_paths())
+        return paths
+
+
+def _concat_rows(
+    outputs: list[Rows], layout: Layout, feature_shape: tuple[int, ...], dtype: np.dtype
+) -> Rows:
+    if len(outputs) == 1:
+        return outputs[0]
+    if layout == "dense":
+        if not outputs:
+            return DenseRows(np.zeros((0, *feature_shape), dtype))
+        return DenseRows(np.concatenate([o.values for o in outputs]))  # type: ignore[union-attr]
+    csr = [o for o in outputs if isinstance(o, CsrRows)]
+    if not csr:
+        return CsrRows(np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(1, np.int64))
+    lengths = [len(c.data) for c in csr]
+    shifts = np.cumsum([0, *lengths[:-1]])
+    indptr = np.concatenate([[0]] + [c.indptr[1:] + s for c, s in zip(csr, shifts, strict=True)])
+    return CsrRows(
+        np.concatenate([c.data for c in csr]),
+        np.concatenate([c.indices for c in csr]),
+        indptr.astype(np.int64),
+    )
+
+
+def _describe(reader: ArrayReader) -> str:
+    return reader.path if reader.path == "direct" else f"{reader.path}: {reader.reason}"
+
+
+# ---------------------------------------------------------------------------------------------
+# open_dataset
+
+
+Source = str | os.PathLike | zarr.Group | zarr.Array
+
+
+def open_dataset(
+    source: Source | Sequence[Source],
+    *,
+    executor: Executor | None = None,
+    force_zarr: bool = False,
+) -> Dataset:
+    """Open a store, a Zarr node, or a list of them (a collection) for loading.
+
+    Accepted: an AnnData store (``encoding-type: anndata``; ``X`` CSR or dense) or a plain
+    Zarr array with observations on axis 0, given as a path, a ``zarr.Group`` or a
+    ``zarr.Array``. ``force_zarr`` makes every array use zarr-python's reading instead of the
+    direct path (for debugging or comparison).
+    """
+    if isinstance(source, Sequence) and not isinstance(source, str | bytes):
+        parts = [_open_one(s, executor=executor, force_zarr=force_zarr) for s in source]
+        return parts[0] if len(parts) == 1 else Collection(parts)
+    return _open_one(source, executor=executor, force_zarr=force_zarr)
+
+
+def _open_one(source: Source, *, executor: Executor | None, force_zarr: bool) -> Dataset:
+    node, name = _open_node(source)
+    if isinstance(node, zarr.Array):
+        reader = open_reader(node, name=name, executor=executor, force_zarr=force_zarr)
+        return DenseDataset(reader, name=name)
+    encoding = node.attrs.get("encoding-type")
+    if encoding != "anndata":
+        arrays = sorted(k for k, v in node.members() if isinstance(v, zarr.Array))
+        hint = (
+            " To load one of its arrays, pass it: "
+            f"open_dataset(zarr.open_group(path)[{arrays[0]!r}])"
+            f" (arrays here: {', '.join(arrays)})."
+            if arrays
+            else ""
+        )
+        raise DatasetError(
+            f"{name}: is a Zarr group but neither an AnnData store (root attribute "
+            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}"
+        )
+    if "X" not in node:
+        raise DatasetError(f"{name}: AnnData store has no 'X'; nothing to load.")
+    obs = node["obs"] if "obs" in node and isinstance(node["obs"], zarr.Group) else None
+    x = node["X"]
+    x_name = f"{name}/X"
+    if isinstance(x, zarr.Array):
+        if x.ndim != 2:
+            raise DatasetError(f"{x_name}: dense X must be 2-D, found shape {x.shape}.")
+        reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
+        return DenseDataset(reader, name=name, obs=obs)
+    x_encoding = x.attrs.get("encoding-type")
+    if x_encoding == "csr_matrix":
+        return CsrDataset(x, name=x_name, obs=obs, executor=executor, force_zarr=force_zarr)
+    if x_encoding == "csc_matrix":
+        raise DatasetError(
+            f"{x_name}: is CSC (column-major); rows cannot be read by range. Re-write X as CSR "
+            "(e.g. adata.X = adata.X.tocsr(); adata.write_zarr(...))."
+        )
+    raise DatasetError(
+        f"{x_name}: encoding {x_encoding!r} is not supported "
+        "(expected csr_matrix or a dense array)."
+    )
+
+
+def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
+    if isinstance(source, zarr.Array | zarr.Group):
+        store_name = os.path.basename(str(getattr(source.store, "root", "")).rstrip("/"))
+        path = source.path
+        name = "/".join(p for p in (store_name, path) if p) or "<zarr node>"
+        return source, name
+    path = os.fspath(source)
+    name = os.path.basename(os.path.normpath(path)) or path
+    if not os.path.exists(path):
+        raise DatasetError(f"{path}: no such file or directory; pass the path of a Zarr store.")
+    try:
+        node = zarr.open(path, mode="r")
+    except Exception as exc:  # zarr raises several types for "not a store"
+        raise DatasetError(
+            f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}). Pass the directory "
+            "that holds zarr.json (v3) or .zgroup/.zarray (v2); convert .h5ad files first."
+        ) from exc
+    return node, name

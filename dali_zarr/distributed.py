@@ -1,0 +1,134 @@
+"""Find this process's rank and the world size, and agree on a seed across ranks.
+
+Kept apart from the planning code (which never communicates) so that the only places
+that touch torch.distributed / jax are here, imported lazily: the planner stays importable
+and testable without either framework being initialised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Literal, TypeAlias
+
+from dali_zarr.errors import ConfigError
+
+__all__ = ["DistInfo", "broadcast_seed", "resolve_rank_world", "torch_dist_initialized"]
+
+DistInfo: TypeAlias = Literal["torch", "jax", "env"] | Callable[[], tuple[int, int]]
+
+_DIST_INFO_HELP = (
+    'dist_info must be "torch" (torch.distributed), "jax" (jax.process_index/process_count), '
+    '"env" (RANK/WORLD_SIZE as set by torchrun, or SLURM_PROCID/SLURM_NTASKS) or a callable '
+    "returning (rank, world_size)"
+)
+
+
+def torch_dist_initialized() -> bool:
+    """True when torch.distributed is importable, available and has a process group."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _from_torch() -> tuple[int, int]:
+    if not torch_dist_initialized():
+        raise ConfigError(
+            'dist_info="torch" but torch.distributed is not initialized: call '
+            "torch.distributed.init_process_group(...) before creating the DistributedSampler, "
+            'or pass dist_info="env" (torchrun/SLURM variables) or a callable returning '
+            "(rank, world_size)"
+        )
+    import torch.distributed as dist
+
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
+def _from_jax() -> tuple[int, int]:
+    try:
+        import jax
+    except ImportError:
+        raise ConfigError(
+            'dist_info="jax" but jax is not installed: install jax, or pass dist_info="torch", '
+            '"env" or a callable returning (rank, world_size)'
+        ) from None
+    return int(jax.process_index()), int(jax.process_count())
+
+
+def _env_int(name: str) -> int:
+    raw = os.environ[name]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"environment variable {name}={raw!r} is not an integer: fix or unset it, or pass "
+            "dist_info as a callable returning (rank, world_size)"
+        ) from None
+
+
+def _from_env() -> tuple[int, int]:
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return _env_int("RANK"), _env_int("WORLD_SIZE")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return _env_int("SLURM_PROCID"), _env_int("SLURM_NTASKS")
+    raise ConfigError(
+        'dist_info="env" but neither RANK and WORLD_SIZE (torchrun) nor SLURM_PROCID and '
+        "SLURM_NTASKS (srun) are set: launch with torchrun/srun, set those variables, or pass "
+        "a callable returning (rank, world_size)"
+    )
+
+
+def resolve_rank_world(dist_info: DistInfo) -> tuple[int, int]:
+    """Return ``(rank, world_size)`` from ``dist_info``, checking ``0 <= rank < world_size``."""
+    if callable(dist_info):
+        try:
+            rank, world = dist_info()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"dist_info callable must return a (rank, world_size) pair of ints: {e}"
+            ) from e
+        source = "the dist_info callable"
+    elif dist_info == "torch":
+        rank, world = _from_torch()
+        source = "torch.distributed"
+    elif dist_info == "jax":
+        rank, world = _from_jax()
+        source = "jax"
+    elif dist_info == "env":
+        rank, world = _from_env()
+        source = "the environment"
+    else:
+        raise ConfigError(f"unknown dist_info {dist_info!r}: {_DIST_INFO_HELP}")
+    try:
+        rank, world = int(rank), int(world)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"{source} gave rank={rank!r}, world_size={world!r}; both must be integers"
+        ) from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(
+            f"{source} gave rank={rank}, world_size={world}; need world_size >= 1 and "
+            "0 <= rank < world_size: fix the launcher settings or the dist_info callable"
+        )
+    return rank, world
+
+
+def broadcast_seed(seed: int) -> int:
+    """Return rank 0's ``seed`` on every rank (torch.distributed must be initialized).
+
+    Used when the user passed ``seed=None``: each rank drew its own random seed, and they
+    must agree on one so that all ranks compute the same global chunk order.
+    """
+    if not torch_dist_initialized():
+        raise ConfigError(
+            "cannot broadcast a seed: torch.distributed is not initialized; call "
+            "torch.distributed.init_process_group(...) first, or pass an explicit seed"
+        )
+    import torch.distributed as dist
+
+    box: list[object] = [int(seed)]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])  # type: ignore[call-overload]

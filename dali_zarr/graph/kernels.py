@@ -1,0 +1,157 @@
+"""Row gather and CSR densify as DALI operators.
+
+DALI has no CSR-to-dense operator and no row gather that takes the row ids as data, so we
+add them through DALI's numba plugin (``numba_function``): the kernels are compiled once
+per loader, run inside the DALI graph (on DALI's threads, not the Python callback), and the
+same indexing logic has a CUDA twin for the GPU path. The alternatives were worse: a C++
+DALI plugin must be compiled against each DALI release, and ``fn.python_function`` runs
+Python per sample and holds the GIL.
+
+One DALI sample is one whole minibatch (per-row samples are ~5x slower, see DEVELOPERS.md):
+each op takes the window's rows plus ``pos``, the window-local positions of the batch's
+rows in their shuffled order, and writes the batch. Reading the window through ``pos`` is
+the shuffle: every output row is written once, every stored value read once.
+
+DALI plugin quirk (2.4): ``setup_fn`` only sees the shapes of the first ``len(outputs)``
+inputs, so the input that decides an output's shape always comes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from nvidia.dali import types
+from nvidia.dali.plugin.numba.fn.experimental import numba_function
+
+_DALI_TYPE = {
+    np.dtype(np.float32): types.FLOAT,
+    np.dtype(np.float64): types.FLOAT64,
+    np.dtype(np.int8): types.INT8,
+    np.dtype(np.int16): types.INT16,
+    np.dtype(np.int32): types.INT32,
+    np.dtype(np.int64): types.INT64,
+    np.dtype(np.uint8): types.UINT8,
+    np.dtype(np.uint16): types.UINT16,
+    np.dtype(np.uint32): types.UINT32,
+    np.dtype(np.uint64): types.UINT64,
+    np.dtype(np.bool_): types.BOOL,
+}
+
+
+def dali_type(dtype: np.dtype) -> types.DALIDataType:
+    """The DALI type of a NumPy dtype (native byte order)."""
+    try:
+        return _DALI_TYPE[np.dtype(dtype).newbyteorder("=")]
+    except KeyError:
+        raise TypeError(f"dtype {dtype} has no DALI equivalent") from None
+
+
+# --- CPU kernels (numba nopython; called once per minibatch sample) -------------------------
+
+
+def _densify_csr_rows(out, pos, data, indices, indptr):
+    """out[i, :] = dense row pos[i] of the window CSR (duplicate column ids add up, as scipy)."""
+    for i in range(pos.shape[0]):
+        row = out[i]
+        row[:] = 0
+        r = pos[i]
+        for p in range(indptr[r], indptr[r + 1]):
+            row[indices[p]] += data[p]
+
+
+def _gather_csr_rows(out_data, out_indices, out_indptr, nnz_hint, pos, data, indices, indptr):
+    """The batch's own CSR: rows pos[i] of the window CSR, in batch order."""
+    out_indptr[0] = 0
+    k = 0
+    for i in range(pos.shape[0]):
+        r = pos[i]
+        for p in range(indptr[r], indptr[r + 1]):
+            out_data[k] = data[p]
+            out_indices[k] = indices[p]
+            k += 1
+        out_indptr[i + 1] = k
+
+
+def _gather_dense_rows(out, pos, values):
+    """out[i] = values[pos[i]] on 2-D views (features flattened)."""
+    for i in range(pos.shape[0]):
+        out[i, :] = values[pos[i], :]
+
+
+# --- setup functions: output shapes from input shapes ---------------------------------------
+
+
+def _rows_by_width(width: int) -> Callable:
+    """Output (len(pos), width): ``width`` is baked in as a compile-time constant."""
+
+    def setup(outs, ins):
+        for s in range(len(outs[0])):
+            outs[0][s][0] = ins[0][s][0]
+            outs[0][s][1] = width
+
+    return setup
+
+
+def _csr_batch_shapes(outs, ins):
+    """data/indices get nnz from the shape of ``nnz_hint`` (nnz, 0); indptr gets len(pos)+1."""
+    for s in range(len(outs[0])):
+        outs[0][s][0] = ins[0][s][0]
+        outs[1][s][0] = ins[0][s][0]
+        outs[2][s][0] = ins[1][s][0] + 1
+
+
+# --- graph builders ---------------------------------------------------------------------------
+
+
+def densify_csr(pos, data, indices, indptr, *, n_features: int, data_dtype, index_dtype):
+    """DALI op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions."""
+    return numba_function(
+        pos,
+        data,
+        indices,
+        indptr,
+        run_fn=_densify_csr_rows,
+        setup_fn=_rows_by_width(n_features),
+        out_types=[types.FLOAT],
+        in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64],
+        outs_ndim=[2],
+        ins_ndim=[1, 1, 1, 1],
+    )
+
+
+def gather_csr(nnz_hint, pos, data, indices, indptr, *, data_dtype, index_dtype):
+    """DALI op: the batch's (data, indices, indptr) from window CSR + positions."""
+    return numba_function(
+        nnz_hint,
+        pos,
+        data,
+        indices,
+        indptr,
+        run_fn=_gather_csr_rows,
+        setup_fn=_csr_batch_shapes,
+        out_types=[dali_type(data_dtype), dali_type(index_dtype), types.INT64],
+        in_types=[
+            types.UINT8,
+            types.INT64,
+            dali_type(data_dtype),
+            dali_type(index_dtype),
+            types.INT64,
+        ],
+        outs_ndim=[1, 1, 1],
+        ins_ndim=[2, 1, 1, 1, 1],
+    )
+
+
+def gather_dense(pos, values, *, n_features: int, dtype):
+    """DALI op: rows ``pos`` of a window given as a 2-D ``(rows, n_features)`` view."""
+    return numba_function(
+        pos,
+        values,
+        run_fn=_gather_dense_rows,
+        setup_fn=_rows_by_width(n_features),
+        out_types=[dali_type(dtype)],
+        in_types=[types.INT64, dali_type(dtype)],
+        outs_ndim=[2],
+        ins_ndim=[1, 2],
+    )

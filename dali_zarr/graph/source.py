@@ -1,0 +1,185 @@
+"""The ``fn.external_source`` callback: one rank's batches as a pure function of (epoch, iteration).
+
+DALI calls the callback ahead of consumption and past the end of an epoch, and its
+checkpointing replays it, so the callback never keeps a cursor: iteration ``i`` of epoch
+``e`` always maps to the same window and the same positions through the epoch plan. Reading
+is cached and run ahead on a thread pool (windows ``w+1..w+prefetch`` are read while
+window ``w`` is consumed), which is an optimisation the output never depends on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows
+from dali_zarr.planning import EpochPlan, WindowPlan
+
+Output = Literal["dense", "csr"]
+
+
+class Planner(Protocol):
+    """What the source needs from a sampler: the plan of one epoch for this rank."""
+
+    def plan_epoch(self, n_obs: int, epoch: int) -> EpochPlan: ...
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window read and ready: its rows as arrays the DALI graph consumes directly."""
+
+    plan: WindowPlan
+    arrays: tuple[np.ndarray, ...]  # CSR: (data, indices, indptr); dense: (values_2d,)
+    global_rows: np.ndarray  # window-local position -> global observation id
+
+
+def source_names(layout: str, output: Output, obs: list[str], return_index: bool) -> list[str]:
+    """Names of the callback's outputs, in order (the DALI graph unpacks them by name)."""
+    if layout == "csr":
+        names = ["pos", "data", "indices", "indptr"] + (["nnz_hint"] if output == "csr" else [])
+    else:
+        names = ["pos", "values"]
+    return names + list(obs) + (["index"] if return_index else [])
+
+
+class BatchSource:
+    """Callback for ``fn.external_source(batch=True, batch_info=True)``.
+
+    Returns, per iteration, one DALI sample per output (a whole minibatch). Maps DALI's
+    epoch counter to the user's epoch through :meth:`bind_epoch`, set by the loader before
+    DALI starts an epoch, so ``set_epoch`` order never races DALI's look-ahead.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: Planner,
+        *,
+        output: Output,
+        obs: list[str],
+        return_index: bool,
+        prefetch_windows: int = 2,
+        keep_alive: int = 4,
+    ) -> None:
+        self.dataset = dataset
+        self.sampler = sampler
+        self.output = output
+        self.obs = {name: dataset.obs_column(name).values for name in obs}
+        self.return_index = return_index
+        self.names = source_names(dataset.layout, output, list(obs), return_index)
+        self.prefetch_windows = max(0, prefetch_windows)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dali_zarr-window")
+        self._lock = threading.Lock()
+        self._epochs: dict[int, int] = {}  # DALI epoch_idx -> user epoch
+        self._stop_at: dict[int, int] = {}  # DALI epoch_idx -> iteration where it was cut short
+        self._plans: OrderedDict[int, EpochPlan] = OrderedDict()
+        self._windows: OrderedDict[tuple[int, int], Future[Window]] = OrderedDict()
+        # no_copy=True hands our buffers to DALI: keep the last few batches referenced until
+        # DALI's prefetch queue has certainly consumed them.
+        self._alive: deque[list[np.ndarray]] = deque(maxlen=keep_alive)
+        self.error: BaseException | None = None
+
+    # -- epoch bookkeeping (called by the loader) ---------------------------------------------
+
+    def bind_epoch(self, dali_epoch: int, epoch: int) -> None:
+        with self._lock:
+            self._epochs[dali_epoch] = epoch
+            self._stop_at.pop(dali_epoch, None)
+
+    def cut_epoch(self, dali_epoch: int, iteration: int) -> None:
+        """End DALI epoch ``dali_epoch`` at ``iteration`` (the user left the loop early)."""
+        with self._lock:
+            self._stop_at[dali_epoch] = iteration
+
+    def plan(self, epoch: int) -> EpochPlan:
+        with self._lock:
+            plan = self._plans.get(epoch)
+            if plan is None:
+                plan = self.sampler.plan_epoch(self.dataset.n_obs, epoch)
+                self._plans[epoch] = plan
+                while len(self._plans) > 2:
+                    self._plans.popitem(last=False)
+            return plan
+
+    # -- the callback ---------------------------------------------------------------------------
+
+    def __call__(self, info) -> list[list[np.ndarray]]:
+        try:
+            return self._batch(info.epoch_idx, info.iteration)
+        except StopIteration:
+            raise
+        except BaseException as exc:  # DALI re-wraps callback errors; keep the original
+            self.error = exc
+            raise
+
+    def _batch(self, dali_epoch: int, iteration: int) -> list[list[np.ndarray]]:
+        with self._lock:
+            epoch = self._epochs.get(dali_epoch)
+            stop_at = self._stop_at.get(dali_epoch)
+        if epoch is None or (stop_at is not None and iteration >= stop_at):
+            raise StopIteration
+        plan = self.plan(epoch)
+        if iteration >= plan.n_batches:
+            raise StopIteration
+        w, j = plan.window_of_batch(iteration)
+        window = self.window(epoch, w)
+        for ahead in range(w + 1, min(w + 1 + self.prefetch_windows, plan.n_windows)):
+            self._schedule(epoch, ahead)
+        outputs = self.batch_outputs(window, j)
+        self._alive.append(outputs)
+        return [[a] for a in outputs]
+
+    def batch_outputs(self, window: Window, j: int) -> list[np.ndarray]:
+        """Arrays for batch ``j`` of ``window``, in :attr:`names` order."""
+        pos = np.ascontiguousarray(window.plan.batch_positions(j), dtype=np.int64)
+        outputs = [pos, *window.arrays]
+        if self.dataset.layout == "csr" and self.output == "csr":
+            indptr = window.arrays[2]
+            nnz = int((indptr[pos + 1] - indptr[pos]).sum())
+            outputs.append(np.empty((nnz, 0), dtype=np.uint8))  # shape carries nnz, no bytes
+        rows = window.global_rows[pos]
+        outputs.extend(np.ascontiguousarray(values[rows]) for values in self.obs.values())
+        if self.return_index:
+            outputs.append(rows)
+        return outputs
+
+    # -- windows --------------------------------------------------------------------------------
+
+    def window(self, epoch: int, w: int) -> Window:
+        future = self._schedule(epoch, w)
+        with self._lock:  # DALI asks in order: earlier windows will not be asked for again
+            for key in [k for k in self._windows if k[0] != epoch or k[1] < w - 1]:
+                self._windows.pop(key).cancel()
+        return future.result()
+
+    def _schedule(self, epoch: int, w: int) -> Future[Window]:
+        with self._lock:
+            future = self._windows.get((epoch, w))
+            if future is None:
+                future = self._pool.submit(self.read_window, epoch, w)
+                self._windows[(epoch, w)] = future
+            return future
+
+    def read_window(self, epoch: int, w: int) -> Window:
+        """Read and decode window ``w`` of ``epoch`` (runs on the prefetch thread)."""
+        window_plan = self.plan(epoch).window(w)
+        rows = self.dataset.read_rows(window_plan.row_ranges)
+        if isinstance(rows, CsrRows):
+            arrays: tuple[np.ndarray, ...] = (
+                np.ascontiguousarray(rows.data, dtype=self.dataset.dtype.newbyteorder("=")),
+                np.ascontiguousarray(rows.indices, dtype=self.dataset.index_dtype),
+                np.ascontiguousarray(rows.indptr, dtype=np.int64),
+            )
+        else:
+            assert isinstance(rows, DenseRows)
+            values = rows.values.reshape(rows.n_rows, self.dataset.n_features)
+            arrays = (np.ascontiguousarray(values, dtype=self.dataset.dtype.newbyteorder("=")),)
+        return Window(window_plan, arrays, window_plan.global_rows())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

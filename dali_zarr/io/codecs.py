@@ -1,0 +1,295 @@
+"""Decode the stored bytes of one zarr chunk into an ndarray.
+
+`ChunkDecoder` is built once per array from a `layout.ChunkCodecs` description and then
+decodes chunks on many threads at once (it holds no per-call state). The hot path is
+``decode_into(raw, dest)``: ``dest`` is a C-contiguous array of the chunk's full shape and
+the reader's (native-endian) dtype, and the last decompressor writes straight into it when
+the codec can (zstd, blosc, lz4); a big-endian chunk is then byte-swapped in place.
+
+Every failure (bad checksum, decompression error, wrong decoded size, truncated input)
+raises `DecodeError` saying what went wrong; the reader adds the array name and chunk key
+and turns it into a `ChunkReadError`.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import crc32c as _crc32c
+import numcodecs
+import numpy as np
+
+from .layout import ChunkCodecs
+
+__all__ = ["ChunkDecoder", "DecodeError", "verify_crc32c"]
+
+_U1 = np.dtype(np.uint8)
+
+
+class DecodeError(Exception):
+    """One chunk's bytes could not be decoded; the message says what went wrong."""
+
+
+def verify_crc32c(buf: np.ndarray, what: str = "chunk") -> np.ndarray:
+    """Check the trailing little-endian crc32c of ``buf``; return the payload (a view)."""
+    if buf.size < 4:
+        raise DecodeError(f"{what} is {buf.size} bytes, too short to hold its crc32c checksum")
+    stored = int.from_bytes(buf[-4:].tobytes(), "little")
+    payload = buf[:-4]
+    computed = _crc32c.crc32c(payload)
+    if stored != computed:
+        raise DecodeError(
+            f"{what} crc32c checksum mismatch (stored {stored:#010x}, computed {computed:#010x})"
+        )
+    return payload
+
+
+def _as_u1(buf: Any) -> np.ndarray:
+    """A flat uint8 view of a bytes-like object or ndarray (copies only if not contiguous)."""
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            buf = np.ascontiguousarray(buf)
+        return buf.reshape(-1).view(_U1)
+    return np.frombuffer(buf, dtype=_U1)
+
+
+# ---------------------------------------------------------------------------- stages
+# Each stage undoes one bytes→bytes codec. ``decode`` returns a new buffer (or a view);
+# ``decode_into`` writes exactly ``out.nbytes`` bytes into ``out`` and returns True, or
+# returns False when it cannot (the caller then uses ``decode`` and copies).
+
+
+class _Stage:
+    name = "?"
+
+    def decode(self, buf: np.ndarray) -> Any:
+        raise NotImplementedError
+
+    def decode_into(self, buf: np.ndarray, out: np.ndarray) -> bool:
+        return False
+
+
+class _Crc32c(_Stage):
+    name = "crc32c"
+
+    def __init__(self, location: str = "end") -> None:
+        self.location = location
+
+    def decode(self, buf: np.ndarray) -> np.ndarray:
+        if self.location == "end":
+            return verify_crc32c(buf)
+        if buf.size < 4:
+            raise DecodeError(f"chunk is {buf.size} bytes, too short to hold its crc32c checksum")
+        stored = int.from_bytes(buf[:4].tobytes(), "little")
+        computed = _crc32c.crc32c(buf[4:])
+        if stored != computed:
+            raise DecodeError(
+                f"chunk crc32c checksum mismatch (stored {stored:#010x}, computed {computed:#010x})"
+            )
+        return buf[4:]
+
+
+def _zstd_content_size(buf: np.ndarray) -> int | None:
+    """Frame_Content_Size from a zstd frame header (RFC 8878 §3.1.1.1), None if absent."""
+    if buf.size < 6:
+        return None
+    head = buf[:18].tobytes()
+    if int.from_bytes(head[:4], "little") != 0xFD2FB528:
+        return None
+    fhd = head[4]
+    fcs_flag = fhd >> 6
+    single_segment = (fhd >> 5) & 1
+    pos = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[fhd & 3]
+    size = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
+    if size == 0 or len(head) < pos + size:
+        return None
+    value = int.from_bytes(head[pos : pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
+class _Zstd(_Stage):
+    name = "zstd"
+
+    def __init__(self) -> None:
+        self.codec = numcodecs.Zstd()
+
+    def decode(self, buf: np.ndarray) -> Any:
+        return self.codec.decode(buf)
+
+    def decode_into(self, buf: np.ndarray, out: np.ndarray) -> bool:
+        # numcodecs fills only the frame's content size into a bigger `out`: check it first.
+        if _zstd_content_size(buf) != out.nbytes:
+            return False
+        self.codec.decode(buf, out=out)
+        return True
+
+
+_BLOSC_HEADER = struct.Struct("<BBBBIII")
+
+
+class _Blosc(_Stage):
+    name = "blosc"
+
+    def __init__(self) -> None:
+        self.codec = numcodecs.Blosc()
+
+    def _check(self, buf: np.ndarray) -> int:
+        # numcodecs trusts the header's compressed size, so a truncated chunk would make it
+        # read past the buffer: validate the header before handing the bytes over.
+        if buf.size < 16:
+            raise DecodeError(f"blosc chunk is {buf.size} bytes, shorter than its 16-byte header")
+        _, _, _, _, nbytes, _, cbytes = _BLOSC_HEADER.unpack(buf[:16].tobytes())
+        if cbytes != buf.size:
+            raise DecodeError(
+                f"blosc header says {cbytes} compressed bytes but the chunk holds {buf.size} "
+                "(truncated or corrupted)"
+            )
+        return nbytes
+
+    def decode(self, buf: np.ndarray) -> Any:
+        self._check(buf)
+        return self.codec.decode(buf)
+
+    def decode_into(self, buf: np.ndarray, out: np.ndarray) -> bool:
+        nbytes = self._check(buf)
+        if nbytes != out.nbytes:
+            raise DecodeError(f"blosc chunk decodes to {nbytes} bytes, expected {out.nbytes}")
+        self.codec.decode(buf, out=out)
+        return True
+
+
+class _Lz4(_Stage):
+    name = "lz4"
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.codec = numcodecs.get_codec(config)
+
+    def decode(self, buf: np.ndarray) -> Any:
+        return self.codec.decode(buf)
+
+    def decode_into(self, buf: np.ndarray, out: np.ndarray) -> bool:
+        if buf.size < 4:
+            raise DecodeError(f"lz4 chunk is {buf.size} bytes, shorter than its 4-byte header")
+        nbytes = int.from_bytes(buf[:4].tobytes(), "little")
+        if nbytes != out.nbytes:
+            raise DecodeError(f"lz4 chunk decodes to {nbytes} bytes, expected {out.nbytes}")
+        self.codec.decode(buf, out=out)
+        return True
+
+
+class _Numcodec(_Stage):
+    """Any other numcodecs bytes→bytes codec (gzip, zlib, bz2, lzma, other checksums)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.codec = numcodecs.get_codec(config)
+        self.name = str(config["id"])
+
+    def decode(self, buf: np.ndarray) -> Any:
+        return self.codec.decode(buf)
+
+
+def _make_stage(config: dict[str, Any]) -> _Stage:
+    cid = config["id"]
+    if cid == "crc32c":
+        return _Crc32c(config.get("location", "end"))
+    if cid == "zstd":
+        return _Zstd()
+    if cid == "blosc":
+        return _Blosc()
+    if cid == "lz4":
+        return _Lz4(config)
+    return _Numcodec(config)
+
+
+# ---------------------------------------------------------------------------- decoder
+
+
+class ChunkDecoder:
+    """Decodes one chunk (inner chunk of a shard) of an array; thread-safe, stateless."""
+
+    def __init__(self, codecs: ChunkCodecs, chunk_shape: tuple[int, ...], dtype: np.dtype):
+        self.codecs = codecs
+        self.chunk_shape = tuple(chunk_shape)
+        self.dtype = np.dtype(dtype)
+        self.nbytes = math.prod(self.chunk_shape) * self.dtype.itemsize
+        self.stages = [_make_stage(dict(c)) for c in reversed(codecs.bytes_codecs)]
+        self.filters = [numcodecs.get_codec(dict(f)) for f in reversed(codecs.filters)]
+        stored = np.dtype(codecs.stored_dtype)
+        same_values = stored == self.dtype
+        swapped = not same_values and stored.newbyteorder("=") == self.dtype
+        many_axes = sum(1 for s in self.chunk_shape if s > 1) > 1
+        # "simple": the decompressed bytes are the chunk in C order, maybe byte-swapped.
+        self._simple = (
+            not self.filters and (same_values or swapped) and (codecs.order == "C" or not many_axes)
+        )
+        self._swap = self._simple and swapped
+        self.passthrough = self._simple and not self._swap and not self.stages
+        """True when the stored bytes are the chunk itself: read them straight into place."""
+
+    def decode_into(self, raw: np.ndarray, dest: np.ndarray) -> None:
+        """Decode ``raw`` (flat uint8) into ``dest`` (C-contiguous, chunk shape, dtype)."""
+        try:
+            if self._simple:
+                self._decode_simple(raw, dest)
+            else:
+                dest[...] = self._decode_general(raw)
+        except DecodeError:
+            raise
+        except Exception as e:  # numcodecs raises RuntimeError/ValueError/zlib.error/...
+            names = "+".join(s.name for s in reversed(self.stages)) or "bytes"
+            raise DecodeError(f"{names} decoding failed ({type(e).__name__}: {e})") from e
+
+    def decode(self, raw: np.ndarray) -> np.ndarray:
+        """Decode ``raw`` into a new array of the chunk's shape and dtype."""
+        out = np.empty(self.chunk_shape, dtype=self.dtype)
+        self.decode_into(raw, out)
+        return out
+
+    def _decode_simple(self, raw: np.ndarray, dest: np.ndarray) -> None:
+        target = dest.reshape(-1).view(_U1)
+        buf: Any = raw
+        stages = self.stages
+        for stage in stages[:-1]:
+            buf = _as_u1(stage.decode(buf))
+        if not (stages and stages[-1].decode_into(buf, target)):
+            if stages:
+                buf = stages[-1].decode(buf)
+            buf = _as_u1(buf)
+            if buf.size != target.size:
+                raise DecodeError(self._size_message(buf.size))
+            target[:] = buf
+        if self._swap:
+            dest.byteswap(inplace=True)
+
+    def _decode_general(self, raw: np.ndarray) -> np.ndarray:
+        buf: Any = raw
+        for stage in self.stages:
+            buf = _as_u1(stage.decode(buf))
+        codecs = self.codecs
+        stored = np.dtype(codecs.stored_dtype)
+        if codecs.filters_on_bytes:  # zarr format 2: filters undo on the decompressed bytes
+            for f in self.filters:
+                buf = f.decode(buf)
+            flat = _as_u1(buf)
+            if flat.size != math.prod(self.chunk_shape) * stored.itemsize:
+                raise DecodeError(self._size_message(flat.size))
+            return flat.view(stored).reshape(self.chunk_shape, order=codecs.order)
+        flat = _as_u1(buf)
+        if flat.size != math.prod(self.chunk_shape) * stored.itemsize:
+            raise DecodeError(self._size_message(flat.size, stored.itemsize))
+        arr = flat.view(stored).reshape(self.chunk_shape, order=codecs.order)
+        for f in self.filters:
+            arr = np.asarray(f.decode(arr))
+        if arr.size != math.prod(self.chunk_shape):
+            raise DecodeError(f"filters decoded {arr.size} values, expected {self.chunk_shape}")
+        return arr.reshape(self.chunk_shape)
+
+    def _size_message(self, got: int, itemsize: int | None = None) -> str:
+        itemsize = itemsize or self.dtype.itemsize
+        want = math.prod(self.chunk_shape) * itemsize
+        return (
+            f"decoded to {got} bytes, expected {want} (chunk shape {self.chunk_shape} × "
+            f"{itemsize}-byte items)"
+        )

@@ -1,0 +1,347 @@
+"""Zarr array metadata → a plain description of how its chunks are stored.
+
+`parse_layout` turns a `zarr.Array` (format 2 or 3) into an `ArrayLayout`: the chunk grid,
+how to name a chunk's key, the codec chain of one chunk, and the sharding layout if any.
+It never reads chunk data. When the direct path (``readers.DirectReader``) cannot decode
+the array, the layout says why in ``unsupported`` and the caller takes the zarr fallback.
+
+The description only holds numbers, strings, numpy dtypes and numcodecs-style config
+dicts (``{"id": "zstd", ...}``), so `codecs.ChunkDecoder` can build its decoders from it
+without touching zarr's codec classes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import DatasetError
+
+__all__ = [
+    "BYTES_CODEC_IDS",
+    "FILTER_CODEC_IDS",
+    "ArrayLayout",
+    "ChunkCodecs",
+    "ShardLayout",
+    "parse_layout",
+]
+
+# bytes→bytes codecs the direct path decodes (numcodecs ids). "crc32c" is verified by us.
+BYTES_CODEC_IDS = frozenset(
+    {
+        "zstd",
+        "blosc",
+        "lz4",
+        "gzip",
+        "zlib",
+        "bz2",
+        "lzma",
+        "crc32c",
+        "crc32",
+        "adler32",
+        "fletcher32",
+        "jenkins_lookup3",
+        "shuffle",
+    }
+)
+# array→array numcodecs filters the direct path decodes with numcodecs itself (format 3 names
+# "numcodecs.<id>"; format 2 filters may be any numcodecs codec with a fixed-size result).
+FILTER_CODEC_IDS = frozenset({"delta", "fixedscaleoffset", "astype", "quantize", "bitround"})
+
+# dtype kinds the direct path can produce: bool, integers, floats, complex, datetimes.
+_DIRECT_KINDS = frozenset("biufcmM")
+
+
+@dataclass(frozen=True)
+class ChunkCodecs:
+    """How one chunk (an inner chunk for sharded arrays) is encoded.
+
+    Decoding runs ``bytes_codecs`` in reverse, views the bytes as ``stored_dtype`` laid out in
+    ``order``, then undoes ``filters`` in reverse.
+    """
+
+    bytes_codecs: tuple[dict[str, Any], ...]  # numcodecs configs, in *encode* order
+    stored_dtype: np.dtype  # dtype (with byte order) of the serialized array
+    order: str = "C"  # memory order of the serialized array ("C" or "F")
+    filters: tuple[dict[str, Any], ...] = ()  # numcodecs configs, in *encode* order
+    filters_on_bytes: bool = False  # format 2: filters see raw bytes, not a shaped array
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """`sharding_indexed`: a stored object holds a grid of inner chunks plus an index."""
+
+    chunks_per_shard: tuple[int, ...]
+    index_location: str  # "start" or "end"
+    index_byteorder: str  # "<" or ">"
+    index_crc32c: bool  # index followed by a little-endian crc32c of its bytes
+
+    @property
+    def n_inner(self) -> int:
+        return math.prod(self.chunks_per_shard)
+
+    @property
+    def index_nbytes(self) -> int:
+        return 16 * self.n_inner + (4 if self.index_crc32c else 0)
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """Everything the direct reader needs to locate and decode an array's chunks."""
+
+    zarr_format: int
+    shape: tuple[int, ...]
+    dtype: np.dtype  # native-endian dtype the readers return
+    fill_value: Any  # scalar of ``dtype``
+    grid_chunk_shape: tuple[int, ...]  # shape of one stored object (the shard when sharded)
+    chunk_shape: tuple[int, ...]  # shape of one decodable chunk (inner chunk when sharded)
+    codecs: ChunkCodecs | None  # None when ``unsupported``
+    shard: ShardLayout | None = None
+    unsupported: str = ""  # why the direct path cannot decode this array ("" = it can)
+    encode_key: Callable[[tuple[int, ...]], str] | None = field(default=None, repr=False)
+
+    @property
+    def chunk_grid(self) -> tuple[int, ...]:
+        """Number of decodable chunks along each axis."""
+        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunk_shape, strict=True))
+
+    def key(self, grid_coords: tuple[int, ...]) -> str:
+        """Store key of the object at ``grid_coords`` (shard coords when sharded)."""
+        assert self.encode_key is not None
+        return self.encode_key(grid_coords)
+
+
+class _Unsupported(Exception):
+    """Internal: the direct path cannot decode this array; the message says why."""
+
+
+def parse_layout(array: Any) -> ArrayLayout:
+    """Describe ``array``'s chunk layout. Never raises for odd codecs: see ``unsupported``.
+
+    Raises DatasetError only for arrays no reader can serve row-wise (0-d arrays).
+    """
+    shape = tuple(int(s) for s in array.shape)
+    if len(shape) == 0:
+        raise DatasetError(
+            f"zarr array at {_where(array)} is 0-dimensional; dali_zarr reads rows along "
+            "axis 0, so store scalars as attributes or as a 1-element array."
+        )
+    raw_dtype = np.dtype(array.dtype)
+    dtype = raw_dtype.newbyteorder("=") if raw_dtype.byteorder not in "=|" else raw_dtype
+    fill = array.fill_value
+    try:
+        fill_value = dtype.type(0) if fill is None else np.asarray(fill).astype(dtype)[()]
+    except (TypeError, ValueError):
+        fill_value = None
+    md = array.metadata
+    zarr_format = int(md.zarr_format)
+    if zarr_format == 3:
+        grid_shape = getattr(md.chunk_grid, "chunk_shape", None)
+        # a non-regular grid is reported as unsupported below; zarr still knows its chunks
+        chunks = tuple(int(c) for c in (grid_shape or array.chunks))
+    else:
+        chunks = tuple(int(c) for c in md.chunks)
+    base = dict(
+        zarr_format=zarr_format,
+        shape=shape,
+        dtype=dtype,
+        fill_value=fill_value,
+        grid_chunk_shape=chunks,
+        chunk_shape=chunks,
+        encode_key=md.encode_chunk_key,
+    )
+    try:
+        if dtype.kind not in _DIRECT_KINDS or dtype.fields is not None or dtype.subdtype:
+            raise _Unsupported(f"dtype {raw_dtype} is not a fixed-size numeric dtype")
+        if fill_value is None:
+            raise _Unsupported(f"fill value {fill!r} cannot be cast to {dtype}")
+        if zarr_format == 2:
+            codecs = _parse_v2(md.to_dict(), raw_dtype)
+            return ArrayLayout(codecs=codecs, **base)
+        if zarr_format == 3:
+            return _parse_v3(md, base)
+        raise _Unsupported(f"zarr format {zarr_format} is unknown")
+    except _Unsupported as e:
+        return ArrayLayout(codecs=None, unsupported=str(e), **base)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        # metadata this module does not understand: zarr itself may still read it
+        why = f"zarr metadata not understood by the direct path ({type(e).__name__}: {e})"
+        return ArrayLayout(codecs=None, unsupported=why, **base)
+
+
+def _where(array: Any) -> str:
+    return str(getattr(array, "store_path", "?"))
+
+
+# ---------------------------------------------------------------------------- zarr format 2
+
+
+def _parse_v2(d: Mapping[str, Any], raw_dtype: np.dtype) -> ChunkCodecs:
+    order = d.get("order", "C")
+    if order not in ("C", "F"):
+        raise _Unsupported(f"memory order {order!r} is unknown")
+    compressor = d.get("compressor")
+    filters = tuple(_as_config(f) for f in (d.get("filters") or ()))
+    for f in filters:
+        if f.get("id") in ("vlen-utf8", "vlen-bytes", "vlen-array", "json2", "msgpack2"):
+            raise _Unsupported(f"filter {f.get('id')!r} makes variable-length chunks")
+    bytes_codecs: tuple[dict[str, Any], ...] = ()
+    if compressor is not None:
+        bytes_codecs = (_as_config(compressor),)
+    # format 2 filters run on the bytes the compressor produced; decode is validated at the end
+    # (decoded size == chunk size × itemsize), so any numcodecs filter that numcodecs can build
+    # is acceptable.
+    _check_numcodecs(filters + bytes_codecs)
+    return ChunkCodecs(
+        bytes_codecs=bytes_codecs,
+        stored_dtype=raw_dtype,
+        order=order,
+        filters=filters,
+        filters_on_bytes=True,
+    )
+
+
+# ---------------------------------------------------------------------------- zarr format 3
+
+
+def _parse_v3(md: Any, base: dict[str, Any]) -> ArrayLayout:
+    transformers = getattr(md, "storage_transformers", ())
+    if transformers:
+        raise _Unsupported(f"storage transformers {list(transformers)} are not supported")
+    d = md.to_dict()
+    grid = d.get("chunk_grid", {})
+    grid_name = grid.get("name") if isinstance(grid, Mapping) else None
+    if grid_name != "regular":
+        raise _Unsupported(f"chunk grid {grid_name!r} is not 'regular'")
+    codecs = [_named(c) for c in d["codecs"]]
+    dtype: np.dtype = base["dtype"]
+    outer = base["grid_chunk_shape"]
+
+    if codecs and codecs[0][0] == "sharding_indexed":
+        if len(codecs) != 1:
+            names = [n for n, _ in codecs]
+            raise _Unsupported(f"codecs around sharding_indexed ({names}) are not supported")
+        cfg = codecs[0][1]
+        inner = tuple(int(c) for c in cfg["chunk_shape"])
+        if len(inner) != len(outer) or any(o % i for o, i in zip(outer, inner, strict=True)):
+            raise _Unsupported(f"inner chunk shape {inner} does not divide shard shape {outer}")
+        shard = _parse_index_codecs(cfg.get("index_codecs", []), cfg.get("index_location", "end"))
+        shard = ShardLayout(
+            chunks_per_shard=tuple(o // i for o, i in zip(outer, inner, strict=True)),
+            index_location=shard.index_location,
+            index_byteorder=shard.index_byteorder,
+            index_crc32c=shard.index_crc32c,
+        )
+        inner_codecs = [_named(c) for c in cfg.get("codecs", [])]
+        chain = _parse_v3_chain(inner_codecs, dtype)
+        base = {**base, "chunk_shape": inner}
+        return ArrayLayout(codecs=chain, shard=shard, **base)
+    return ArrayLayout(codecs=_parse_v3_chain(codecs, dtype), **base)
+
+
+def _parse_v3_chain(codecs: Sequence[tuple[str, dict[str, Any]]], dtype: np.dtype) -> ChunkCodecs:
+    filters: list[dict[str, Any]] = []
+    i = 0
+    stored = dtype
+    # array→array codecs
+    while i < len(codecs) and codecs[i][0] not in ("bytes", "sharding_indexed"):
+        name, cfg = codecs[i]
+        fid = name.removeprefix("numcodecs.")
+        if not name.startswith("numcodecs.") or fid not in FILTER_CODEC_IDS:
+            raise _Unsupported(f"codec {name!r} is not decoded by the direct path")
+        conf = {"id": fid, **cfg}
+        filters.append(conf)
+        stored = _filter_encoded_dtype(conf, stored)
+        i += 1
+    if i >= len(codecs) or codecs[i][0] != "bytes":
+        got = codecs[i][0] if i < len(codecs) else "nothing"
+        if got == "sharding_indexed":
+            raise _Unsupported("nested sharding_indexed is not supported by the direct path")
+        raise _Unsupported(
+            f"array→bytes codec {got!r} is not decoded by the direct path (only 'bytes')"
+        )
+    endian = (codecs[i][1] or {}).get("endian", "little")
+    if endian not in ("little", "big"):
+        raise _Unsupported(f"bytes codec endian {endian!r} is unknown")
+    if stored.itemsize > 1:
+        stored = stored.newbyteorder("<" if endian == "little" else ">")
+    i += 1
+    bytes_codecs: list[dict[str, Any]] = []
+    for name, cfg in codecs[i:]:
+        if name in ("zstd", "gzip", "crc32c"):
+            conf = {"id": name, **cfg}
+        elif name == "blosc":
+            conf = {"id": "blosc"}  # decode needs no parameters (they are in the blosc header)
+        elif name.startswith("numcodecs.") and name.removeprefix("numcodecs.") in BYTES_CODEC_IDS:
+            conf = {"id": name.removeprefix("numcodecs."), **cfg}
+        else:
+            raise _Unsupported(f"codec {name!r} is not decoded by the direct path")
+        bytes_codecs.append(conf)
+    out = ChunkCodecs(
+        bytes_codecs=tuple(bytes_codecs),
+        stored_dtype=stored,
+        order="C",
+        filters=tuple(filters),
+        filters_on_bytes=False,
+    )
+    _check_numcodecs(out.filters + tuple(c for c in out.bytes_codecs if c["id"] != "crc32c"))
+    return out
+
+
+def _filter_encoded_dtype(conf: Mapping[str, Any], dtype: np.dtype) -> np.dtype:
+    fid = conf["id"]
+    if fid in ("delta", "fixedscaleoffset") and conf.get("astype"):
+        return np.dtype(conf["astype"])
+    if fid == "astype":
+        return np.dtype(conf["encode_dtype"])
+    return dtype
+
+
+def _parse_index_codecs(codecs: Sequence[Any], location: str) -> ShardLayout:
+    names = [_named(c) for c in codecs]
+    if location not in ("start", "end"):
+        raise _Unsupported(f"shard index_location {location!r} is unknown")
+    if not names or names[0][0] != "bytes":
+        raise _Unsupported(f"shard index codecs {[n for n, _ in names]} are not supported")
+    endian = (names[0][1] or {}).get("endian", "little")
+    rest = [n for n, _ in names[1:]]
+    if rest not in ([], ["crc32c"]):
+        raise _Unsupported(f"shard index codecs {[n for n, _ in names]} are not supported")
+    return ShardLayout(
+        chunks_per_shard=(),
+        index_location=location,
+        index_byteorder="<" if endian == "little" else ">",
+        index_crc32c=bool(rest),
+    )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _named(c: Any) -> tuple[str, dict[str, Any]]:
+    if not isinstance(c, Mapping):
+        c = c.to_dict()
+    return str(c["name"]), dict(c.get("configuration") or {})
+
+
+def _as_config(c: Any) -> dict[str, Any]:
+    if isinstance(c, Mapping):
+        return dict(c)
+    get_config = getattr(c, "get_config", None)
+    if get_config is None:
+        raise _Unsupported(f"codec {c!r} has no numcodecs config")
+    return dict(get_config())
+
+
+def _check_numcodecs(configs: Sequence[Mapping[str, Any]]) -> None:
+    import numcodecs
+
+    for conf in configs:
+        try:
+            numcodecs.get_codec(dict(conf))
+        except Exception as e:  # unknown id, missing optional dependency, bad config
+            raise _Unsupported(f"codec {conf.get('id')!r} cannot be built by numcodecs: {e}") from e

@@ -1,0 +1,615 @@
+"""Row readers for zarr arrays: the direct path (pread + our decode) and the zarr fallback.
+
+`open_reader(array, name=...)` returns an `ArrayReader`. Which reader serves an array:
+
+* ``DirectReader`` (``path == "direct"``): the array lives in a ``zarr.storage.LocalStore``
+  (a directory on the local filesystem) and every part of its layout is handled by
+  `layout.parse_layout` / `codecs.ChunkDecoder`:
+
+  - zarr format 2: any fixed-size numeric dtype of either byte order, ``order`` "C" or "F",
+    either ``dimension_separator``, a numcodecs ``compressor`` and numcodecs ``filters``;
+  - zarr format 3: a regular chunk grid, optional ``numcodecs.{delta, fixedscaleoffset,
+    astype, quantize, bitround}`` array→array codecs, the ``bytes`` codec (little or big
+    endian), then any of ``zstd``, ``blosc``, ``gzip``, ``crc32c`` and the numcodecs
+    bytes→bytes codecs (``numcodecs.lz4``, ``numcodecs.zstd``, ``numcodecs.blosc``,
+    ``numcodecs.gzip``, ``numcodecs.zlib``, ``numcodecs.bz2``, ``numcodecs.lzma``,
+    ``numcodecs.crc32c`` and the other numcodecs checksums, ``numcodecs.shuffle``);
+  - zarr format 3 ``sharding_indexed`` as the only codec, with the inner chunks encoded as
+    above and the index encoded with ``bytes`` (+ optional ``crc32c``), at the start or end.
+
+* ``ZarrReader`` (``path == "zarr"``, ``reason`` says why) in every other case:
+
+  - ``force_zarr=True`` was passed;
+  - the store is not a ``LocalStore`` (``MemoryStore``, ``ZipStore``, ``FsspecStore``/remote,
+    wrapper stores such as ``LoggingStore``);
+  - a dtype that is not fixed-size numeric (strings, bytes, objects, structured dtypes) or a
+    fill value that cannot be cast to the dtype;
+  - a codec the direct path does not decode: ``transpose``, ``vlen-*``, ``numcodecs.pcodec``,
+    ``numcodecs.zfpy``, ``numcodecs.packbits``, codecs before/after ``sharding_indexed``,
+    nested sharding, index codecs other than ``bytes`` [+ ``crc32c``], any unknown codec,
+    or a numcodecs codec that numcodecs cannot build here;
+  - storage transformers or a chunk grid other than ``regular``.
+
+Both readers return native-endian data: a big-endian format 2 array (dtype ``>f4``) is read
+as ``float32``. A missing chunk file (zarr does not write chunks equal to the fill value), a
+missing shard, or an empty inner chunk of a shard reads as the fill value.
+
+The direct reader caches each shard's index (a few KiB) the first time it reads that shard
+and assumes the store is not rewritten while the reader is in use.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+from collections.abc import Callable, Sequence
+from itertools import product
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import ChunkReadError, DatasetError
+from .codecs import ChunkDecoder, DecodeError, verify_crc32c
+from .layout import ArrayLayout, parse_layout
+
+__all__ = [
+    "ArrayReader",
+    "DirectReader",
+    "ZarrReader",
+    "default_executor",
+    "open_reader",
+]
+
+_EMPTY = 2**64 - 1  # shard index entry (offset, nbytes) of an inner chunk that is not stored
+_ADVICE = (
+    "The store may be truncated or corrupted: re-write the array, or restore this chunk "
+    "from an intact copy of the dataset."
+)
+
+
+@runtime_checkable
+class ArrayReader(Protocol):
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    rows_per_chunk: int
+    path: str
+    reason: str
+
+    def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray: ...
+
+
+# ---------------------------------------------------------------------------- executor
+
+_default_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_default_pool_lock = threading.Lock()
+
+
+def default_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The module-level pool used when a reader gets no executor: min(8, 2*cpus) threads."""
+    global _default_pool
+    with _default_pool_lock:
+        if _default_pool is None:
+            n = min(8, 2 * (os.cpu_count() or 1))
+            _default_pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=n, thread_name_prefix="dali_zarr_io"
+            )
+        return _default_pool
+
+
+def _n_workers(executor: concurrent.futures.Executor) -> int:
+    return int(getattr(executor, "_max_workers", 0) or 8)
+
+
+class _WorkQueue:
+    """Items run by the calling thread plus up to N pool threads, pulling from one list.
+
+    The caller waits for the *items*, not for the pool tasks, so a read_rows call made from
+    a thread of a saturated (or the same) pool still finishes: the caller does all the work
+    itself if no pool thread is free. A pool task that starts late finds nothing left.
+    """
+
+    def __init__(self, items: Sequence[Any], fn: Callable[[Any], None]) -> None:
+        self.items = items
+        self.fn = fn
+        self.lock = threading.Lock()
+        self.next = 0
+        self.remaining = len(items)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        items, fn, n = self.items, self.fn, len(self.items)
+        while True:
+            with self.lock:
+                i = self.next
+                self.next += 1
+            if i >= n:
+                return
+            try:
+                if self.error is None:
+                    fn(items[i])
+            except BaseException as e:
+                with self.lock:
+                    if self.error is None:
+                        self.error = e
+            finally:
+                with self.lock:
+                    self.remaining -= 1
+                    if self.remaining == 0:
+                        self.done.set()
+
+
+def _run_parallel(
+    executor: concurrent.futures.Executor, items: Sequence[Any], fn: Callable[[Any], None]
+) -> None:
+    if not items:
+        return
+    if len(items) == 1:
+        fn(items[0])
+        return
+    q = _WorkQueue(items, fn)
+    for _ in range(min(len(items) - 1, _n_workers(executor))):
+        try:
+            executor.submit(q.work)
+        except RuntimeError:  # executor shut down: the calling thread does the work alone
+            break
+    q.work()
+    q.done.wait()
+    if q.error is not None:
+        raise q.error
+
+
+# ---------------------------------------------------------------------------- shared helpers
+
+
+def _check_ranges(ranges: Any, n: int, name: str) -> np.ndarray:
+    r = np.asarray(ranges)
+    if r.size == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    if r.ndim != 2 or r.shape[1] != 2 or r.dtype.kind not in "iu":
+        raise ValueError(f"{name}: ranges must be a (k, 2) integer array, got {r.dtype} {r.shape}")
+    r = r.astype(np.int64, copy=False)
+    bad = (r[:, 0] < 0) | (r[:, 0] > r[:, 1]) | (r[:, 1] > n)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"{name}: range {i} [{r[i, 0]}, {r[i, 1]}) is not within [0, {n}] with start <= stop"
+        )
+    return r
+
+
+def _prepare_out(
+    out: np.ndarray | None, total: int, shape: tuple[int, ...], dtype: np.dtype, name: str
+) -> np.ndarray:
+    want = (total, *shape[1:])
+    if out is None:
+        return np.empty(want, dtype=dtype)
+    if (
+        not isinstance(out, np.ndarray)
+        or out.shape != want
+        or out.dtype != dtype
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(
+            f"{name}: `out` must be a writeable C-contiguous {dtype} array of shape {want}, "
+            f"got {got}"
+        )
+    return out
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    offs = np.zeros(len(lens), dtype=np.int64)
+    np.cumsum(lens[:-1], out=offs[1:])
+    return offs
+
+
+# ---------------------------------------------------------------------------- direct reader
+
+_tls = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread reusable uint8 buffer of at least ``nbytes`` (returned sliced to size)."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20, 0 if buf is None else 2 * buf.size), dtype=np.uint8)
+        _tls.buf = buf
+    return buf[:nbytes]
+
+
+def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Read ``buf.size`` bytes at ``offset``; returns how many were read (less only at EOF)."""
+    got = os.preadv(fd, [buf], offset)
+    total = got
+    while got > 0 and total < buf.size:  # regular files only read short at EOF
+        got = os.preadv(fd, [buf[total:]], offset + total)
+        total += got
+    return total
+
+
+class _Piece:
+    """One stored chunk (or inner chunk) to read, and where its rows go."""
+
+    __slots__ = ("coords", "crop", "dst")
+
+    def __init__(self, coords: tuple[int, ...], dst: np.ndarray, crop: tuple[slice, ...] | None):
+        self.coords = coords  # chunk coords (inner-chunk coords when sharded)
+        self.dst = dst  # where the (cropped) decoded chunk goes
+        self.crop = crop  # None: decode straight into dst (full chunk shape, contiguous)
+
+
+class DirectReader:
+    """Reads chunk files of a LocalStore with ``os.preadv`` and decodes them itself."""
+
+    path = "direct"
+    reason = ""
+
+    def __init__(
+        self,
+        layout: ArrayLayout,
+        directory: str,
+        *,
+        name: str,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
+        if layout.codecs is None:
+            raise DatasetError(f"{name}: {layout.unsupported}")
+        self.name = name
+        self.layout = layout
+        self.shape = layout.shape
+        self.dtype = layout.dtype
+        self.rows_per_chunk = int(layout.chunk_shape[0])
+        self.directory = directory
+        self._executor = executor
+        self._decoder = ChunkDecoder(layout.codecs, layout.chunk_shape, layout.dtype)
+        grid = layout.chunk_grid
+        self._other_coords = list(product(*(range(g) for g in grid[1:])))
+        self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
+        self.chunks_read = 0  # pieces (chunks / inner chunks) read so far, over all calls
+
+    def __repr__(self) -> str:
+        return f"DirectReader({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+    @property
+    def executor(self) -> concurrent.futures.Executor:
+        return self._executor or default_executor()
+
+    # -- planning --------------------------------------------------------------------------
+
+    def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        n = self.shape[0]
+        r = _check_ranges(ranges, n, self.name)
+        lens = r[:, 1] - r[:, 0]
+        total = int(lens.sum())
+        out = _prepare_out(out, total, self.shape, self.dtype, self.name)
+        if total == 0:
+            return out
+        offs = _offsets(lens)
+        C = self.rows_per_chunk
+        nz = np.flatnonzero(lens)
+        starts, stops, outs = r[nz, 0], r[nz, 1], offs[nz]
+        first = starts // C
+        last = (stops - 1) // C
+
+        # Chunks fully covered by a range are assembled straight in `out`.
+        bufs: dict[int, np.ndarray] = {}
+        owner: dict[int, int] = {}
+        for j in range(len(nz)):
+            s, e, o = int(starts[j]), int(stops[j]), int(outs[j])
+            c_hi = e // C if e < n else int(last[j]) + 1
+            for c in range(-(-s // C), c_hi):
+                if c not in bufs:
+                    lo = c * C
+                    bufs[c] = out[o + lo - s : o + min(lo + C, n) - s]
+                    owner[c] = j
+        counts = last - first + 1
+        needed = np.unique(
+            np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        )
+        pieces = self._plan(needed, bufs)
+        self.chunks_read += len(pieces)
+        if self.layout.shard is not None:
+            self._load_shard_indexes(pieces)
+        _run_parallel(self.executor, pieces, self._load_piece)
+
+        # Copy the rows of every range that was not assembled in place.
+        for j in range(len(nz)):
+            s, e, o = int(starts[j]), int(stops[j]), int(outs[j])
+            for c in range(int(first[j]), int(last[j]) + 1):
+                if owner.get(c) == j:
+                    continue
+                lo = max(s, c * C)
+                hi = min(e, (c + 1) * C)
+                out[o + lo - s : o + hi - s] = bufs[c][lo - c * C : hi - c * C]
+        return out
+
+    def _plan(self, needed: np.ndarray, bufs: dict[int, np.ndarray]) -> list[_Piece]:
+        shape, chunk = self.shape, self.layout.chunk_shape
+        n, C = shape[0], chunk[0]
+        single = len(self._other_coords) == 1
+        full_other = all(s == c for s, c in zip(shape[1:], chunk[1:], strict=True))
+        pieces: list[_Piece] = []
+        for c in needed.tolist():
+            rows = min(C, n - c * C)
+            buf = bufs.get(c)
+            if buf is None:
+                if single and not (rows == C and full_other):
+                    # edge chunk: decode into a full-size chunk and use the valid part
+                    full = np.empty(chunk, dtype=self.dtype)
+                    bufs[c] = full[(slice(0, rows), *(slice(0, s) for s in shape[1:]))]
+                    pieces.append(_Piece((c, *self._other_coords[0]), full, None))
+                    continue
+                buf = bufs[c] = np.empty((rows, *shape[1:]), dtype=self.dtype)
+            for oc in self._other_coords:
+                region = tuple(
+                    slice(i * k, min((i + 1) * k, s))
+                    for i, k, s in zip(oc, chunk[1:], shape[1:], strict=True)
+                )
+                dst = buf[(slice(None), *region)] if region else buf
+                if dst.shape == chunk and dst.flags.c_contiguous:
+                    pieces.append(_Piece((c, *oc), dst, None))
+                else:
+                    crop = tuple(slice(0, s) for s in dst.shape)
+                    pieces.append(_Piece((c, *oc), dst, crop))
+        return pieces
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self.directory, key)
+
+    def _error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
+        lay = self.layout
+        if lay.shard is None:
+            key = lay.key(coords)
+            where = f"chunk {key!r} ({self._file(key)})"
+        else:
+            cps = lay.shard.chunks_per_shard
+            shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
+            inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
+            key = lay.key(shard)
+            where = (
+                f"inner chunk {inner} (array chunk {coords}) of shard {key!r} ({self._file(key)})"
+            )
+        return ChunkReadError(f"{self.name}: {where}: {problem}. {_ADVICE}")
+
+    def _load_piece(self, piece: _Piece) -> None:
+        dec = self._decoder
+        direct = piece.crop is None
+        try:
+            if self.layout.shard is None:
+                raw = self._read_chunk(piece, direct and dec.passthrough)
+            else:
+                raw = self._read_inner(piece, direct and dec.passthrough)
+            if raw is None:
+                piece.dst[...] = self.layout.fill_value
+            elif raw is piece.dst:
+                pass  # stored bytes were read straight into place
+            elif direct:
+                dec.decode_into(raw, piece.dst)
+            else:
+                piece.dst[...] = dec.decode(raw)[piece.crop]
+        except DecodeError as e:
+            raise self._error(piece.coords, str(e)) from e
+        except ChunkReadError:
+            raise
+        except OSError as e:
+            raise self._error(piece.coords, f"reading failed ({e})") from e
+
+    def _read_chunk(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
+        path = self._file(self.layout.key(piece.coords))
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if into_dst:
+                want = self._decoder.nbytes
+                if size != want:
+                    raise DecodeError(f"file is {size} bytes, expected {want} (uncompressed)")
+                got = _pread_into(fd, piece.dst.reshape(-1).view(np.uint8), 0)
+                buf = piece.dst
+            else:
+                buf = _scratch(size)
+                got = _pread_into(fd, buf, 0)
+        finally:
+            os.close(fd)
+        if got != size:
+            raise DecodeError(f"read {got} of {size} bytes (file shrank while reading)")
+        return buf
+
+    def _read_inner(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
+        shard_layout = self.layout.shard
+        assert shard_layout is not None
+        cps = shard_layout.chunks_per_shard
+        coords = piece.coords
+        shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
+        cached = self._shard_index.get(shard)
+        if cached is None:
+            return None  # missing shard (see _load_shard_indexes)
+        index, size = cached
+        inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
+        offset, nbytes = (int(v) for v in index[inner])
+        if offset == _EMPTY and nbytes == _EMPTY:
+            return None
+        if offset + nbytes > size:
+            raise DecodeError(
+                f"shard index says bytes [{offset}, {offset + nbytes}) but the shard file is "
+                f"{size} bytes (truncated shard or corrupted index)"
+            )
+        if into_dst:
+            if nbytes != self._decoder.nbytes:
+                raise DecodeError(f"inner chunk is {nbytes} bytes, expected {self._decoder.nbytes}")
+            buf = piece.dst.reshape(-1).view(np.uint8)
+            result: np.ndarray = piece.dst
+        else:
+            buf = result = _scratch(nbytes)
+        fd = os.open(self._file(self.layout.key(shard)), os.O_RDONLY)
+        try:
+            got = _pread_into(fd, buf, offset)
+        finally:
+            os.close(fd)
+        if got != nbytes:
+            raise DecodeError(f"read {got} of {nbytes} bytes (shard file shrank while reading)")
+        return result
+
+    def _load_shard_indexes(self, pieces: list[_Piece]) -> None:
+        shard_layout = self.layout.shard
+        assert shard_layout is not None
+        cps = shard_layout.chunks_per_shard
+        shards = {tuple(c // k for c, k in zip(p.coords, cps, strict=True)) for p in pieces}
+        todo = sorted(s for s in shards if s not in self._shard_index)
+        _run_parallel(self.executor, todo, self._load_shard_index)
+
+    def _load_shard_index(self, shard: tuple[int, ...]) -> None:
+        sl = self.layout.shard
+        assert sl is not None
+        key = self.layout.key(shard)
+        path = self._file(key)
+
+        def fail(problem: str) -> ChunkReadError:
+            return ChunkReadError(f"{self.name}: shard {key!r} ({path}): {problem}. {_ADVICE}")
+
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return  # not cached: every inner chunk reads as the fill value
+        except OSError as e:
+            raise fail(f"opening failed ({e})") from e
+        try:
+            size = os.fstat(fd).st_size
+            want = sl.index_nbytes
+            if size < want:
+                raise fail(f"file is {size} bytes, shorter than its {want}-byte shard index")
+            buf = np.empty(want, dtype=np.uint8)
+            got = _pread_into(fd, buf, size - want if sl.index_location == "end" else 0)
+        except OSError as e:
+            raise fail(f"reading the shard index failed ({e})") from e
+        finally:
+            os.close(fd)
+        if got != want:
+            raise fail(f"read {got} of {want} shard index bytes (file shrank while reading)")
+        if sl.index_crc32c:
+            try:
+                buf = verify_crc32c(buf, "shard index")
+            except DecodeError as e:
+                raise fail(str(e)) from e
+        index = buf.view(np.dtype(sl.index_byteorder + "u8")).astype(np.uint64)
+        self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), size)
+
+
+# ---------------------------------------------------------------------------- zarr fallback
+
+
+class ZarrReader:
+    """Reads rows with zarr-python itself (``array[a:b]``): any store, any codec."""
+
+    path = "zarr"
+
+    def __init__(
+        self,
+        array: Any,
+        *,
+        name: str,
+        reason: str,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
+        self.name = name
+        self.reason = reason
+        self.array = array
+        self.shape = tuple(int(s) for s in array.shape)
+        if not self.shape:
+            raise DatasetError(f"{name}: a 0-dimensional array has no rows to read")
+        dtype = np.dtype(array.dtype)
+        self.dtype = dtype.newbyteorder("=") if dtype.byteorder not in "=|" else dtype
+        self.rows_per_chunk = int(array.chunks[0])
+        self._executor = executor
+        self.chunks_read = 0  # approximate: chunk rows spanned by the zarr reads, over all calls
+
+    def __repr__(self) -> str:
+        return f"ZarrReader({self.name!r}, shape={self.shape}, reason={self.reason!r})"
+
+    @property
+    def executor(self) -> concurrent.futures.Executor:
+        return self._executor or default_executor()
+
+    def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        r = _check_ranges(ranges, self.shape[0], self.name)
+        lens = r[:, 1] - r[:, 0]
+        total = int(lens.sum())
+        out = _prepare_out(out, total, self.shape, self.dtype, self.name)
+        if total == 0:
+            return out
+        offs = _offsets(lens)
+        nz = np.flatnonzero(lens)
+        C = self.rows_per_chunk
+        # Merge ranges into spans so that no chunk is read by two zarr calls.
+        order = nz[np.argsort(r[nz, 0], kind="stable")]
+        spans: list[list[int]] = []
+        for j in order.tolist():
+            s, e = int(r[j, 0]), int(r[j, 1])
+            if spans and (s <= spans[-1][1] or s // C <= (spans[-1][1] - 1) // C):
+                spans[-1][1] = max(spans[-1][1], e)
+            else:
+                spans.append([s, e])
+        self.chunks_read += sum((e - 1) // C - s // C + 1 for s, e in spans)
+        data: list[np.ndarray | None] = [None] * len(spans)
+
+        def read(i: int) -> None:
+            a, b = spans[i]
+            try:
+                data[i] = np.asarray(self.array[a:b])
+            except Exception as e:
+                raise ChunkReadError(
+                    f"{self.name}: zarr-python failed to read rows [{a}, {b}) "
+                    f"({type(e).__name__}: {e}). {_ADVICE}"
+                ) from e
+
+        _run_parallel(self.executor, range(len(spans)), read)
+        span_starts = np.array([s for s, _ in spans], dtype=np.int64)
+        which = np.searchsorted(span_starts, r[nz, 0], side="right") - 1
+        for j, i in zip(nz.tolist(), which.tolist(), strict=True):
+            s, e, o = int(r[j, 0]), int(r[j, 1]), int(offs[j])
+            a = spans[i][0]
+            out[o : o + e - s] = data[i][s - a : e - a]  # type: ignore[index]
+        return out
+
+
+# ---------------------------------------------------------------------------- factory
+
+
+def _local_directory(array: Any) -> tuple[str | None, str]:
+    """(directory of the array in a LocalStore, "") or (None, why not)."""
+    from zarr.storage import LocalStore
+
+    store = getattr(array, "store", None)
+    if not isinstance(store, LocalStore):
+        kind = type(store).__name__
+        return None, f"store is {kind}, not a local-filesystem LocalStore"
+    prefix = str(array.store_path.path or "")
+    root = str(store.root)
+    return (os.path.join(root, *prefix.split("/")) if prefix else root), ""
+
+
+def open_reader(
+    array: Any,
+    *,
+    name: str,
+    executor: concurrent.futures.Executor | None = None,
+    force_zarr: bool = False,
+) -> ArrayReader:
+    """The fastest reader that can serve ``array`` (see the module docstring)."""
+    layout = parse_layout(array)  # raises DatasetError for 0-d arrays
+    if force_zarr:
+        return ZarrReader(array, name=name, reason="force_zarr=True", executor=executor)
+    directory, why = _local_directory(array)
+    if directory is None:
+        return ZarrReader(array, name=name, reason=why, executor=executor)
+    if layout.unsupported:
+        return ZarrReader(array, name=name, reason=layout.unsupported, executor=executor)
+    return DirectReader(layout, directory, name=name, executor=executor)

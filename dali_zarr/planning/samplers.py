@@ -1,0 +1,360 @@
+"""Samplers: the user-facing settings objects that turn (n_obs, epoch) into an EpochPlan.
+
+The classes only validate and hold settings (and, for DistributedSampler, discover the rank
+and agree on a seed once, at construction). The plan itself comes from the pure function
+:func:`plan_epoch`, so it depends on nothing but its arguments: every rank, worker or
+resumed run that calls it with the same inputs gets the same plan.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from dali_zarr.distributed import (
+    DistInfo,
+    broadcast_seed,
+    resolve_rank_world,
+    torch_dist_initialized,
+)
+from dali_zarr.errors import ConfigError
+from dali_zarr.planning.partition import (
+    SEED_LIMIT,
+    SHARD_MODES,
+    Shard,
+    contiguous_shard,
+    global_chunk_order,
+    n_chunks_of,
+    rank_bounds,
+    rows_delivered,
+    slice_ranges,
+    validate_plan_inputs,
+    validate_seed,
+    validate_sizes,
+    virtual_shard,
+    window_rows_of,
+)
+from dali_zarr.planning.plan import EpochPlan
+
+__all__ = ["ChunkSampler", "DistributedSampler", "plan_epoch"]
+
+
+def _check_shard(shard: object) -> None:
+    if shard not in SHARD_MODES:
+        raise ConfigError(
+            f'unknown shard {shard!r}: use shard="chunks" (default; a fresh global shuffle of '
+            'chunks is split among ranks every epoch) or shard="contiguous" (each rank keeps '
+            "the same contiguous rows every epoch)"
+        )
+
+
+def _check_flag(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def plan_epoch(
+    *,
+    n_obs: int,
+    epoch: int,
+    seed: int,
+    chunk_size: int,
+    preload_nchunks: int,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    enforce_equal_batches: bool = True,
+    shard: Shard = "chunks",
+) -> EpochPlan:
+    """Plan one epoch for one rank: a pure function of its arguments.
+
+    Cost: O(n_chunks) numpy work (global chunk permutation and offsets) for shard="chunks",
+    O(chunks of the rank) for shard="contiguous"; windows are planned lazily by
+    :meth:`EpochPlan.window`.
+    """
+    validate_sizes(chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=batch_size)
+    seed = validate_seed(seed)
+    _check_shard(shard)
+    for name, flag in (
+        ("shuffle", shuffle),
+        ("drop_last", drop_last),
+        ("enforce_equal_batches", enforce_equal_batches),
+    ):
+        _check_flag(name, flag)
+    validate_plan_inputs(
+        n_obs=n_obs,
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        chunk_size=chunk_size,
+        batch_size=batch_size,
+        enforce_equal_batches=enforce_equal_batches,
+    )
+    n_obs, epoch, rank, world_size = int(n_obs), int(epoch), int(rank), int(world_size)
+
+    delivered = rows_delivered(
+        n_obs,
+        world_size,
+        batch_size,
+        enforce_equal_batches=enforce_equal_batches,
+        drop_last=drop_last,
+    )
+    n_rows = int(delivered[rank])
+    bounds = rank_bounds(n_obs, world_size)
+    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+
+    if shard == "chunks":
+        order = global_chunk_order(
+            n_chunks_of(n_obs, chunk_size), seed=seed, epoch=epoch, shuffle=shuffle
+        )
+        # The rank's share is [lo, hi) of the virtual sequence; rows past lo + n_rows are
+        # never delivered, so they are cut before windowing and never read.
+        ranges, offsets = virtual_shard(
+            order, chunk_size=chunk_size, n_obs=n_obs, lo=lo, hi=lo + n_rows
+        )
+    else:
+        ranges, offsets = contiguous_shard(
+            chunk_size=chunk_size,
+            lo=lo,
+            hi=hi,
+            seed=seed,
+            epoch=epoch,
+            rank=rank,
+            shuffle=shuffle,
+        )
+        ranges, offsets = slice_ranges(ranges, offsets, 0, n_rows)
+
+    window_rows = window_rows_of(chunk_size, preload_nchunks, batch_size)
+    return EpochPlan(
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        n_obs=n_obs,
+        batch_size=batch_size,
+        seed=seed,
+        n_batches=-(-n_rows // batch_size),
+        n_windows=-(-n_rows // window_rows),
+        n_rows=n_rows,
+        rows_skipped=n_obs - int(delivered.sum()),
+        chunk_size=chunk_size,
+        window_rows=window_rows,
+        shuffle=shuffle,
+        row_ranges=ranges,
+        range_offsets=offsets,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChunkSampler:
+    """Single-process sampler (rank 0 of 1): reads whole chunks, shuffles inside windows.
+
+    Reading ``preload_nchunks`` chunks at a time and shuffling their rows gives near-random
+    batches while every read stays a sequential chunk read. ``seed=None`` draws a random
+    seed once, at construction; ``seed`` then holds the drawn int (log it to reproduce a run).
+    """
+
+    chunk_size: int
+    preload_nchunks: int
+    batch_size: int
+    shuffle: bool = True
+    drop_last: bool = False
+    seed: int | None = 0
+    seed_was_drawn: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        validate_sizes(
+            chunk_size=self.chunk_size,
+            preload_nchunks=self.preload_nchunks,
+            batch_size=self.batch_size,
+        )
+        _check_flag("shuffle", self.shuffle)
+        _check_flag("drop_last", self.drop_last)
+        if self.seed is None:
+            object.__setattr__(self, "seed", secrets.randbits(63))
+            object.__setattr__(self, "seed_was_drawn", True)
+        else:
+            object.__setattr__(self, "seed", validate_seed(self.seed))
+        assert 0 <= self.seed < SEED_LIMIT  # type: ignore[operator]
+
+    @property
+    def rank(self) -> int:
+        """Always 0: a ChunkSampler is the whole world."""
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        """Always 1; wrap in DistributedSampler for several ranks."""
+        return 1
+
+    @property
+    def window_rows(self) -> int:
+        """Rows per window (a multiple of batch_size)."""
+        return window_rows_of(self.chunk_size, self.preload_nchunks, self.batch_size)
+
+    def plan_epoch(self, n_obs: int, epoch: int) -> EpochPlan:
+        """The plan of ``epoch`` over ``n_obs`` observations (every row exactly once unless
+        ``drop_last``)."""
+        return plan_epoch(
+            n_obs=n_obs,
+            epoch=epoch,
+            seed=self.seed,  # type: ignore[arg-type]
+            chunk_size=self.chunk_size,
+            preload_nchunks=self.preload_nchunks,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+        )
+
+    def num_batches(self, n_obs: int) -> int:
+        """Batches per epoch (the same for every epoch), without planning one."""
+        return _num_batches(self, n_obs, 0, 1, enforce_equal_batches=False)
+
+
+class DistributedSampler:
+    """Splits a ChunkSampler's epochs among ranks, with no communication per epoch.
+
+    Rank and world size are resolved once, here (``dist_info``: "torch", "jax", "env" or a
+    callable returning ``(rank, world_size)``). All ranks derive the same global chunk order
+    from the shared seed. If the wrapped sampler drew its seed (``seed=None``), rank 0's seed
+    is broadcast through torch.distributed; without an initialized torch.distributed and with
+    more than one rank that is impossible (ranks could not agree), so it is refused: pass an
+    explicit seed.
+
+    ``enforce_equal_batches`` (default) makes every rank yield the same number of full
+    batches, so DDP's collectives never wait on a rank that has run out of data.
+    """
+
+    __slots__ = ("_enforce", "_rank", "_sampler", "_seed", "_shard", "_world_size")
+
+    def __init__(
+        self,
+        sampler: ChunkSampler,
+        *,
+        dist_info: DistInfo = "torch",
+        enforce_equal_batches: bool = True,
+        shard: Shard = "chunks",
+    ) -> None:
+        if not isinstance(sampler, ChunkSampler):
+            raise ConfigError(
+                f"DistributedSampler wraps a ChunkSampler, got {type(sampler).__name__}: "
+                "build ChunkSampler(chunk_size=..., preload_nchunks=..., batch_size=...) first"
+            )
+        _check_shard(shard)
+        _check_flag("enforce_equal_batches", enforce_equal_batches)
+        rank, world_size = resolve_rank_world(dist_info)
+        seed: int = sampler.seed  # type: ignore[assignment]
+        if sampler.seed_was_drawn and world_size > 1:
+            if not torch_dist_initialized():
+                raise ConfigError(
+                    f"seed=None with world_size={world_size} and no initialized "
+                    "torch.distributed: the ranks would each draw a different seed and "
+                    "disagree on the chunk order; pass an explicit seed to ChunkSampler (the "
+                    "same on every rank) or call torch.distributed.init_process_group(...) "
+                    "first so that rank 0's seed is broadcast"
+                )
+            seed = broadcast_seed(seed)
+        object.__setattr__(self, "_sampler", sampler)
+        object.__setattr__(self, "_rank", rank)
+        object.__setattr__(self, "_world_size", world_size)
+        object.__setattr__(self, "_seed", validate_seed(seed))
+        object.__setattr__(self, "_enforce", enforce_equal_batches)
+        object.__setattr__(self, "_shard", shard)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"DistributedSampler is immutable; build a new one to change {name}")
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # pickling (e.g. to DALI worker processes) must not re-resolve the rank or re-draw
+        # the seed: restore the resolved values as they are
+        return (
+            _restore_distributed,
+            (self._sampler, self._rank, self._world_size, self._seed, self._enforce, self._shard),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedSampler({self._sampler!r}, rank={self._rank}, "
+            f"world_size={self._world_size}, seed={self._seed}, "
+            f"enforce_equal_batches={self._enforce}, shard={self._shard!r})"
+        )
+
+    sampler = property(lambda self: self._sampler, doc="The wrapped ChunkSampler.")
+    rank = property(lambda self: self._rank, doc="This process's rank.")
+    world_size = property(lambda self: self._world_size, doc="Number of ranks.")
+    seed = property(lambda self: self._seed, doc="The seed all ranks share (resolved int).")
+    enforce_equal_batches = property(lambda self: self._enforce, doc="Equal batches per rank.")
+    shard = property(lambda self: self._shard, doc='"chunks" or "contiguous".')
+    batch_size = property(lambda self: self._sampler.batch_size, doc="Rows per batch.")
+    chunk_size = property(lambda self: self._sampler.chunk_size, doc="Rows per chunk.")
+    preload_nchunks = property(lambda self: self._sampler.preload_nchunks, doc="Chunks/window.")
+    shuffle = property(lambda self: self._sampler.shuffle, doc="Shuffle chunks and windows.")
+    drop_last = property(lambda self: self._sampler.drop_last, doc="Drop a partial last batch.")
+    window_rows = property(lambda self: self._sampler.window_rows, doc="Rows per window.")
+
+    def plan_epoch(self, n_obs: int, epoch: int) -> EpochPlan:
+        """This rank's plan of ``epoch``; the same on every call, process and restart."""
+        s = self._sampler
+        return plan_epoch(
+            n_obs=n_obs,
+            epoch=epoch,
+            seed=self._seed,
+            chunk_size=s.chunk_size,
+            preload_nchunks=s.preload_nchunks,
+            batch_size=s.batch_size,
+            rank=self._rank,
+            world_size=self._world_size,
+            shuffle=s.shuffle,
+            drop_last=s.drop_last,
+            enforce_equal_batches=self._enforce,
+            shard=self._shard,
+        )
+
+    def num_batches(self, n_obs: int) -> int:
+        """This rank's batches per epoch (the same for every epoch), without planning one."""
+        return _num_batches(
+            self._sampler,
+            n_obs,
+            self._rank,
+            self._world_size,
+            enforce_equal_batches=self._enforce,
+        )
+
+
+def _restore_distributed(
+    sampler: ChunkSampler, rank: int, world_size: int, seed: int, enforce: bool, shard: Shard
+) -> DistributedSampler:
+    obj = object.__new__(DistributedSampler)
+    for name, value in (
+        ("_sampler", sampler),
+        ("_rank", rank),
+        ("_world_size", world_size),
+        ("_seed", seed),
+        ("_enforce", enforce),
+        ("_shard", shard),
+    ):
+        object.__setattr__(obj, name, value)
+    return obj
+
+
+def _num_batches(
+    s: ChunkSampler, n_obs: int, rank: int, world_size: int, *, enforce_equal_batches: bool
+) -> int:
+    validate_plan_inputs(
+        n_obs=n_obs,
+        epoch=0,
+        rank=rank,
+        world_size=world_size,
+        chunk_size=s.chunk_size,
+        batch_size=s.batch_size,
+        enforce_equal_batches=enforce_equal_batches,
+    )
+    rows = rows_delivered(
+        int(n_obs),
+        world_size,
+        s.batch_size,
+        enforce_equal_batches=enforce_equal_batches,
+        drop_last=s.drop_last,
+    )
+    return -(-int(rows[rank]) // s.batch_size)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job: generate a synthetic single-cell store and train an MLP on it with DDP.
+# Usage: bash scripts/demo.sh [NPROC] [extra ddp_train.py args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+nproc_per_node=${1:-2}
+shift || true
+mkdir -p runs
+exec .venv/bin/torchrun --standalone --nproc_per_node="$nproc_per_node" \
+  pipelines/ddp_train.py --data runs/demo.zarr --generate "$@"

@@ -1,0 +1,633 @@
+"""Tests of dali_zarr.io: layout parsing, chunk decoding and the two row readers.
+
+Every store here is written by zarr-python (one by anndata) into tmp_path; results are
+compared with plain numpy slicing of the source data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import struct
+import threading
+import warnings
+
+import crc32c
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from zarr.codecs import (
+    BloscCodec,
+    BytesCodec,
+    Crc32cCodec,
+    GzipCodec,
+    ShardingCodec,
+    TransposeCodec,
+    ZstdCodec,
+)
+from zarr.codecs import numcodecs as znc
+
+from dali_zarr.errors import ChunkReadError, DatasetError
+from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
+from dali_zarr.io import readers as readers_mod
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # zarr's numcodecs-in-v3 notes
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _compressors(codec: str, fmt: int):
+    if fmt == 2:
+        return {
+            "zstd": numcodecs.Zstd(level=1),
+            "blosc-lz4": numcodecs.Blosc(cname="lz4"),
+            "blosc-zstd": numcodecs.Blosc(cname="zstd", shuffle=numcodecs.Blosc.BITSHUFFLE),
+            "lz4": numcodecs.LZ4(),
+            "gzip": numcodecs.GZip(level=1),
+            "none": None,
+        }[codec]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "zstd": ZstdCodec(level=1),
+            "blosc-lz4": BloscCodec(cname="lz4"),
+            "blosc-zstd": BloscCodec(cname="zstd", shuffle="bitshuffle"),
+            "lz4": znc.LZ4(),
+            "gzip": GzipCodec(level=1),
+            "none": None,
+            "zstd-crc32c": [ZstdCodec(level=1), Crc32cCodec()],
+            "numcodecs-zstd-crc32c": [znc.Zstd(level=1), znc.CRC32C()],
+        }[codec]
+
+
+KINDS = {
+    # name: (shape, dtype, chunks, shards)
+    "1d-int32": ((1037,), "int32", (64,), (256,)),
+    "1d-float32": ((1037,), "float32", (64,), (256,)),
+    "2d-float32": ((203, 7), "float32", (16, 4), (64, 8)),
+    "4d-float32": ((45, 8, 18, 36), "float32", (8, 4, 9, 36), (16, 8, 18, 36)),
+    # chunks span the other axes whole (or overhang them)
+    "2d-rowchunks": ((203, 7), "float32", (16, 7), (64, 7)),
+    "2d-overhang": ((203, 7), "int32", (16, 8), (64, 8)),
+}
+
+
+def make_data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> np.ndarray:
+    """Random data with zero (= fill value) blocks so that zarr skips writing some chunks."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        data = rng.integers(-1000, 1000, size=shape).astype(dtype)
+    else:
+        data = (rng.standard_normal(shape) * 10).round(2).astype(dtype)
+    data[chunk0 : 2 * chunk0] = 0  # one missing chunk (or empty inner chunk of a shard)
+    if shard0 is not None and shape[0] > 2 * shard0:
+        data[2 * shard0 : 3 * shard0] = 0  # a whole missing shard
+    return data
+
+
+def write(path, data, *, fmt=3, chunks, shards=None, compressors=None, **kw) -> zarr.Array:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        arr = zarr.create_array(
+            str(path),
+            shape=data.shape,
+            dtype=data.dtype,
+            chunks=chunks,
+            shards=shards,
+            compressors=compressors,
+            zarr_format=fmt,
+            **kw,
+        )
+        arr[...] = data
+        return zarr.open_array(str(path), mode="r")
+
+
+def random_ranges(rng, n: int, chunk: int, k: int = 40) -> np.ndarray:
+    starts = rng.integers(0, n + 1, k)
+    stops = np.minimum(starts + rng.integers(0, 3 * chunk, k), n)
+    extra = np.array(
+        [[0, n], [n - 1, n], [min(chunk, n), min(2 * chunk, n)], [0, 0], [starts[0], stops[0]]]
+    )
+    r = np.concatenate([np.stack([starts, stops], 1), extra]).astype(np.int64)
+    return r[rng.permutation(len(r))]
+
+
+def expected(data: np.ndarray, ranges: np.ndarray) -> np.ndarray:
+    return np.concatenate([data[s:e] for s, e in ranges])
+
+
+def check_reader(reader, data: np.ndarray, seed: int = 1, rounds: int = 3) -> None:
+    rng = np.random.default_rng(seed)
+    assert reader.shape == data.shape
+    assert reader.dtype == data.dtype.newbyteorder("=")
+    for _ in range(rounds):
+        ranges = random_ranges(rng, data.shape[0], reader.rows_per_chunk)
+        got = reader.read_rows(ranges)
+        assert got.dtype == reader.dtype
+        assert got.flags.c_contiguous
+        np.testing.assert_array_equal(got, expected(data, ranges))
+        out = np.full_like(got, -7)
+        assert reader.read_rows(ranges, out=out) is out
+        np.testing.assert_array_equal(out, got)
+
+
+# ---------------------------------------------------------------------------- codec matrix
+
+CODECS = ["zstd", "blosc-lz4", "blosc-zstd", "lz4", "gzip", "none"]
+MATRIX = [
+    (fmt, codec, kind, sharded)
+    for fmt, sharded in [(2, False), (3, False), (3, True)]
+    for codec in CODECS
+    for kind in ["1d-int32", "1d-float32", "2d-float32"]
+] + [
+    (fmt, codec, kind, sh)
+    for fmt, sh in [(2, False), (3, False), (3, True)]
+    for codec, kind in [
+        ("zstd", "4d-float32"),
+        ("zstd", "2d-rowchunks"),
+        ("none", "2d-rowchunks"),
+        ("blosc-lz4", "2d-overhang"),
+    ]
+]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "codec", "kind", "sharded"),
+    MATRIX,
+    ids=[f"v{f}-{c}-{k}{'-sharded' if s else ''}" for f, c, k, s in MATRIX],
+)
+def test_direct_matches_numpy(tmp_path, fmt, codec, kind, sharded):
+    shape, dtype, chunks, shards = KINDS[kind]
+    shards = shards if sharded else None
+    data = make_data(shape, dtype, chunks[0], shards[0] if shards else None)
+    arr = write(
+        tmp_path / "a.zarr",
+        data,
+        fmt=fmt,
+        chunks=chunks,
+        shards=shards,
+        compressors=_compressors(codec, fmt),
+    )
+    reader = open_reader(arr, name="a")
+    assert isinstance(reader, DirectReader)
+    assert (reader.path, reader.reason) == ("direct", "")
+    assert reader.rows_per_chunk == chunks[0]
+    check_reader(reader, data)
+    # the zarr fallback agrees
+    check_reader(open_reader(arr, name="a", force_zarr=True), data)
+
+
+EXTRA = {
+    "v3-crc32c": dict(fmt=3, compressors="zstd-crc32c"),
+    "v3-numcodecs-zstd-crc32c": dict(fmt=3, compressors="numcodecs-zstd-crc32c"),
+    "v3-sharded-crc32c": dict(fmt=3, compressors="zstd-crc32c", sharded=True),
+    "v2-bigendian": dict(fmt=2, compressors="zstd", dtype=">f4"),
+    "v2-bigendian-int-none": dict(fmt=2, compressors="none", dtype=">i4"),
+    "v3-bigendian": dict(fmt=3, compressors="blosc-lz4", serializer=BytesCodec(endian="big")),
+    "v3-bigendian-none": dict(fmt=3, compressors="none", serializer=BytesCodec(endian="big")),
+    "v3-sharded-bigendian": dict(
+        fmt=3, compressors="zstd", sharded=True, serializer=BytesCodec(endian="big")
+    ),
+    "v2-order-F": dict(fmt=2, compressors="zstd", order="F"),
+    "v2-slash-separator": dict(
+        fmt=2, compressors="lz4", chunk_key_encoding={"name": "v2", "separator": "/"}
+    ),
+    "v3-v2-key-encoding": dict(
+        fmt=3, compressors="zstd", chunk_key_encoding={"name": "v2", "separator": "."}
+    ),
+    "v2-delta-filter": dict(fmt=2, compressors="zstd", filters=[numcodecs.Delta(dtype="<i4")]),
+    "v3-delta-filter": dict(fmt=3, compressors="zstd", filters="delta"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXTRA))
+def test_direct_layout_variants(tmp_path, case):
+    opts = dict(EXTRA[case])
+    fmt = opts.pop("fmt")
+    codec = opts.pop("compressors")
+    sharded = opts.pop("sharded", False)
+    kind = "1d-int32" if "delta" in case or "int" in case else "2d-float32"
+    shape, dtype, chunks, shards = KINDS[kind]
+    dtype = opts.pop("dtype", dtype)
+    if opts.get("filters") == "delta":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opts["filters"] = [znc.Delta(dtype="int32")]
+    shards = shards if sharded else None
+    data = make_data(shape, dtype, chunks[0], shards[0] if shards else None)
+    arr = write(
+        tmp_path / "a.zarr",
+        data,
+        fmt=fmt,
+        chunks=chunks,
+        shards=shards,
+        compressors=_compressors(codec, fmt),
+        **opts,
+    )
+    reader = open_reader(arr, name="a")
+    assert reader.path == "direct", reader.reason
+    check_reader(reader, data)
+    check_reader(open_reader(arr, name="a", force_zarr=True), data)
+
+
+def test_shard_index_at_start(tmp_path):
+    data = make_data((203, 7), "float32", 16, 64)
+    arr = write(
+        tmp_path / "a.zarr",
+        data,
+        chunks=(64, 8),
+        serializer=ShardingCodec(
+            chunk_shape=(16, 4), codecs=[BytesCodec(), ZstdCodec()], index_location="start"
+        ),
+    )
+    lay = parse_layout(arr)
+    assert lay.shard is not None and lay.shard.index_location == "start"
+    reader = open_reader(arr, name="a")
+    assert reader.path == "direct"
+    check_reader(reader, data)
+
+
+def test_layout_description(tmp_path):
+    data = make_data((203, 7), "float32", 16, 64)
+    arr = write(tmp_path / "a.zarr", data, chunks=(16, 4), shards=(64, 8), compressors=ZstdCodec())
+    lay = parse_layout(arr)
+    assert lay.grid_chunk_shape == (64, 8)
+    assert lay.chunk_shape == (16, 4)
+    assert lay.chunk_grid == (13, 2)
+    assert lay.shard is not None
+    assert lay.shard.chunks_per_shard == (4, 2)
+    assert lay.shard.index_crc32c and lay.shard.index_nbytes == 8 * 16 + 4
+    assert lay.key((1, 0)) == "c/1/0"
+    assert [c["id"] for c in lay.codecs.bytes_codecs] == ["zstd"]
+    assert lay.unsupported == ""
+
+
+# ---------------------------------------------------------------------------- missing chunks
+
+
+def test_missing_chunks_read_as_fill_value(tmp_path):
+    # zarr skips chunks equal to the fill value; we also delete chunk files by hand
+    n, C = 1000, 100
+    data = np.arange(n, dtype=np.float32)
+    data[200:300] = -1.5  # == fill value: never written
+    v3 = write(tmp_path / "v3.zarr", data, chunks=(C,), compressors=ZstdCodec(), fill_value=-1.5)
+    v2 = write(
+        tmp_path / "v2.zarr",
+        data,
+        fmt=2,
+        chunks=(C,),
+        compressors=numcodecs.Zstd(),
+        fill_value=-1.5,
+    )
+    sh = write(
+        tmp_path / "sh.zarr",
+        data,
+        chunks=(50,),
+        shards=(C,),
+        compressors=ZstdCodec(),
+        fill_value=-1.5,
+    )
+    assert not (tmp_path / "v3.zarr/c/2").exists()
+    assert not (tmp_path / "v2.zarr/2").exists()
+    assert not (tmp_path / "sh.zarr/c/2").exists()
+    os.remove(tmp_path / "v3.zarr/c/5")
+    os.remove(tmp_path / "v2.zarr/5")
+    os.remove(tmp_path / "sh.zarr/c/5")  # a whole shard
+    want = data.copy()
+    want[500:600] = -1.5
+    for arr in (v3, v2, sh):
+        reader = open_reader(arr, name="a")
+        assert reader.path == "direct"
+        check_reader(reader, want)
+        np.testing.assert_array_equal(reader.read_rows(np.array([[0, n]])), arr[:])
+
+
+# ---------------------------------------------------------------------------- chunk reads
+
+
+def test_each_chunk_read_once_per_call(tmp_path, monkeypatch):
+    data = np.arange(1000, dtype=np.int32) + 1
+    arr = write(tmp_path / "a.zarr", data, chunks=(100,), compressors=ZstdCodec())
+    sh = write(tmp_path / "s.zarr", data, chunks=(50,), shards=(200,), compressors=ZstdCodec())
+    calls: list[int] = []
+    real = readers_mod._pread_into
+
+    def counting(fd, buf, offset):
+        calls.append(buf.size)
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(readers_mod, "_pread_into", counting)
+    # unsorted, overlapping; chunk 1 (of 100) is touched by four ranges, chunk 5 by two
+    ranges = np.array([[550, 560], [120, 130], [110, 250], [105, 106], [150, 199], [555, 600]])
+    for a, n_chunks, n_shards in [(arr, 3, 0), (sh, 4, 3)]:
+        reader = open_reader(a, name="a")
+        calls.clear()
+        np.testing.assert_array_equal(reader.read_rows(ranges), expected(data, ranges))
+        # 1 pread per (inner) chunk + 1 per shard index (first read only)
+        assert len(calls) == n_chunks + n_shards
+        calls.clear()
+        reader.read_rows(ranges)
+        assert len(calls) == n_chunks  # shard indexes are cached
+
+
+def test_empty_and_invalid_ranges(tmp_path):
+    data = np.arange(100, dtype=np.float32).reshape(50, 2)
+    arr = write(tmp_path / "a.zarr", data, chunks=(8, 2), compressors=ZstdCodec())
+    for reader in (open_reader(arr, name="a"), open_reader(arr, name="a", force_zarr=True)):
+        assert reader.read_rows(np.zeros((0, 2), np.int64)).shape == (0, 2)
+        assert reader.read_rows(np.array([[3, 3]])).shape == (0, 2)
+        with pytest.raises(ValueError, match="range 1"):
+            reader.read_rows(np.array([[0, 1], [40, 51]]))
+        with pytest.raises(ValueError, match="range 0"):
+            reader.read_rows(np.array([[5, 4]]))
+        with pytest.raises(ValueError, match="out"):
+            reader.read_rows(np.array([[0, 4]]), out=np.empty((4, 2), np.float64))
+        with pytest.raises(ValueError, match="out"):
+            reader.read_rows(np.array([[0, 4]]), out=np.empty((2, 4), np.float32).T)
+
+
+def test_zero_dimensional_array_is_rejected(tmp_path):
+    arr = zarr.create_array(str(tmp_path / "s.zarr"), shape=(), dtype="float32")
+    with pytest.raises(DatasetError, match="0-dimensional"):
+        open_reader(arr, name="s")
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    spans=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 300)), min_size=0, max_size=12),
+    which=st.sampled_from(["plain", "sharded", "nd"]),
+)
+def test_random_ranges_hypothesis(stores, spans, which):
+    data, direct, fallback = stores[which]
+    n = data.shape[0]
+    ranges = np.array([[min(s, n), min(s + ln, n)] for s, ln in spans], dtype=np.int64)
+    ranges = ranges.reshape(-1, 2)
+    want = expected(data, ranges) if len(ranges) else data[:0]
+    np.testing.assert_array_equal(direct.read_rows(ranges), want)
+    np.testing.assert_array_equal(fallback.read_rows(ranges), want)
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hyp")
+    out = {}
+    data = make_data((700,), "float32", 32, 128)
+    out["plain"] = write(root / "p.zarr", data, chunks=(32,), compressors=ZstdCodec()), data
+    out["sharded"] = (
+        write(root / "s.zarr", data, chunks=(32,), shards=(128,), compressors=BloscCodec()),
+        data,
+    )
+    nd = make_data((130, 6, 5), "int32", 16, None)
+    out["nd"] = write(root / "n.zarr", nd, chunks=(16, 4, 5), compressors=ZstdCodec()), nd
+    return {
+        k: (d, open_reader(a, name=k), open_reader(a, name=k, force_zarr=True))
+        for k, (a, d) in out.items()
+    }
+
+
+# ---------------------------------------------------------------------------- executors
+
+
+def test_explicit_executor_and_nested_call(tmp_path):
+    data = make_data((1037,), "float32", 64, 256)
+    arr = write(tmp_path / "a.zarr", data, chunks=(64,), shards=(256,), compressors=ZstdCodec())
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        reader = open_reader(arr, name="a", executor=ex)
+        check_reader(reader, data)
+        # read_rows running *on* the reader's only pool thread must not deadlock
+        ranges = random_ranges(np.random.default_rng(3), 1037, 64)
+        got = ex.submit(reader.read_rows, ranges).result(timeout=60)
+        np.testing.assert_array_equal(got, expected(data, ranges))
+
+
+def test_concurrent_callers_share_a_reader(tmp_path):
+    data = make_data((203, 7), "float32", 16, 64)
+    arr = write(tmp_path / "a.zarr", data, chunks=(16, 4), shards=(64, 8), compressors=ZstdCodec())
+    reader = open_reader(arr, name="a")
+    errors: list[BaseException] = []
+
+    def run(seed: int) -> None:
+        try:
+            check_reader(reader, data, seed=seed, rounds=5)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+# ---------------------------------------------------------------------------- fallback
+
+
+def test_fallback_memory_store_and_force_zarr(tmp_path):
+    data = make_data((203, 7), "float32", 16, None)
+    mem = zarr.create_array(
+        zarr.storage.MemoryStore(), shape=data.shape, dtype=data.dtype, chunks=(16, 4)
+    )
+    mem[...] = data
+    reader = open_reader(mem, name="mem")
+    assert isinstance(reader, ZarrReader)
+    assert reader.path == "zarr"
+    assert "MemoryStore" in reader.reason
+    assert reader.rows_per_chunk == 16
+    check_reader(reader, data)
+
+    arr = write(tmp_path / "a.zarr", data, chunks=(16, 4), compressors=ZstdCodec())
+    forced = open_reader(arr, name="a", force_zarr=True)
+    assert (forced.path, forced.reason) == ("zarr", "force_zarr=True")
+    check_reader(forced, data)
+
+
+def test_fallback_for_unsupported_codec(tmp_path):
+    data = make_data((203, 7), "float32", 16, None)
+    arr = write(
+        tmp_path / "a.zarr",
+        data,
+        chunks=(16, 7),
+        filters=[TransposeCodec(order=(1, 0))],
+        compressors=ZstdCodec(),
+    )
+    reader = open_reader(arr, name="a")
+    assert reader.path == "zarr"
+    assert "transpose" in reader.reason
+    check_reader(reader, data)
+
+
+def test_fallback_wraps_zarr_errors(tmp_path):
+    data = _compressible(4096)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=ZstdCodec())
+    _garble_middle(tmp_path / "a.zarr/c/1")
+    reader = open_reader(arr, name="a.zarr/X", force_zarr=True)
+    with pytest.raises(ChunkReadError, match=r"a\.zarr/X.*rows \[1000, 1100\)"):
+        reader.read_rows(np.array([[1000, 1100]]))
+
+
+# ---------------------------------------------------------------------------- corruption
+
+
+def _garble_middle(path, n: int = 32) -> None:
+    raw = bytearray(path.read_bytes())
+    m = len(raw) // 2
+    raw[m - n // 2 : m + n // 2] = bytes(range(200, 200 + n))
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(path, keep: float = 0.5) -> None:
+    raw = path.read_bytes()
+    path.write_bytes(raw[: int(len(raw) * keep)])
+
+
+def _compressible(n: int) -> np.ndarray:
+    i = np.arange(n)
+    return ((i % 13) * 0.5 + np.sin(i).round(1)).astype(np.float32)
+
+
+def test_corrupted_zstd_chunk(tmp_path):
+    data = _compressible(4096)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=ZstdCodec())
+    _garble_middle(tmp_path / "a.zarr/c/1")
+    reader = open_reader(arr, name="cells.zarr/X/data")
+    with pytest.raises(ChunkReadError, match=r"cells\.zarr/X/data.*'c/1'.*zstd.*re-write") as e:
+        reader.read_rows(np.array([[0, 10], [1500, 1600]]))
+    assert isinstance(e.value, OSError)
+    # other chunks still read
+    np.testing.assert_array_equal(reader.read_rows(np.array([[2048, 4096]])), data[2048:])
+
+
+@pytest.mark.parametrize("codec", ["zstd", "blosc-lz4", "lz4", "gzip", "none", "zstd-crc32c"])
+def test_truncated_chunk(tmp_path, codec):
+    data = _compressible(4096)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=_compressors(codec, 3))
+    _truncate(tmp_path / "a.zarr/c/2")
+    reader = open_reader(arr, name="arr")
+    assert reader.path == "direct"
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/2'.*truncated or corrupted"):
+        reader.read_rows(np.array([[2100, 2200]]))
+
+
+def test_truncated_chunk_v2(tmp_path):
+    data = _compressible(4096)
+    arr = write(tmp_path / "a.zarr", data, fmt=2, chunks=(1024,), compressors=numcodecs.Blosc())
+    _truncate(tmp_path / "a.zarr/2", keep=0.9)
+    with pytest.raises(ChunkReadError, match=r"chunk '2'.*blosc header"):
+        open_reader(arr, name="arr").read_rows(np.array([[2100, 2200]]))
+
+
+def test_crc32c_mismatch(tmp_path):
+    data = _compressible(4096)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=[Crc32cCodec()])
+    p = tmp_path / "a.zarr/c/3"
+    raw = bytearray(p.read_bytes())
+    raw[10] ^= 0xFF
+    p.write_bytes(bytes(raw))
+    reader = open_reader(arr, name="arr")
+    assert reader.path == "direct"
+    with pytest.raises(ChunkReadError, match=r"chunk 'c/3'.*crc32c checksum mismatch"):
+        reader.read_rows(np.array([[3000, 3100]]))
+
+
+def _sharded(tmp_path, **kw):
+    data = _compressible(4096)
+    arr = write(
+        tmp_path / "s.zarr", data, chunks=(256,), shards=(1024,), compressors=ZstdCodec(), **kw
+    )
+    return arr, data, tmp_path / "s.zarr/c/1"
+
+
+def test_corrupted_shard_index_crc(tmp_path):
+    arr, _, shard = _sharded(tmp_path)
+    raw = bytearray(shard.read_bytes())
+    raw[-20] ^= 0x01  # inside the index (last 4 * 16 + 4 bytes)
+    shard.write_bytes(bytes(raw))
+    reader = open_reader(arr, name="s")
+    with pytest.raises(ChunkReadError, match=r"s: shard 'c/1'.*shard index crc32c"):
+        reader.read_rows(np.array([[1100, 1200]]))
+
+
+def test_shard_index_points_past_end(tmp_path):
+    arr, data, shard = _sharded(tmp_path)
+    raw = bytearray(shard.read_bytes())
+    index = np.frombuffer(bytes(raw[-68:-4]), "<u8").copy().reshape(4, 2)
+    index[2, 0] = len(raw) + 1000  # inner chunk 2 starts past the end
+    raw[-68:] = index.tobytes() + struct.pack("<I", crc32c.crc32c(index.tobytes()))
+    shard.write_bytes(bytes(raw))
+    reader = open_reader(arr, name="s")
+    with pytest.raises(ChunkReadError, match=r"inner chunk \(2,\).*shard 'c/1'.*shard file is"):
+        reader.read_rows(np.array([[1024 + 512, 1024 + 600]]))
+    # the other inner chunks of that shard are fine
+    np.testing.assert_array_equal(reader.read_rows(np.array([[1024, 1500]])), data[1024:1500])
+
+
+def test_truncated_shard(tmp_path):
+    arr, _, shard = _sharded(tmp_path)
+    _truncate(shard, keep=0.5)
+    with pytest.raises(ChunkReadError, match=r"shard 'c/1'"):
+        open_reader(arr, name="s").read_rows(np.array([[1100, 1200]]))
+    shard.write_bytes(b"\0" * 10)  # shorter than the index itself
+    with pytest.raises(ChunkReadError, match=r"shorter than its 68-byte shard index"):
+        open_reader(arr, name="s").read_rows(np.array([[1100, 1200]]))
+
+
+def test_corrupted_inner_chunk(tmp_path):
+    arr, _, shard = _sharded(tmp_path)
+    raw = bytearray(shard.read_bytes())
+    index = np.frombuffer(bytes(raw[-68:-4]), "<u8").reshape(4, 2)
+    off, nb = (int(v) for v in index[1])
+    raw[off + nb // 2 : off + nb // 2 + 24] = bytes(range(100, 124))
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ChunkReadError, match=r"inner chunk \(1,\) \(array chunk \(5,\)\)"):
+        open_reader(arr, name="s").read_rows(np.array([[1024 + 256, 1024 + 300]]))
+
+
+# ---------------------------------------------------------------------------- anndata
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_anndata_store(tmp_path, fmt):
+    anndata = pytest.importorskip("anndata")
+    sparse = pytest.importorskip("scipy.sparse")
+    X = sparse.random(
+        517,
+        301,
+        density=0.05,
+        format="csr",
+        dtype=np.float32,
+        random_state=np.random.default_rng(0),
+    )
+    X.data[:] = np.round(X.data * 10) + 1
+    old = anndata.settings.zarr_write_format
+    try:
+        anndata.settings.zarr_write_format = fmt
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            anndata.AnnData(X=X).write_zarr(tmp_path / "cells.zarr")
+    finally:
+        anndata.settings.zarr_write_format = old
+    g = zarr.open_group(str(tmp_path / "cells.zarr"), mode="r")
+    assert g["X"].metadata.zarr_format == fmt
+    rng = np.random.default_rng(5)
+    for key, ref in [("data", X.data), ("indices", X.indices), ("indptr", X.indptr)]:
+        reader = open_reader(g["X"][key], name=f"cells.zarr/X/{key}")
+        assert reader.path == "direct", reader.reason
+        assert reader.shape == ref.shape
+        np.testing.assert_array_equal(reader.read_rows(np.array([[0, len(ref)]])), ref)
+        check_reader(reader, ref.astype(reader.dtype, copy=False), seed=int(rng.integers(1000)))
+    # the CSR rows of a few cells, read the way the loader does (ranges from indptr)
+    indptr = open_reader(g["X"]["indptr"], name="indptr").read_rows(np.array([[0, 518]]))
+    cells = np.array([400, 3, 77, 78, 516])
+    ranges = np.stack([indptr[cells], indptr[cells + 1]], 1).astype(np.int64)
+    data = open_reader(g["X"]["data"], name="data").read_rows(ranges)
+    np.testing.assert_array_equal(data, np.concatenate([X[c].data for c in cells]))

@@ -1,0 +1,313 @@
+"""End to end on the CPU: real stores → real DALI pipelines → torch batches, row by row."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+import zarr
+
+import dali_zarr as dz
+from dali_zarr import synthetic
+from tests.stores import csr_reference, write_anndata
+
+
+def run_epoch(loader: dz.Loader, epoch: int = 0) -> dict[str, np.ndarray]:
+    """All batches of one epoch, concatenated per output (sparse X densified for comparison)."""
+    loader.set_epoch(epoch)
+    parts: dict[str, list[np.ndarray]] = {}
+    sizes = []
+    for batch in loader:
+        sizes.append(len(batch["index"]))
+        for name, value in batch.items():
+            if value.layout == torch.sparse_csr:
+                value = value.to_dense()
+            parts.setdefault(name, []).append(value.numpy())
+    out = {name: np.concatenate(values) for name, values in parts.items()}
+    out["sizes"] = np.array(sizes)
+    return out
+
+
+def sampler(**overrides) -> dz.ChunkSampler:
+    settings = dict(chunk_size=32, preload_nchunks=4, batch_size=50, shuffle=True, seed=7)
+    settings.update(overrides)
+    return dz.ChunkSampler(**settings)
+
+
+def assert_rows_match(got: dict[str, np.ndarray], reference: np.ndarray, n_obs: int) -> None:
+    index = got["index"]
+    assert np.array_equal(np.sort(index), np.arange(n_obs)), "every row exactly once"
+    assert not np.array_equal(index, np.arange(n_obs)), "rows were shuffled"
+    np.testing.assert_array_equal(got["X"], reference[index])
+
+
+# --- CSR stores in every layout we promise --------------------------------------------------
+
+CSR_CASES = [
+    pytest.param(dict(zarr_format=3, codec="zstd", shard_chunks=8), id="v3-zstd-sharded"),
+    pytest.param(dict(zarr_format=3, codec="none", shard_chunks=None), id="v3-raw"),
+    pytest.param(dict(zarr_format=3, codec="blosc", shard_chunks=None), id="v3-blosc"),
+    pytest.param(dict(zarr_format=2, codec="blosc", shard_chunks=None), id="v2-blosc"),
+    pytest.param(dict(zarr_format=2, codec="zstd", shard_chunks=None), id="v2-zstd"),
+]
+
+
+@pytest.mark.parametrize("layout", CSR_CASES)
+def test_csr_rows_equal_source(tmp_path: Path, layout: dict) -> None:
+    path = synthetic.make_single_cell(
+        tmp_path / "x.zarr", n_obs=1_237, n_features=97, chunk_elements=1_000, **layout
+    )
+    reference = csr_reference(path).toarray().astype(np.float32)
+    loader = dz.Loader(dz.open_dataset(path), sampler(), obs=["cell_type"], return_index=True)
+    got = run_epoch(loader)
+    assert_rows_match(got, reference, 1_237)
+    codes = zarr.open_group(path)["obs/cell_type/codes"][...]
+    np.testing.assert_array_equal(got["cell_type"], codes[got["index"]])
+    assert got["cell_type"].dtype == np.int64
+    assert len(loader) == len(got["sizes"]) == -(-1_237 // 50)
+    assert (got["sizes"][:-1] == 50).all()
+    loader.close()
+
+
+def test_csr_output_is_torch_sparse(sc_store: Path) -> None:
+    reference = csr_reference(sc_store)
+    loader = dz.Loader(
+        dz.open_dataset(sc_store), sampler(batch_size=64), output="csr", return_index=True
+    )
+    loader.set_epoch(1)
+    seen = []
+    for batch in loader:
+        x = batch["X"]
+        assert x.layout == torch.sparse_csr and x.shape == (len(batch["index"]), 300)
+        expected = reference[batch["index"].numpy()]
+        np.testing.assert_array_equal(x.crow_indices().numpy(), expected.indptr)
+        np.testing.assert_array_equal(x.col_indices().numpy(), expected.indices)
+        np.testing.assert_array_equal(x.values().numpy(), expected.data)
+        seen.append(batch["index"].numpy())
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(reference.shape[0]))
+    loader.close()
+
+
+def test_missing_chunks_are_fill_value(tmp_path: Path) -> None:
+    """zarr skips empty chunks; a store with whole zero regions must still load them."""
+    path = tmp_path / "holes.zarr"
+    dense = np.random.default_rng(0).random((640, 5, 4), dtype=np.float32)
+    dense[64:256] = 0.0  # three chunks of zeros: zarr writes no key for them
+    array = zarr.create_array(
+        path, shape=dense.shape, chunks=(64, 5, 4), dtype="f4", fill_value=0.0
+    )
+    array[...] = dense
+    assert not (path / "c" / "2").exists(), "zarr should have skipped the empty chunk"
+    got = run_epoch(dz.Loader(dz.open_dataset(path), sampler(chunk_size=40), return_index=True))
+    assert_rows_match(got, dense, 640)
+
+
+# --- dense arrays ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "zarr_format,codec,shard_chunks",
+    [(3, "zstd", 4), (3, "blosc", None), (2, "zstd", None), (2, "none", None)],
+)
+def test_dense_nd_rows_equal_source(tmp_path: Path, zarr_format, codec, shard_chunks) -> None:
+    path = synthetic.make_dense_cube(
+        tmp_path / "cube.zarr",
+        n_obs=333,
+        shape=(3, 5, 7),
+        chunk_obs=16,
+        codec=codec,
+        zarr_format=zarr_format,
+        shard_chunks=shard_chunks,
+    )
+    reference = zarr.open_array(path)[...]
+    loader = dz.Loader(
+        dz.open_dataset(path), sampler(chunk_size=20, batch_size=30), return_index=True
+    )
+    got = run_epoch(loader)
+    assert got["X"].shape[1:] == (3, 5, 7)
+    assert_rows_match(got, reference, 333)
+
+
+def test_dense_float16_output_and_transform(tmp_path: Path) -> None:
+    path = synthetic.make_dense_cube(tmp_path / "c.zarr", n_obs=200, shape=(6,), chunk_obs=25)
+    reference = zarr.open_array(path)[...]
+
+    def double(outputs: dict) -> dict:
+        outputs["X"] = outputs["X"] * 2
+        return outputs
+
+    loader = dz.Loader(
+        dz.open_dataset(path),
+        sampler(chunk_size=25),
+        dtype=torch.float16,
+        transform=double,
+        return_index=True,
+    )
+    got = run_epoch(loader)
+    assert got["X"].dtype == np.float16
+    np.testing.assert_allclose(got["X"], 2 * reference[got["index"]].astype(np.float16), rtol=1e-3)
+
+
+# --- anndata-written stores and collections -------------------------------------------------
+
+
+@pytest.mark.parametrize("zarr_format,shard", [(2, False), (3, False), (3, True)])
+def test_anndata_written_store(tmp_path: Path, zarr_format: int, shard: bool) -> None:
+    path = tmp_path / "ad.zarr"
+    x = write_anndata(path, n_obs=900, n_features=40, zarr_format=zarr_format, shard=shard)
+    import anndata as ad
+
+    adata = ad.read_zarr(path)
+    dataset = dz.open_dataset(path)
+    loader = dz.Loader(dataset, sampler(), obs=["cell_type", "depth"], return_index=True)
+    got = run_epoch(loader)
+    assert_rows_match(got, x.toarray(), 900)
+    names = np.array(loader.categories("cell_type"))
+    np.testing.assert_array_equal(
+        names[got["cell_type"]], adata.obs["cell_type"].to_numpy()[got["index"]]
+    )
+    np.testing.assert_array_equal(got["depth"], adata.obs["depth"].to_numpy()[got["index"]])
+
+
+def test_collection_concatenates_and_merges_categories(tmp_path: Path) -> None:
+    paths, blocks, labels = [], [], []
+    for k, n in enumerate((300, 451, 77)):
+        path = tmp_path / f"part{k}.zarr"
+        x = write_anndata(path, n_obs=n, n_features=25, zarr_format=3, seed=k)
+        import anndata as ad
+
+        labels.append(ad.read_zarr(path).obs["cell_type"].astype(str).to_numpy())
+        paths.append(path)
+        blocks.append(x)
+    reference = sp.vstack(blocks).toarray()
+    dataset = dz.open_dataset(paths)
+    assert isinstance(dataset, dz.Collection) and dataset.n_obs == 828
+    loader = dz.Loader(dataset, sampler(chunk_size=16), obs=["cell_type"], return_index=True)
+    got = run_epoch(loader, epoch=3)
+    assert_rows_match(got, reference, 828)
+    names = np.array(loader.categories("cell_type"))
+    np.testing.assert_array_equal(names[got["cell_type"]], np.concatenate(labels)[got["index"]])
+
+
+# --- epochs, determinism, leaving a loop early ----------------------------------------------
+
+
+def test_epochs_reshuffle_and_seed_reproduces(sc_store: Path) -> None:
+    def order(epoch: int, seed: int) -> np.ndarray:
+        loader = dz.Loader(dz.open_dataset(sc_store), sampler(seed=seed), return_index=True)
+        return run_epoch(loader, epoch)["index"]
+
+    first = order(0, seed=1)
+    assert np.array_equal(first, order(0, seed=1))
+    assert not np.array_equal(first, order(1, seed=1))
+    assert not np.array_equal(first, order(0, seed=2))
+
+
+def test_break_mid_epoch_then_next_epoch_is_complete(sc_store: Path) -> None:
+    loader = dz.Loader(dz.open_dataset(sc_store), sampler(), return_index=True)
+    loader.set_epoch(0)
+    for i, _ in enumerate(loader):
+        if i == 3:
+            break
+    full = run_epoch(loader, epoch=1)
+    assert np.array_equal(np.sort(full["index"]), np.arange(3_001))
+    again = dz.Loader(dz.open_dataset(sc_store), sampler(), return_index=True)
+    np.testing.assert_array_equal(run_epoch(again, epoch=1)["index"], full["index"])
+
+
+def test_drop_last_and_unshuffled(sc_store: Path) -> None:
+    loader = dz.Loader(
+        dz.open_dataset(sc_store), sampler(drop_last=True, shuffle=False), return_index=True
+    )
+    got = run_epoch(loader)
+    assert (got["sizes"] == 50).all() and len(got["sizes"]) == 3_001 // 50
+    np.testing.assert_array_equal(got["index"], np.arange(len(got["index"])))
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_corrupted_chunk_raises_with_chunk_key(tmp_path: Path) -> None:
+    path = Path(
+        synthetic.make_single_cell(
+            tmp_path / "bad.zarr", n_obs=500, n_features=50, chunk_elements=512, shard_chunks=None
+        )
+    )
+    chunk = path / "X" / "data" / "c" / "3"
+    raw = bytearray(chunk.read_bytes())
+    raw[8:40] = os.urandom(32)
+    chunk.write_bytes(bytes(raw))
+    loader = dz.Loader(dz.open_dataset(path), sampler(shuffle=False, batch_size=100))
+    with pytest.raises(dz.ChunkReadError, match=r"X/data.*c/3"):
+        for _ in loader:
+            pass
+
+
+def test_truncated_chunk_raises(tmp_path: Path) -> None:
+    path = Path(
+        synthetic.make_dense_cube(
+            tmp_path / "t.zarr", n_obs=200, shape=(10,), chunk_obs=20, codec="none"
+        )
+    )
+    chunk = path / "c" / "1" / "0"
+    chunk.write_bytes(chunk.read_bytes()[:13])
+    loader = dz.Loader(dz.open_dataset(path), sampler(chunk_size=20, shuffle=False))
+    with pytest.raises(dz.ChunkReadError, match=r"c/1/0"):
+        for _ in loader:
+            pass
+
+
+def test_open_dataset_errors(tmp_path: Path, sc_store: Path) -> None:
+    with pytest.raises(dz.DatasetError, match="no such file"):
+        dz.open_dataset(tmp_path / "nope.zarr")
+    (tmp_path / "plain_dir").mkdir()
+    (tmp_path / "plain_dir" / "notes.txt").write_text("hello")
+    with pytest.raises(dz.DatasetError, match="not a Zarr store"):
+        dz.open_dataset(tmp_path / "plain_dir")
+    group = zarr.open_group(tmp_path / "grp.zarr", mode="w")
+    group.create_array("a", shape=(4,), dtype="f4")
+    with pytest.raises(dz.DatasetError, match=r"neither an AnnData store.*'a'"):
+        dz.open_dataset(tmp_path / "grp.zarr")
+    other = synthetic.make_single_cell(tmp_path / "other.zarr", n_obs=100, n_features=301)
+    with pytest.raises(dz.DatasetError, match=r"features \(301,\).*\(300,\)"):
+        dz.open_dataset([sc_store, other])
+    with pytest.raises(dz.DatasetError, match="no column 'nope'"):
+        dz.Loader(dz.open_dataset(sc_store), sampler(), obs=["nope"])
+
+
+def test_bad_column_ids_are_refused(tmp_path: Path) -> None:
+    """indices beyond the declared width would be written out of bounds: refuse loudly."""
+    path = Path(synthetic.make_single_cell(tmp_path / "w.zarr", n_obs=200, n_features=50))
+    group = zarr.open_group(path, mode="r+")
+    group["X"].attrs["shape"] = [200, 10]
+    loader = dz.Loader(dz.open_dataset(path), sampler())
+    with pytest.raises(dz.DatasetError, match=r"X/indices.*outside \[0, 10\)"):
+        for _ in loader:
+            pass
+
+
+def test_csc_store_refused(tmp_path: Path) -> None:
+    import anndata as ad
+
+    x = sp.random(20, 5, density=0.3, format="csc", dtype=np.float32)
+    ad.AnnData(X=x).write_zarr(tmp_path / "csc.zarr")
+    with pytest.raises(dz.DatasetError, match="CSC"):
+        dz.open_dataset(tmp_path / "csc.zarr")
+
+
+def test_force_zarr_path_gives_same_batches(sc_store: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy.zarr"
+    shutil.copytree(sc_store, copy)
+    direct = dz.open_dataset(copy)
+    fallback = dz.open_dataset(copy, force_zarr=True)
+    assert set(direct.read_paths().values()) == {"direct"}
+    assert all(v.startswith("zarr") for v in fallback.read_paths().values())
+    a = run_epoch(dz.Loader(direct, sampler(), return_index=True), 2)
+    b = run_epoch(dz.Loader(fallback, sampler(), return_index=True), 2)
+    np.testing.assert_array_equal(a["index"], b["index"])
+    np.testing.assert_array_equal(a["X"], b["X"])

@@ -1,0 +1,451 @@
+"""Tests of the pure planning layer (no I/O, no torch.distributed needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pickle
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dali_zarr.distributed import broadcast_seed, resolve_rank_world
+from dali_zarr.errors import ConfigError
+from dali_zarr.planning import (
+    ChunkSampler,
+    DistributedSampler,
+    EpochPlan,
+    iter_batches,
+    plan_epoch,
+    ranges_to_rows,
+)
+
+PRIMES = [1, 2, 3, 7, 61, 97, 101, 509, 1009, 2003, 3001, 4099]
+
+
+def world(rank: int, world_size: int):
+    """A dist_info callable, so no process group is needed."""
+    return lambda: (rank, world_size)
+
+
+def samplers(cfg: dict) -> list[DistributedSampler]:
+    """One independent DistributedSampler per rank of cfg's world."""
+    out = []
+    for r in range(cfg["world_size"]):
+        base = ChunkSampler(
+            chunk_size=cfg["chunk_size"],
+            preload_nchunks=cfg["preload_nchunks"],
+            batch_size=cfg["batch_size"],
+            shuffle=cfg["shuffle"],
+            drop_last=cfg["drop_last"],
+            seed=cfg["seed"],
+        )
+        out.append(
+            DistributedSampler(
+                base,
+                dist_info=world(r, cfg["world_size"]),
+                enforce_equal_batches=cfg["enforce"],
+                shard=cfg["shard"],
+            )
+        )
+    return out
+
+
+@st.composite
+def configs(draw) -> dict:
+    w = draw(st.integers(1, 8))
+    cs = draw(st.integers(1, 64))
+    preload = draw(st.integers(1, 8))
+    n_obs = draw(st.one_of(st.sampled_from(PRIMES), st.integers(1, 4000)))
+    if -(-n_obs // cs) < w:  # need at least one chunk per rank
+        n_obs += (w - 1) * cs
+    enforce = draw(st.booleans())
+    max_bs = preload * cs
+    if w > 1 and enforce:
+        max_bs = min(max_bs, n_obs // w)  # at least one full batch per rank
+    bs = draw(st.integers(1, max_bs))
+    return {
+        "n_obs": n_obs,
+        "world_size": w,
+        "chunk_size": cs,
+        "preload_nchunks": preload,
+        "batch_size": bs,
+        "shuffle": draw(st.booleans()),
+        "drop_last": draw(st.booleans()),
+        "enforce": enforce,
+        "shard": draw(st.sampled_from(["chunks", "contiguous"])),
+        "seed": draw(st.integers(0, 2**63 - 1)),
+    }
+
+
+def check_window_chunks(plan: EpochPlan, cfg: dict) -> None:
+    """Each range sits in one chunk; a window touches at most preload_nchunks + 1 chunks.
+
+    A short chunk (the dataset's last chunk, or in contiguous mode a chunk clipped to the
+    rank's range) can sit inside a window once shuffled; each such chunk may add one more.
+    """
+    cs, n = cfg["chunk_size"], cfg["n_obs"]
+    extra = int(n % cs != 0) if cfg["shard"] == "chunks" else 2
+    for w in range(plan.n_windows):
+        win = plan.window(w)
+        rr = win.row_ranges
+        assert np.all(rr[:, 1] > rr[:, 0])
+        assert np.array_equal(rr[:, 0] // cs, (rr[:, 1] - 1) // cs)
+        ids = win.chunk_ids()
+        assert np.unique(ids).size == ids.size
+        assert ids.size <= cfg["preload_nchunks"] + 1 + extra
+        if extra == 0:
+            assert ids.size <= cfg["preload_nchunks"] + 1
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), epoch=st.integers(0, 50))
+def test_plan_properties(cfg: dict, epoch: int) -> None:
+    n, w, bs = cfg["n_obs"], cfg["world_size"], cfg["batch_size"]
+    equal = w > 1 and cfg["enforce"]
+    full_only = equal or cfg["drop_last"]
+    plans = [s.plan_epoch(n, epoch) for s in samplers(cfg)]
+    again = [s.plan_epoch(n, epoch) for s in samplers(cfg)]  # independent objects
+    skipped = plans[0].rows_skipped
+    seen = []
+    for r, (plan, twin) in enumerate(zip(plans, again, strict=True)):
+        assert plan == twin
+        assert plan.rank == r and plan.world_size == w and plan.rows_skipped == skipped
+        batches = list(iter_batches(plan))
+        assert [b.tolist() for b in batches] == [b.tolist() for b in iter_batches(twin)]
+        assert len(batches) == plan.n_batches == samplers(cfg)[r].num_batches(n)
+        sizes = [b.size for b in batches]
+        assert sum(sizes) == plan.n_rows
+        assert all(s == bs for s in sizes[:-1])
+        if full_only:
+            assert all(s == bs for s in sizes)
+        if sizes:
+            assert 1 <= sizes[-1] <= bs
+        if equal:
+            assert plan.n_batches == (n // w) // bs
+        rows = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        assert rows.dtype == np.int64
+        assert np.all((rows >= 0) & (rows < n))
+        if cfg["shard"] == "contiguous":
+            assert np.all((rows >= r * n // w) & (rows < (r + 1) * n // w))
+        seen.append(rows)
+
+        # any window planned alone, in any order, equals sequential iteration
+        wins = [plan.window(i) for i in reversed(range(plan.n_windows))][::-1]
+        seq = [b for win in wins for b in map(win.batch_global_rows, range(win.n_batches))]
+        assert [b.tolist() for b in seq] == [b.tolist() for b in batches]
+        for win in wins:
+            assert np.array_equal(np.sort(win.order), np.arange(win.n_rows))
+            assert np.array_equal(win.global_rows(), ranges_to_rows(win.row_ranges))
+            assert win.n_rows <= plan.window_rows
+            if not cfg["shuffle"]:
+                assert np.array_equal(win.order, np.arange(win.n_rows))
+        for i in {0, plan.n_batches // 2, plan.n_batches - 1} if plan.n_batches else ():
+            wi, j = plan.window_of_batch(i)
+            assert wins[wi].first_batch + j == i
+            assert np.array_equal(wins[wi].batch_global_rows(j), batches[i])
+        check_window_chunks(plan, cfg)
+
+    allrows = np.concatenate(seen)
+    assert np.unique(allrows).size == allrows.size  # ranks disjoint, no repeats
+    assert allrows.size == n - skipped
+    if w == 1 and not cfg["drop_last"]:
+        assert skipped == 0
+        assert np.array_equal(np.sort(allrows), np.arange(n))
+    if equal:
+        assert len({p.n_batches for p in plans}) == 1
+
+
+@pytest.mark.parametrize("shard", ["chunks", "contiguous"])
+@pytest.mark.parametrize("seed", [0, 1, 7, 12345, 2**62 + 3])
+def test_39_batches_per_rank(seed: int, shard: str) -> None:
+    cfg = {
+        "n_obs": 20_000,
+        "world_size": 2,
+        "chunk_size": 64,
+        "preload_nchunks": 32,
+        "batch_size": 256,
+        "shuffle": True,
+        "drop_last": False,
+        "enforce": True,
+        "shard": shard,
+        "seed": seed,
+    }
+    skipped_sets = []
+    for epoch in range(6):
+        plans = [s.plan_epoch(20_000, epoch) for s in samplers(cfg)]
+        rows = []
+        for p in plans:
+            batches = list(iter_batches(p))
+            assert p.n_batches == len(batches) == 39
+            assert all(b.size == 256 for b in batches)
+            rows.append(np.concatenate(batches))
+        assert plans[0].rows_skipped == 20_000 - 2 * 39 * 256
+        skipped_sets.append(np.setdiff1d(np.arange(20_000), np.concatenate(rows)))
+    # the skipped rows are a different set each epoch
+    assert len({s.tobytes() for s in skipped_sets}) == len(skipped_sets)
+
+
+@pytest.mark.parametrize("shard", ["chunks", "contiguous"])
+def test_plan_changes_across_epochs(shard: str) -> None:
+    cfg = {
+        "n_obs": 10_007,
+        "world_size": 4,
+        "chunk_size": 16,
+        "preload_nchunks": 8,
+        "batch_size": 32,
+        "shuffle": True,
+        "drop_last": False,
+        "enforce": True,
+        "shard": shard,
+        "seed": 3,
+    }
+    s = samplers(cfg)[1]
+    p0, p1 = s.plan_epoch(cfg["n_obs"], 0), s.plan_epoch(cfg["n_obs"], 1)
+    assert p0 != p1
+    assert not np.array_equal(p0.row_ranges[:10], p1.row_ranges[:10])
+    assert not np.array_equal(p0.window(0).order, p1.window(0).order)
+    b0, b1 = next(iter_batches(p0)), next(iter_batches(p1))
+    assert not np.array_equal(b0, b1)
+    set0 = set(np.concatenate(list(iter_batches(p0))).tolist())
+    set1 = set(np.concatenate(list(iter_batches(p1))).tolist())
+    if shard == "chunks":
+        assert set0 != set1  # a rank's shard moves around the dataset
+    else:
+        lo, hi = cfg["n_obs"] // 4, 2 * cfg["n_obs"] // 4
+        assert set0 | set1 <= set(range(lo, hi))  # a rank keeps its rows
+    # different seeds, different plans
+    other = ChunkSampler(chunk_size=16, preload_nchunks=8, batch_size=32, seed=4)
+    same = ChunkSampler(chunk_size=16, preload_nchunks=8, batch_size=32, seed=3)
+    assert other.plan_epoch(10_007, 0) != same.plan_epoch(10_007, 0)
+
+
+def test_no_shuffle_single_rank_is_sequential() -> None:
+    s = ChunkSampler(chunk_size=10, preload_nchunks=3, batch_size=7, shuffle=False)
+    batches = list(iter_batches(s.plan_epoch(100, 0)))
+    assert np.array_equal(np.concatenate(batches), np.arange(100))
+    assert [b.size for b in batches] == [7] * 14 + [2]
+    assert s.window_rows == 28
+    dropped = ChunkSampler(chunk_size=10, preload_nchunks=3, batch_size=7, drop_last=True)
+    p = dropped.plan_epoch(100, 0)
+    assert (p.n_batches, p.n_rows, p.rows_skipped) == (14, 98, 2)
+
+
+def test_iter_batches_resume() -> None:
+    s = ChunkSampler(chunk_size=8, preload_nchunks=4, batch_size=5, seed=11)
+    plan = s.plan_epoch(1001, 2)
+    full = list(iter_batches(plan))
+    for start in (0, 1, 6, 7, 13, len(full) - 1, len(full)):
+        tail = list(iter_batches(plan, start_batch=start))
+        assert [b.tolist() for b in tail] == [b.tolist() for b in full[start:]]
+
+
+def test_plans_are_immutable() -> None:
+    s = ChunkSampler(chunk_size=8, preload_nchunks=4, batch_size=5)
+    plan = s.plan_epoch(100, 0)
+    win = plan.window(0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.batch_size = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.n_rows = 3  # type: ignore[misc]
+    for arr in (plan.row_ranges, plan.range_offsets, win.order, win.row_ranges, win.global_rows()):
+        with pytest.raises(ValueError):
+            arr[0] = 1
+    d = DistributedSampler(s, dist_info=world(0, 1))
+    with pytest.raises(AttributeError):
+        d.seed = 1  # type: ignore[misc]
+    with pytest.raises(IndexError):
+        plan.window(plan.n_windows)
+    with pytest.raises(IndexError):
+        plan.window_of_batch(plan.n_batches)
+
+
+def test_pickle_roundtrip() -> None:
+    """Samplers and plans travel to DALI worker processes by pickle, unchanged."""
+    drawn = ChunkSampler(chunk_size=8, preload_nchunks=4, batch_size=5, seed=None)
+    assert pickle.loads(pickle.dumps(drawn)) == drawn  # the drawn seed is kept, not redrawn
+    s = ChunkSampler(chunk_size=8, preload_nchunks=4, batch_size=5, seed=77)
+    d = DistributedSampler(s, dist_info=world(1, 3), shard="contiguous")
+    d2 = pickle.loads(pickle.dumps(d))
+    assert (d2.rank, d2.world_size, d2.seed, d2.shard) == (1, 3, d.seed, "contiguous")
+    assert pickle.loads(pickle.dumps(s)) == s
+    plan = d.plan_epoch(1000, 1)
+    assert pickle.loads(pickle.dumps(plan)) == plan == d2.plan_epoch(1000, 1)
+    assert pickle.loads(pickle.dumps(plan.window(1))) == plan.window(1)
+
+
+def test_large_dataset_is_fast() -> None:
+    """O(n_chunks) per epoch, O(window) per window: 100M rows plan in well under a second."""
+    s = ChunkSampler(chunk_size=64, preload_nchunks=32, batch_size=256, seed=1)
+    d = DistributedSampler(s, dist_info=world(5, 8))
+    t0 = time.perf_counter()
+    plan = d.plan_epoch(100_000_000, 3)
+    t1 = time.perf_counter()
+    win = plan.window(plan.n_windows // 2)
+    rows = win.batch_global_rows(0)
+    t2 = time.perf_counter()
+    assert plan.n_batches == (100_000_000 // 8) // 256
+    assert rows.size == 256 and win.n_rows == 2048
+    assert t1 - t0 < 5.0 and t2 - t1 < 0.5  # loose: shared 2-core CI machines
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+def test_seed_none_draws_and_distributed_refuses_without_torch() -> None:
+    a = ChunkSampler(chunk_size=4, preload_nchunks=2, batch_size=4, seed=None)
+    b = ChunkSampler(chunk_size=4, preload_nchunks=2, batch_size=4, seed=None)
+    assert isinstance(a.seed, int) and 0 <= a.seed < 2**63 and a.seed_was_drawn
+    assert a.seed != b.seed  # 63 random bits
+    assert DistributedSampler(a, dist_info=world(0, 1)).seed == a.seed
+    with pytest.raises(ConfigError, match="pass an explicit seed"):
+        DistributedSampler(a, dist_info=world(0, 2))
+    fixed = ChunkSampler(chunk_size=4, preload_nchunks=2, batch_size=4, seed=5)
+    assert not fixed.seed_was_drawn
+    assert DistributedSampler(fixed, dist_info=world(1, 2)).seed == 5
+
+
+def test_broadcast_seed_needs_torch_distributed() -> None:
+    with pytest.raises(ConfigError, match="init_process_group"):
+        broadcast_seed(3)
+
+
+# --------------------------------------------------------------------------- dist_info
+
+
+def test_dist_info_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="neither RANK and WORLD_SIZE"):
+        resolve_rank_world("env")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert resolve_rank_world("env") == (2, 4)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert resolve_rank_world("env") == (1, 3)  # torchrun variables win
+    s = ChunkSampler(chunk_size=4, preload_nchunks=2, batch_size=4, seed=0)
+    d = DistributedSampler(s, dist_info="env")
+    assert (d.rank, d.world_size, d.batch_size, d.chunk_size) == (1, 3, 4, 4)
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ConfigError, match=r"0 <= rank < world_size"):
+        resolve_rank_world("env")
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
+        resolve_rank_world("env")
+
+
+def test_dist_info_torch_not_initialized() -> None:
+    s = ChunkSampler(chunk_size=4, preload_nchunks=2, batch_size=4)
+    with pytest.raises(ConfigError, match=r"not initialized.*init_process_group.*env"):
+        DistributedSampler(s)  # default dist_info="torch"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is not None, reason="jax is installed")
+def test_dist_info_jax_missing() -> None:
+    with pytest.raises(ConfigError, match="jax is not installed"):
+        resolve_rank_world("jax")
+
+
+def test_dist_info_bad_values() -> None:
+    s = ChunkSampler(chunk_size=4, preload_nchunks=2, batch_size=4)
+    with pytest.raises(ConfigError, match="unknown dist_info 'mpi'"):
+        DistributedSampler(s, dist_info="mpi")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"rank=2, world_size=2"):
+        DistributedSampler(s, dist_info=world(2, 2))
+    with pytest.raises(ConfigError, match=r"rank=0, world_size=0"):
+        DistributedSampler(s, dist_info=world(0, 0))
+    with pytest.raises(ConfigError, match=r"\(rank, world_size\) pair"):
+        DistributedSampler(s, dist_info=lambda: 3)  # type: ignore[arg-type,return-value]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"chunk_size": 0}, "chunk_size must be a positive integer, got 0"),
+        ({"chunk_size": 2.5}, "chunk_size must be a positive integer"),
+        ({"preload_nchunks": -1}, "preload_nchunks must be a positive integer, got -1"),
+        ({"batch_size": 0}, "batch_size must be a positive integer, got 0"),
+        ({"batch_size": True}, "batch_size must be a positive integer"),
+        (
+            {"chunk_size": 8, "preload_nchunks": 2, "batch_size": 17},
+            r"a batch larger than a window.*raise preload_nchunks to at least 3 or lower "
+            r"batch_size to at most 16",
+        ),
+        ({"seed": -1}, r"seed must be an integer in \[0, 2\*\*63\) or None, got -1"),
+        ({"seed": 2**63}, r"seed must be an integer in \[0, 2\*\*63\)"),
+        ({"seed": "1"}, "seed must be an integer"),
+        ({"shuffle": 1}, "shuffle must be True or False"),
+        ({"drop_last": None}, "drop_last must be True or False"),
+    ],
+)
+def test_sampler_validation(kwargs: dict, match: str) -> None:
+    args = {"chunk_size": 8, "preload_nchunks": 2, "batch_size": 4, **kwargs}
+    with pytest.raises(ConfigError, match=match):
+        ChunkSampler(**args)
+
+
+def test_plan_time_validation() -> None:
+    s = ChunkSampler(chunk_size=64, preload_nchunks=4, batch_size=32, seed=0)
+    with pytest.raises(ConfigError, match="n_obs must be a positive integer, got 0"):
+        s.plan_epoch(0, 0)
+    with pytest.raises(ConfigError, match="n_obs must be a positive integer, got -5"):
+        s.plan_epoch(-5, 0)
+    with pytest.raises(ConfigError, match="epoch must be a non-negative integer"):
+        s.plan_epoch(100, -1)
+    d4 = DistributedSampler(s, dist_info=world(0, 4))
+    with pytest.raises(
+        ConfigError,
+        match=r"more ranks than chunks.*3 chunk\(s\) for world_size=4.*lower chunk_size to at "
+        r"most 37 or run on at most 3 ranks",
+    ):
+        d4.plan_epoch(150, 0)
+    with pytest.raises(ConfigError, match="more ranks than chunks"):
+        d4.num_batches(150)
+    small = DistributedSampler(
+        ChunkSampler(chunk_size=16, preload_nchunks=4, batch_size=32, seed=0),
+        dist_info=world(0, 4),
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"dataset too small.*needs n_obs >= world_size x batch_size = 128.*lower "
+        r"batch_size to at most 25, use fewer ranks, or pass enforce_equal_batches=False",
+    ):
+        small.plan_epoch(100, 0)
+    # without enforcement the same setting is allowed: ranks yield partial/uneven batches
+    loose = DistributedSampler(
+        ChunkSampler(chunk_size=16, preload_nchunks=4, batch_size=32, seed=0),
+        dist_info=world(0, 4),
+        enforce_equal_batches=False,
+    )
+    assert loose.plan_epoch(100, 0).n_batches == 1
+    with pytest.raises(ConfigError, match=r"unknown shard 'rows'.*shard=\"chunks\""):
+        DistributedSampler(s, dist_info=world(0, 1), shard="rows")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="enforce_equal_batches must be True or False"):
+        DistributedSampler(s, dist_info=world(0, 1), enforce_equal_batches="yes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="wraps a ChunkSampler"):
+        DistributedSampler("sampler", dist_info=world(0, 1))  # type: ignore[arg-type]
+
+
+def test_plan_epoch_function_matches_classes() -> None:
+    s = ChunkSampler(chunk_size=5, preload_nchunks=3, batch_size=4, seed=9, drop_last=True)
+    d = DistributedSampler(s, dist_info=world(2, 3), shard="contiguous")
+    direct = plan_epoch(
+        n_obs=997,
+        epoch=4,
+        seed=9,
+        chunk_size=5,
+        preload_nchunks=3,
+        batch_size=4,
+        rank=2,
+        world_size=3,
+        drop_last=True,
+        shard="contiguous",
+    )
+    assert d.plan_epoch(997, 4) == direct
