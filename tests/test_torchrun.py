@@ -3,6 +3,7 @@ complete coverage, and DDP steps that finish."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,12 @@ def torchrun(nproc: int, data: Path, out: Path, *extra: str, timeout: int = 300)
         str(out),
         *extra,
     ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(nproc)]
 
