@@ -142,9 +142,7 @@ class Loader:
                 prefetch_queue_depth=self.prefetch_queue_depth,
                 transform=self.transform,
             )
-            self._iterator = DALIGenericIterator(
-                [pipe], self._names, auto_reset=False, prepare_first_batch=False
-            )
+            self._iterator = self._make_iterator(pipe, self._names)
         else:
             if self._open_epoch:  # the last loop was left early: drain what DALI prefetched
                 self._source.cut_epoch(self._dali_epoch, self._consumed)
@@ -157,12 +155,17 @@ class Loader:
         self._consumed = 0
         return self._iterator
 
+    def _make_iterator(self, pipe, names: list[str]):
+        """The framework's DALI iterator (an adapter for another framework overrides this)."""
+        return DALIGenericIterator([pipe], names, auto_reset=False, prepare_first_batch=False)
+
     def _original_error(self, exc: Exception) -> BaseException:
         """DALI wraps callback errors in its own; surface ours (they name store and chunk)."""
         error, self._source.error = self._source.error, None
         return error if error is not None else exc
 
     def _to_batch(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One iterator output → the user's batch dict (adapters override this too)."""
         batch = {name: tensor[0] for name, tensor in outputs.items()}  # drop DALI's batch dim
         if "X_data" in batch:
             indptr = batch.pop("X_indptr")
