@@ -6,6 +6,7 @@ callback and ops), and the framework adapter :class:`Loader`.
 """
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
+from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ChunkReadError, ConfigError, DaliZarrError, DatasetError
 from dali_zarr.graph.pipeline import build_graph, build_pipeline
 from dali_zarr.loader import Loader
@@ -24,6 +25,7 @@ __all__ = [
     "DistributedSampler",
     "EpochPlan",
     "Loader",
+    "Subset",
     "WindowPlan",
     "build_graph",
     "build_pipeline",

@@ -89,6 +89,13 @@ class Dataset(ABC):
         """Category names of a categorical obs column, to map batch codes back to labels."""
         return self.obs_column(column).categories
 
+    def global_ids(self, rows: np.ndarray) -> np.ndarray:
+        """This dataset's row ids → the observation ids batches report (``batch["index"]``).
+
+        The identity here; a :class:`~dali_zarr.data.subset.Subset` maps to its parent's ids.
+        """
+        return rows
+
     @property
     def n_features(self) -> int:
         return int(np.prod(self.feature_shape, dtype=np.int64))

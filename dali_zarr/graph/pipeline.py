@@ -103,10 +103,14 @@ def build_pipeline(
     num_threads: int = 2,
     prefetch_queue_depth: int = 2,
     transform: Transform | None = None,
+    enable_checkpointing: bool = False,
+    checkpoint: bytes | str | None = None,
 ) -> tuple[Pipeline, list[str]]:
     """A DALI pipeline yielding one minibatch per iteration, and its output names.
 
-    ``device_id=None`` builds a CPU-only pipeline (no CUDA needed).
+    ``device_id=None`` builds a CPU-only pipeline (no CUDA needed). ``enable_checkpointing``
+    and ``checkpoint`` are DALI's own (``pipe.checkpoint()`` saves, ``checkpoint=`` restores
+    operator state such as the RNG of random ops in ``transform``).
     """
     pipe = Pipeline(
         batch_size=1,  # one DALI sample is one whole minibatch
@@ -114,6 +118,8 @@ def build_pipeline(
         device_id=device_id,
         prefetch_queue_depth=prefetch_queue_depth,
         exec_dynamic=True,
+        enable_checkpointing=enable_checkpointing,
+        checkpoint=checkpoint,
     )
     want = np.dtype(dtype)
     if want not in _OUTPUT_DTYPES:

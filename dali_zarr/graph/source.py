@@ -19,8 +19,12 @@ import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows
 from dali_zarr.planning import EpochPlan, WindowPlan
+from dali_zarr.planning.resume import PlanSettings, Segment, plan_resumed_epoch
 
 Output = Literal["dense", "csr"]
+# Which plan a DALI epoch follows: (user epoch, history of interrupted runs of that epoch);
+# history () is the normal plan, anything else the remainder of a resumed epoch.
+PlanKey = tuple[int, tuple[Segment, ...]]
 
 
 class Planner(Protocol):
@@ -52,7 +56,10 @@ class BatchSource:
 
     Returns, per iteration, one DALI sample per output (a whole minibatch). Maps DALI's
     epoch counter to the user's epoch through :meth:`bind_epoch`, set by the loader before
-    DALI starts an epoch, so ``set_epoch`` order never races DALI's look-ahead.
+    DALI starts an epoch, so ``set_epoch`` order never races DALI's look-ahead. A resumed
+    epoch is bound with a ``start`` offset (DALI iteration ``i`` is plan batch
+    ``i + start``) and, after a restart on another number of ranks, the ``history`` that
+    selects the remainder plan; windows before the resume point are never read.
     """
 
     def __init__(
@@ -75,10 +82,10 @@ class BatchSource:
         self.prefetch_windows = max(0, prefetch_windows)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dali_zarr-window")
         self._lock = threading.Lock()
-        self._epochs: dict[int, int] = {}  # DALI epoch_idx -> user epoch
+        self._epochs: dict[int, tuple[PlanKey, int]] = {}  # DALI epoch_idx -> (plan, start)
         self._stop_at: dict[int, int] = {}  # DALI epoch_idx -> iteration where it was cut short
-        self._plans: OrderedDict[int, EpochPlan] = OrderedDict()
-        self._windows: OrderedDict[tuple[int, int], Future[Window]] = OrderedDict()
+        self._plans: OrderedDict[PlanKey, EpochPlan] = OrderedDict()
+        self._windows: OrderedDict[tuple[PlanKey, int], Future[Window]] = OrderedDict()
         # no_copy=True hands our buffers to DALI: keep the last few batches referenced until
         # DALI's prefetch queue has certainly consumed them.
         self._alive: deque[list[np.ndarray]] = deque(maxlen=keep_alive)
@@ -86,9 +93,18 @@ class BatchSource:
 
     # -- epoch bookkeeping (called by the loader) ---------------------------------------------
 
-    def bind_epoch(self, dali_epoch: int, epoch: int) -> None:
+    def bind_epoch(
+        self,
+        dali_epoch: int,
+        epoch: int,
+        *,
+        history: tuple[Segment, ...] = (),
+        start: int = 0,
+    ) -> None:
+        """DALI epoch ``dali_epoch`` yields the plan of (``epoch``, ``history``), its iteration
+        ``i`` being plan batch ``i + start``."""
         with self._lock:
-            self._epochs[dali_epoch] = epoch
+            self._epochs[dali_epoch] = ((int(epoch), tuple(history)), int(start))
             self._stop_at.pop(dali_epoch, None)
 
     def cut_epoch(self, dali_epoch: int, iteration: int) -> None:
@@ -96,12 +112,23 @@ class BatchSource:
         with self._lock:
             self._stop_at[dali_epoch] = iteration
 
-    def plan(self, epoch: int) -> EpochPlan:
+    def plan(self, epoch: int, history: tuple[Segment, ...] = ()) -> EpochPlan:
+        key = (int(epoch), tuple(history))
         with self._lock:
-            plan = self._plans.get(epoch)
+            plan = self._plans.get(key)
             if plan is None:
-                plan = self.sampler.plan_epoch(self.dataset.n_obs, epoch)
-                self._plans[epoch] = plan
+                if history:
+                    plan = plan_resumed_epoch(
+                        PlanSettings.of(self.sampler),
+                        n_obs=self.dataset.n_obs,
+                        epoch=epoch,
+                        history=history,
+                        rank=self.sampler.rank,  # type: ignore[attr-defined]
+                        world_size=self.sampler.world_size,  # type: ignore[attr-defined]
+                    )
+                else:
+                    plan = self.sampler.plan_epoch(self.dataset.n_obs, epoch)
+                self._plans[key] = plan
                 while len(self._plans) > 2:
                     self._plans.popitem(last=False)
             return plan
@@ -119,17 +146,18 @@ class BatchSource:
 
     def _batch(self, dali_epoch: int, iteration: int) -> list[list[np.ndarray]]:
         with self._lock:
-            epoch = self._epochs.get(dali_epoch)
+            bound = self._epochs.get(dali_epoch)
             stop_at = self._stop_at.get(dali_epoch)
-        if epoch is None or (stop_at is not None and iteration >= stop_at):
+        if bound is None or (stop_at is not None and iteration >= stop_at):
             raise StopIteration
-        plan = self.plan(epoch)
-        if iteration >= plan.n_batches:
+        key, start = bound
+        plan = self.plan(*key)
+        if iteration + start >= plan.n_batches:
             raise StopIteration
-        w, j = plan.window_of_batch(iteration)
-        window = self.window(epoch, w)
+        w, j = plan.window_of_batch(iteration + start)
+        window = self.window(key, w)
         for ahead in range(w + 1, min(w + 1 + self.prefetch_windows, plan.n_windows)):
-            self._schedule(epoch, ahead)
+            self._schedule(key, ahead)
         outputs = self.batch_outputs(window, j)
         self._alive.append(outputs)
         return [[a] for a in outputs]
@@ -145,29 +173,29 @@ class BatchSource:
         rows = window.global_rows[pos]
         outputs.extend(np.ascontiguousarray(values[rows]) for values in self.obs.values())
         if self.return_index:
-            outputs.append(rows)
+            outputs.append(np.ascontiguousarray(self.dataset.global_ids(rows), dtype=np.int64))
         return outputs
 
     # -- windows --------------------------------------------------------------------------------
 
-    def window(self, epoch: int, w: int) -> Window:
-        future = self._schedule(epoch, w)
+    def window(self, key: PlanKey, w: int) -> Window:
+        future = self._schedule(key, w)
         with self._lock:  # DALI asks in order: earlier windows will not be asked for again
-            for key in [k for k in self._windows if k[0] != epoch or k[1] < w - 1]:
-                self._windows.pop(key).cancel()
+            for k in [k for k in self._windows if k[0] != key or k[1] < w - 1]:
+                self._windows.pop(k).cancel()
         return future.result()
 
-    def _schedule(self, epoch: int, w: int) -> Future[Window]:
+    def _schedule(self, key: PlanKey, w: int) -> Future[Window]:
         with self._lock:
-            future = self._windows.get((epoch, w))
+            future = self._windows.get((key, w))
             if future is None:
-                future = self._pool.submit(self.read_window, epoch, w)
-                self._windows[(epoch, w)] = future
+                future = self._pool.submit(self.read_window, key, w)
+                self._windows[(key, w)] = future
             return future
 
-    def read_window(self, epoch: int, w: int) -> Window:
-        """Read and decode window ``w`` of ``epoch`` (runs on the prefetch thread)."""
-        window_plan = self.plan(epoch).window(w)
+    def read_window(self, key: PlanKey, w: int) -> Window:
+        """Read and decode window ``w`` of the plan ``key`` (runs on the prefetch thread)."""
+        window_plan = self.plan(*key).window(w)
         rows = self.dataset.read_rows(window_plan.row_ranges)
         if isinstance(rows, CsrRows):
             arrays: tuple[np.ndarray, ...] = (

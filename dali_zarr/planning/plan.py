@@ -121,6 +121,12 @@ class EpochPlan:
     shuffle: bool
     row_ranges: np.ndarray = field(repr=False)  # (k, 2) int64
     range_offsets: np.ndarray = field(repr=False)  # (k + 1,) int64, [0] == 0, [-1] == n_rows
+    # Rows of this epoch delivered before this plan starts: 0 for a fresh epoch; for the
+    # rest of an epoch resumed on another number of ranks (planning/resume.py), the rows the
+    # earlier run delivered. Always rows_done + (sum of n_rows over ranks) + rows_skipped == n_obs.
+    rows_done: int = 0
+    # Key of the window shuffle streams (after seed and epoch); resumed epochs use their own.
+    stream: tuple[int, ...] = (TAG_WINDOW,)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "row_ranges", _frozen(self.row_ranges).reshape(-1, 2))
@@ -140,7 +146,7 @@ class EpochPlan:
         ranges, _ = slice_ranges(self.row_ranges, self.range_offsets, lo, hi)
         n = hi - lo
         if self.shuffle:
-            rng = np.random.default_rng([self.seed, self.epoch, TAG_WINDOW, self.rank, w])
+            rng = np.random.default_rng([self.seed, self.epoch, *self.stream, self.rank, w])
             order = rng.permutation(n).astype(np.int64, copy=False)
         else:
             order = np.arange(n, dtype=np.int64)

@@ -1,0 +1,847 @@
+"""Streaming converter: ``.h5ad`` / AnnData Zarr / plain Zarr arrays → a store laid out for us.
+
+`convert` reads its inputs in blocks of rows and writes a zarr v3 store whose chunks hold a
+chosen number of rows, grouped into shards of a chosen size, compressed with a codec the GPU
+path can decode (zstd, lz4 or none). Several inputs are concatenated along the rows. Rows may
+be pre-shuffled (see `output_permutation` for exactly how). AnnData inputs give an AnnData
+store (``X``, ``obs``, ``var``) that both `dali_zarr.open_dataset` and ``anndata.read_zarr``
+read; plain arrays give a plain array.
+
+Memory is bounded: ``X`` is never loaded whole. At any time the converter holds one block of
+input rows (twice while shuffling it) and, per output array, a buffer of one shard, because
+zarr rewrites a whole shard on every partial write, so each shard is written once, complete.
+``obs``/``var`` (one value per row or feature) and CSR ``indptr`` are held in memory.
+
+The output is written into ``DST.partial`` (marked as ours) and renamed to ``DST`` only when
+complete, so an interrupted run never leaves a ``DST`` that looks complete; a re-run removes
+the stale ``DST.partial``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import zarr
+
+from dali_zarr.errors import ConfigError, DatasetError
+
+__all__ = [
+    "CODECS",
+    "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_CHUNK_ROWS",
+    "DEFAULT_SHARD_BYTES",
+    "ConvertResult",
+    "convert",
+    "output_permutation",
+]
+
+Codec = Literal["zstd", "lz4", "none"]
+CODECS: tuple[str, ...] = ("zstd", "lz4", "none")
+DEFAULT_CHUNK_ROWS = 256
+DEFAULT_SHARD_BYTES = 256 * 2**20
+DEFAULT_BLOCK_BYTES = 64 * 2**20  # decoded X bytes read per block when block_rows is not given
+_UNSHARDED_WRITE_BYTES = 32 * 2**20  # write unsharded arrays in runs of whole chunks this big
+_INDPTR_CHUNK = 2**20
+_MARKER = ".dali-zarr-partial"  # inside DST.partial: proves the directory is ours to remove
+ORIGINAL_INDEX = "original_index"
+ORIGINAL_SOURCE = "original_source"
+SHUFFLE_METHOD = (
+    "two-level: pieces of piece_rows consecutive input rows in a random order (seed), then the "
+    "rows of every window_pieces consecutive pieces permuted uniformly"
+)
+
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    """What `convert` wrote (also stored, in part, in the output's ``dali_zarr`` attribute)."""
+
+    path: str
+    anndata: bool
+    layout: Literal["csr", "dense"]
+    n_obs: int
+    feature_shape: tuple[int, ...]
+    dtype: str
+    nnz: int | None  # CSR only
+    chunk_rows: int  # dense: exact; CSR: the mean rows per data chunk that was aimed for
+    chunk_elements: int | None  # CSR: elements per data/indices chunk
+    shard_chunks: int | None  # chunks per shard of X (None: not sharded)
+    codec: str
+    shuffle: dict[str, int] | None  # {"seed", "piece_rows", "window_pieces"} or None
+    block_rows: int
+    n_blocks: int  # blocks of input rows read (the unit of memory)
+    obs_columns: tuple[str, ...] = ()
+    dropped_obs_columns: tuple[str, ...] = ()
+    nbytes: int = 0  # bytes on disk
+    seconds: float = 0.0
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------- shuffling
+
+
+def _windows(
+    n_obs: int, *, block_rows: int, shuffle: dict[str, int] | None
+) -> Iterator[tuple[list[tuple[int, int]], np.ndarray | None]]:
+    """Blocks of output rows: (input row ranges read in order, permutation of their rows)."""
+    if shuffle is None:
+        for start in range(0, n_obs, block_rows):
+            yield [(start, min(n_obs, start + block_rows))], None
+        return
+    seed, piece, per_window = shuffle["seed"], shuffle["piece_rows"], shuffle["window_pieces"]
+    n_pieces = -(-n_obs // piece)
+    order = np.random.default_rng([seed, 0]).permutation(n_pieces)
+    for w, first in enumerate(range(0, n_pieces, per_window)):
+        pieces = order[first : first + per_window].tolist()
+        ranges = [(p * piece, min(n_obs, (p + 1) * piece)) for p in pieces]
+        n_rows = sum(b - a for a, b in ranges)
+        yield ranges, np.random.default_rng([seed, 1, w]).permutation(n_rows)
+
+
+def output_permutation(n_obs: int, *, seed: int, piece_rows: int, window_pieces: int) -> np.ndarray:
+    """Input row of every output row of a shuffled conversion: ``out[i] = in[perm[i]]``.
+
+    Takes the ``shuffle`` entry of the output's ``dali_zarr`` attribute as keywords. A
+    uniform permutation of n rows needs random access to all of them; to stream with bounded
+    memory the converter shuffles in two levels instead: the input (concatenated inputs) is
+    cut into pieces of ``piece_rows`` consecutive rows, the pieces are put in a random order,
+    then every ``window_pieces`` consecutive pieces are read together and their rows are
+    permuted uniformly. Rows of one input piece thus land in one window of output rows.
+    """
+    shuffle = {"seed": seed, "piece_rows": piece_rows, "window_pieces": window_pieces}
+    parts = []
+    for ranges, perm in _windows(n_obs, block_rows=piece_rows * window_pieces, shuffle=shuffle):
+        rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
+        parts.append(rows if perm is None else rows[perm])
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+@dataclass
+class _Input:
+    """One opened input: sliceable arrays (zarr or h5py) plus what is needed to read them."""
+
+    path: str
+    anndata: bool
+    layout: Literal["csr", "dense"]
+    n_obs: int
+    feature_shape: tuple[int, ...]
+    dtype: np.dtype
+    root: Any = None  # zarr.Group / h5py.File holding obs and var (AnnData)
+    x: Any = None  # dense rows
+    data: Any = None  # CSR
+    indices: Any = None
+    indptr: np.ndarray | None = None
+    index_dtype: np.dtype | None = None
+    handle: Any = None  # an h5py.File to close
+
+    @property
+    def nnz(self) -> int:
+        return int(self.indptr[-1]) if self.indptr is not None else 0
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+
+
+def _open_input(path: str) -> _Input:
+    if not os.path.exists(path):
+        raise DatasetError(
+            f"{path}: no such file or directory; pass an .h5ad file, a Zarr store or array."
+        )
+    if os.path.isfile(path):
+        return _open_h5ad(path)
+    try:
+        node = zarr.open(path, mode="r")
+    except Exception as exc:  # zarr raises several types for "not a store"
+        raise DatasetError(
+            f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}); pass an .h5ad file, "
+            "or the directory that holds zarr.json (v3) or .zgroup/.zarray (v2)."
+        ) from exc
+    if isinstance(node, zarr.Array):
+        return _dense_input(path, node, anndata=False, root=None)
+    encoding = node.attrs.get("encoding-type")
+    if encoding != "anndata":
+        arrays = sorted(k for k, v in node.members() if isinstance(v, zarr.Array))
+        hint = (
+            f" To convert one of its arrays, pass {os.path.join(path, arrays[0])}."
+            if arrays
+            else ""
+        )
+        raise DatasetError(
+            f"{path}: is a Zarr group but neither an AnnData store (root attribute "
+            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}"
+        )
+    return _anndata_input(path, node, handle=None)
+
+
+def _open_h5ad(path: str) -> _Input:
+    try:
+        import h5py
+    except ImportError as exc:
+        raise ConfigError(f"{path}: reading .h5ad files needs h5py (pip install h5py).") from exc
+    if not h5py.is_hdf5(path):
+        raise DatasetError(
+            f"{path}: is a file but not an HDF5 (.h5ad) file; pass an .h5ad file, a Zarr "
+            "store or a Zarr array directory."
+        )
+    handle = h5py.File(path, "r")
+    try:
+        return _anndata_input(path, handle, handle=handle)
+    except BaseException:
+        handle.close()
+        raise
+
+
+def _attr(node: Any, key: str) -> Any:
+    value = node.attrs.get(key)
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _is_array(node: Any) -> bool:
+    return isinstance(node, zarr.Array) or (hasattr(node, "shape") and hasattr(node, "dtype"))
+
+
+def _anndata_input(path: str, root: Any, *, handle: Any) -> _Input:
+    if "X" not in root:
+        raise DatasetError(f"{path}: AnnData store has no 'X'; nothing to convert.")
+    x = root["X"]
+    if _is_array(x):
+        if len(x.shape) != 2:
+            raise DatasetError(f"{path}/X: dense X must be 2-D, found shape {x.shape}.")
+        inp = _dense_input(path, x, anndata=True, root=root)
+        inp.handle = handle
+        return inp
+    encoding = _attr(x, "encoding-type") or _attr(x, "h5sparse_format")
+    if encoding in ("csc_matrix", "csc"):
+        raise DatasetError(
+            f"{path}/X: is CSC (column-major); rows cannot be streamed. Re-write X as CSR "
+            "(e.g. adata.X = adata.X.tocsr())."
+        )
+    if encoding not in ("csr_matrix", "csr"):
+        raise DatasetError(
+            f"{path}/X: encoding {encoding!r} is not supported (expected csr_matrix or a dense "
+            "array)."
+        )
+    for key in ("data", "indices", "indptr"):
+        if key not in x or not _is_array(x[key]):
+            raise DatasetError(f"{path}/X: csr_matrix group has no array {key!r}; re-write it.")
+    shape = x.attrs.get("shape")
+    if shape is None or len(shape) != 2:
+        raise DatasetError(f"{path}/X: csr_matrix group has no valid 'shape' attribute.")
+    n_obs, n_features = (int(s) for s in shape)
+    indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
+    if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
+        raise DatasetError(
+            f"{path}/X/indptr: must hold {n_obs + 1} non-decreasing offsets from 0 "
+            f"(has {len(indptr)}); the store is inconsistent."
+        )
+    data, indices = x["data"], x["indices"]
+    for name, arr in (("data", data), ("indices", indices)):
+        if arr.shape[0] < indptr[-1]:
+            raise DatasetError(
+                f"{path}/X/{name}: has {arr.shape[0]} elements but indptr ends at "
+                f"{int(indptr[-1])}; the store is truncated."
+            )
+    return _Input(
+        path=path,
+        anndata=True,
+        layout="csr",
+        n_obs=n_obs,
+        feature_shape=(n_features,),
+        dtype=_numeric(path, np.dtype(data.dtype)),
+        root=root,
+        data=data,
+        indices=indices,
+        indptr=indptr,
+        index_dtype=np.dtype(indices.dtype),
+        handle=handle,
+    )
+
+
+def _dense_input(path: str, x: Any, *, anndata: bool, root: Any) -> _Input:
+    if len(x.shape) == 0:
+        raise DatasetError(f"{path}: is a 0-d array; it holds no rows to convert.")
+    return _Input(
+        path=path,
+        anndata=anndata,
+        layout="dense",
+        n_obs=int(x.shape[0]),
+        feature_shape=tuple(int(s) for s in x.shape[1:]),
+        dtype=_numeric(path, np.dtype(x.dtype)),
+        root=root,
+        x=x,
+    )
+
+
+def _numeric(path: str, dtype: np.dtype) -> np.dtype:
+    if dtype.kind not in "biuf":
+        raise DatasetError(f"{path}: X has dtype {dtype}; only numeric data can be converted.")
+    return dtype.newbyteorder("=") if dtype.byteorder not in "=|" else dtype
+
+
+def _check_compatible(inputs: Sequence[_Input]) -> None:
+    first = inputs[0]
+    for inp in inputs[1:]:
+        if inp.anndata != first.anndata:
+            kinds = {True: "an AnnData store", False: "a plain array"}
+            raise DatasetError(
+                f"{inp.path} is {kinds[inp.anndata]} but {first.path} is "
+                f"{kinds[first.anndata]}; convert AnnData inputs and plain arrays separately."
+            )
+        if (inp.layout, inp.feature_shape) != (first.layout, first.feature_shape):
+            raise DatasetError(
+                f"{inp.path} has {inp.layout} X with features {inp.feature_shape} but "
+                f"{first.path} has {first.layout} X with features {first.feature_shape}; "
+                "concatenated inputs must share the feature axis."
+            )
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _split(inputs: Sequence[_Input], offsets: np.ndarray, start: int, stop: int):
+    """Global rows [start, stop) → (input, local start, local stop) pieces, in order."""
+    while start < stop:
+        k = int(np.searchsorted(offsets, start, side="right")) - 1
+        end = min(stop, int(offsets[k + 1]))
+        yield inputs[k], start - int(offsets[k]), end - int(offsets[k])
+        start = end
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _read_dense(inputs, offsets, ranges, dtype: np.dtype) -> np.ndarray:
+    parts = [
+        np.asarray(inp.x[a:b]).astype(dtype, copy=False)
+        for s, e in _merge(ranges)
+        for inp, a, b in _split(inputs, offsets, s, e)
+    ]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _read_csr(inputs, offsets, ranges, dtype: np.dtype, index_dtype: np.dtype):
+    data, indices, lengths = [], [], []
+    for s, e in _merge(ranges):
+        for inp, a, b in _split(inputs, offsets, s, e):
+            e0, e1 = int(inp.indptr[a]), int(inp.indptr[b])
+            data.append(np.asarray(inp.data[e0:e1]).astype(dtype, copy=False))
+            indices.append(np.asarray(inp.indices[e0:e1]).astype(index_dtype, copy=False))
+            lengths.append(np.diff(inp.indptr[a : b + 1]))
+    return np.concatenate(data), np.concatenate(indices), np.concatenate(lengths)
+
+
+def _permute_csr(data, indices, lengths, perm):
+    """Rows of a CSR block in the order ``perm`` (one vectorized gather)."""
+    starts = np.cumsum(lengths) - lengths
+    new_lengths = lengths[perm]
+    total = int(new_lengths.sum())
+    new_starts = np.cumsum(new_lengths) - new_lengths
+    gather = np.repeat(starts[perm] - new_starts, new_lengths) + np.arange(total, dtype=np.int64)
+    return data[gather], indices[gather], new_lengths
+
+
+# ---------------------------------------------------------------------------- writing
+
+
+class _Appender:
+    """Writes an array front to back in whole write units (one shard, or runs of chunks).
+
+    zarr re-reads and rewrites a shard on every partial write, so values are buffered until
+    a unit is complete: every unit is encoded and written exactly once.
+    """
+
+    def __init__(self, array: zarr.Array, unit: int) -> None:
+        self.array = array
+        self.total = int(array.shape[0])
+        self.buffer = np.empty((max(1, min(unit, self.total)), *array.shape[1:]), array.dtype)
+        self.fill = 0
+        self.written = 0
+
+    def append(self, values: np.ndarray) -> None:
+        i = 0
+        while i < len(values):
+            take = min(len(self.buffer) - self.fill, len(values) - i)
+            self.buffer[self.fill : self.fill + take] = values[i : i + take]
+            self.fill += take
+            i += take
+            if self.fill == len(self.buffer):
+                self._flush()
+
+    def _flush(self) -> None:
+        if self.fill:
+            self.array[self.written : self.written + self.fill] = self.buffer[: self.fill]
+            self.written += self.fill
+            self.fill = 0
+
+    def finish(self) -> None:
+        self._flush()
+        if self.written != self.total:  # an internal bookkeeping error, never user input
+            raise RuntimeError(f"wrote {self.written} of {self.total} rows of {self.array.path}")
+
+
+def _compressors(codec: str) -> Any:
+    from zarr.codecs import ZstdCodec
+
+    if codec == "zstd":
+        return ZstdCodec()
+    if codec == "lz4":
+        from zarr.codecs.numcodecs import LZ4
+
+        return LZ4()
+    return None
+
+
+def _layout(length: int, chunk: int, row_bytes: int, shard_bytes: int | None):
+    """(chunk length, shard length or None, write unit) for ``length`` rows along axis 0.
+
+    A shard holds as many whole chunks as fit in ``shard_bytes`` (at least 2, or no sharding,
+    and never more than the array needs).
+    """
+    chunk = max(1, min(chunk, length))
+    chunk_bytes = max(1, chunk * row_bytes)
+    n_chunks = -(-length // chunk) if length else 1
+    per_shard = min(shard_bytes // chunk_bytes, n_chunks) if shard_bytes else 0
+    if per_shard >= 2:
+        return chunk, chunk * per_shard, chunk * per_shard
+    return chunk, None, chunk * max(1, _UNSHARDED_WRITE_BYTES // chunk_bytes)
+
+
+def _create(
+    parent: zarr.Group | str,
+    name: str | None,
+    *,
+    shape: tuple[int, ...],
+    dtype: np.dtype,
+    chunk: int,
+    shard: int | None,
+    codec: str,
+) -> zarr.Array:
+    kwargs: dict[str, Any] = dict(
+        shape=shape,
+        dtype=dtype,
+        chunks=(chunk, *shape[1:]),
+        shards=None if shard is None else (shard, *shape[1:]),
+        compressors=_compressors(codec),
+        fill_value=0,
+    )
+    if isinstance(parent, zarr.Group):
+        return parent.create_array(name, **kwargs)
+    return zarr.create_array(parent, zarr_format=3, **kwargs)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+# ---------------------------------------------------------------------------- obs / var
+
+
+def _anndata_io():
+    try:
+        import anndata.io
+        import pandas as pd
+    except ImportError as exc:
+        raise ConfigError(
+            "converting AnnData inputs needs the anndata package (pip install anndata)."
+        ) from exc
+    return anndata.io, pd
+
+
+def _frame(inp: _Input, key: str, n: int):
+    aio, pd = _anndata_io()
+    if inp.root is not None and key in inp.root:
+        frame = aio.read_elem(inp.root[key])
+        if len(frame) != n:
+            raise DatasetError(
+                f"{inp.path}/{key}: has {len(frame)} rows for {n}; the store is inconsistent."
+            )
+        return frame
+    return pd.DataFrame(index=pd.Index([str(i) for i in range(n)]))
+
+
+def _combined_obs(inputs: Sequence[_Input]):
+    """The inputs' obs, concatenated (columns common to all; categories merged)."""
+    _, pd = _anndata_io()
+    frames = [_frame(inp, "obs", inp.n_obs) for inp in inputs]
+    if len(frames) == 1:
+        return frames[0], ()
+    common = [c for c in frames[0].columns if all(c in f.columns for f in frames[1:])]
+    dropped = tuple(sorted({str(c) for f in frames for c in f.columns} - set(common)))
+    columns = {}
+    for c in common:
+        parts = [f[c] for f in frames]
+        if all(isinstance(p.dtype, pd.CategoricalDtype) for p in parts):
+            columns[c] = pd.api.types.union_categoricals(parts, ignore_order=True)
+        else:
+            columns[c] = pd.concat(parts, ignore_index=True).to_numpy()
+    index = pd.Index(np.concatenate([np.asarray(f.index, dtype=object) for f in frames]))
+    return pd.DataFrame(columns, index=index.astype(str)), dropped
+
+
+def _check_var(inputs: Sequence[_Input]):
+    var = _frame(inputs[0], "var", inputs[0].feature_shape[0])
+    for inp in inputs[1:]:
+        other = _frame(inp, "var", inp.feature_shape[0])
+        if not var.index.equals(other.index):
+            differ = np.flatnonzero(np.asarray(var.index) != np.asarray(other.index))
+            j = int(differ[0]) if len(differ) else 0
+            raise DatasetError(
+                f"{inp.path}: var_names differ from {inputs[0].path} (feature {j}: "
+                f"{other.index[j]!r} vs {var.index[j]!r}); align the features of all inputs "
+                "before concatenating them."
+            )
+    return var
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> str:
+    dest = os.path.normpath(dest)
+    parent = os.path.dirname(os.path.abspath(dest))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{dest}: parent directory {parent} does not exist; create it first.")
+    real = os.path.realpath(dest)
+    for src in sources:
+        rs = os.path.realpath(src)
+        if real == rs or rs.startswith(real + os.sep) or real.startswith(rs + os.sep):
+            raise ConfigError(
+                f"{dest}: is, holds, or lies inside the input {src}; write to another path."
+            )
+    if os.path.lexists(dest) and not overwrite:
+        raise ConfigError(
+            f"{dest}: already exists; pass overwrite=True (--overwrite) to replace it."
+        )
+    partial = dest + ".partial"
+    if os.path.lexists(partial):
+        if not os.path.exists(os.path.join(partial, _MARKER)):
+            raise ConfigError(
+                f"{partial}: exists but was not left by an interrupted dali-zarr convert; "
+                "remove it or choose another destination."
+            )
+        shutil.rmtree(partial)  # a stale, half-written result of an interrupted run
+    os.makedirs(partial)
+    with open(os.path.join(partial, _MARKER), "w") as f:
+        f.write("an unfinished dali-zarr convert; safe to delete\n")
+    return partial
+
+
+def _publish(partial: str, dest: str) -> None:
+    """Move the finished store into place; an existing ``dest`` (overwrite) goes last."""
+    os.remove(os.path.join(partial, _MARKER))
+    old = None
+    if os.path.lexists(dest):
+        old = f"{dest}.old-{os.getpid()}"
+        os.rename(dest, old)
+    os.rename(partial, dest)
+    if old is not None:
+        if os.path.isdir(old) and not os.path.islink(old):
+            shutil.rmtree(old)
+        else:
+            os.remove(old)
+
+
+def convert(
+    sources: str | os.PathLike | Sequence[str | os.PathLike],
+    dest: str | os.PathLike,
+    *,
+    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    shard_bytes: int | None = DEFAULT_SHARD_BYTES,
+    codec: Codec = "zstd",
+    shuffle: bool = False,
+    seed: int = 0,
+    block_rows: int | None = None,
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> ConvertResult:
+    """Convert ``sources`` (concatenated along rows) into a dali_zarr-friendly store at ``dest``.
+
+    ``chunk_rows``: rows per chunk. Dense ``X`` and plain arrays are chunked ``chunk_rows``
+    rows × every other axis whole. CSR ``data``/``indices`` are 1-D and a regular zarr grid
+    cannot put chunk boundaries at row boundaries (rows have different lengths), so their
+    chunk holds ``round(nnz / n_obs * chunk_rows)`` elements: ``chunk_rows`` rows on average.
+    ``shard_bytes``: shards hold as many whole chunks as fit (``None``/0: not sharded).
+    ``shuffle``: write rows in the order of `output_permutation` (``seed``); the obs column
+    ``original_index`` always gives each output row's row number in the concatenated input.
+    ``block_rows``: input rows read at once (default: about 64 MiB of decoded X); with
+    ``shuffle`` it is rounded to whole pieces of ``chunk_rows`` rows.
+    ``progress(rows)`` is called after each block with the rows just written.
+    """
+    t0 = time.perf_counter()
+    paths = (
+        [os.fspath(sources)]
+        if isinstance(sources, str | os.PathLike)
+        else list(map(os.fspath, sources))
+    )
+    dest = os.path.normpath(os.fspath(dest))
+    if not paths:
+        raise ConfigError("no input given; pass at least one .h5ad file or Zarr store.")
+    if codec not in CODECS:
+        raise ConfigError(f"codec {codec!r} is unknown; use one of {', '.join(CODECS)}.")
+    for name, value in (("chunk_rows", chunk_rows), ("block_rows", block_rows)):
+        if value is not None and (not isinstance(value, int | np.integer) or value < 1):
+            raise ConfigError(f"{name}={value!r}: must be a positive number of rows.")
+    if shard_bytes is not None and shard_bytes < 0:
+        raise ConfigError(f"shard_bytes={shard_bytes!r}: must be >= 0 (0: no sharding).")
+    if not isinstance(seed, int | np.integer) or seed < 0:
+        raise ConfigError(f"seed={seed!r}: must be a non-negative integer.")
+
+    inputs: list[_Input] = []
+    try:
+        for p in paths:
+            inputs.append(_open_input(p))
+        _check_compatible(inputs)
+        if os.path.lexists(dest) and not overwrite:  # fail before reading any obs
+            raise ConfigError(
+                f"{dest}: already exists; pass overwrite=True (--overwrite) to replace it."
+            )
+        return _convert(
+            inputs,
+            dest,
+            chunk_rows=int(chunk_rows),
+            shard_bytes=int(shard_bytes or 0),
+            codec=codec,
+            shuffle=shuffle,
+            seed=int(seed),
+            block_rows=block_rows,
+            overwrite=overwrite,
+            progress=progress,
+            t0=t0,
+        )
+    finally:
+        for inp in inputs:
+            inp.close()
+
+
+def _convert(
+    inputs: list[_Input],
+    dest: str,
+    *,
+    chunk_rows: int,
+    shard_bytes: int,
+    codec: str,
+    shuffle: bool,
+    seed: int,
+    block_rows: int | None,
+    overwrite: bool,
+    progress: Progress | None,
+    t0: float,
+) -> ConvertResult:
+    first = inputs[0]
+    n_obs = sum(inp.n_obs for inp in inputs)
+    if n_obs == 0:
+        raise DatasetError(f"{', '.join(i.path for i in inputs)}: no rows; nothing to convert.")
+    offsets = np.cumsum([0] + [inp.n_obs for inp in inputs]).astype(np.int64)
+    dtype = np.result_type(*[inp.dtype for inp in inputs])
+    feature_shape = first.feature_shape
+    csr = first.layout == "csr"
+    nnz = sum(inp.nnz for inp in inputs) if csr else None
+    index_dtype = np.result_type(*[inp.index_dtype for inp in inputs]) if csr else None
+    if csr:
+        row_bytes = max(1, round(nnz / n_obs * (dtype.itemsize + index_dtype.itemsize)))
+    else:
+        row_bytes = max(1, math.prod(feature_shape) * dtype.itemsize)
+    chunk_rows = min(chunk_rows, n_obs)
+    if block_rows is None:
+        block_rows = max(1, DEFAULT_BLOCK_BYTES // row_bytes)
+        if block_rows >= chunk_rows:
+            block_rows -= block_rows % chunk_rows
+    block_rows = min(int(block_rows), n_obs)
+    shuffle_info = None
+    if shuffle:
+        piece = chunk_rows
+        shuffle_info = {
+            "seed": seed,
+            "piece_rows": piece,
+            "window_pieces": max(1, block_rows // piece),
+        }
+        block_rows = piece * shuffle_info["window_pieces"]
+
+    # Only after every check on the inputs: touch the file system.
+    obs = var = None
+    dropped: tuple[str, ...] = ()
+    if first.anndata:
+        obs, dropped = _combined_obs(inputs)
+        var = _check_var(inputs)
+    partial = _prepare_destination(dest, [i.path for i in inputs], overwrite)
+    notes: list[str] = []
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Numcodecs codecs are not in the Zarr")
+            warnings.filterwarnings("ignore", message=".*zarr v3 autosharding")
+            root = zarr.open_group(partial, mode="a", zarr_format=3) if first.anndata else None
+            if csr:
+                assert nnz is not None and index_dtype is not None
+                chunk_elements = max(1, round(nnz / n_obs * chunk_rows))
+                x = root.create_group("X")
+                arrays = {}
+                units = {}
+                shard_chunks = None
+                for name, dt in (("data", dtype), ("indices", index_dtype)):
+                    chunk, shard, unit = _layout(nnz, chunk_elements, dt.itemsize, shard_bytes)
+                    arrays[name] = _create(
+                        x, name, shape=(nnz,), dtype=dt, chunk=chunk, shard=shard, codec=codec
+                    )
+                    units[name] = unit
+                    if name == "data":
+                        chunk_elements = chunk
+                        shard_chunks = None if shard is None else shard // chunk
+                writers = {k: _Appender(a, units[k]) for k, a in arrays.items()}
+                lengths = np.zeros(n_obs, np.int64)
+            else:
+                chunk_elements = None
+                chunk, shard, unit = _layout(n_obs, chunk_rows, row_bytes, shard_bytes)
+                shard_chunks = None if shard is None else shard // chunk
+                shape = (n_obs, *feature_shape)
+                target = root if root is not None else partial
+                xa = _create(
+                    target,
+                    "X" if root is not None else None,
+                    shape=shape,
+                    dtype=dtype,
+                    chunk=chunk,
+                    shard=shard,
+                    codec=codec,
+                )
+                writers = {"X": _Appender(xa, unit)}
+            if shard_bytes and shard_chunks is None:
+                notes.append(
+                    "not sharded: a shard of the requested size would hold fewer than 2 chunks"
+                )
+
+            n_blocks = 0
+            out_row = 0
+            original = np.empty(n_obs, np.int64) if first.anndata else None
+            for ranges, perm in _windows(n_obs, block_rows=block_rows, shuffle=shuffle_info):
+                if csr:
+                    data, indices, lens = _read_csr(inputs, offsets, ranges, dtype, index_dtype)
+                    if perm is not None:
+                        data, indices, lens = _permute_csr(data, indices, lens, perm)
+                    writers["data"].append(data)
+                    writers["indices"].append(indices)
+                    lengths[out_row : out_row + len(lens)] = lens
+                    n = len(lens)
+                    del data, indices
+                else:
+                    values = _read_dense(inputs, offsets, ranges, dtype)
+                    if perm is not None:
+                        values = values[perm]
+                    writers["X"].append(values)
+                    n = len(values)
+                    del values
+                if original is not None:
+                    rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
+                    original[out_row : out_row + n] = rows if perm is None else rows[perm]
+                out_row += n
+                n_blocks += 1
+                if progress is not None:
+                    progress(n)
+            for w in writers.values():
+                w.finish()
+
+            info: dict[str, Any] = {
+                "version": 1,
+                "sources": [os.path.abspath(i.path) for i in inputs],
+                "chunk_rows": chunk_rows,
+                "codec": codec,
+                "shuffle": shuffle_info,
+                "shuffle_method": SHUFFLE_METHOD if shuffle_info else None,
+            }
+            obs_columns: tuple[str, ...] = ()
+            if csr:
+                indptr = np.zeros(n_obs + 1, np.int64)
+                np.cumsum(lengths, out=indptr[1:])
+                ip = _create(
+                    x,
+                    "indptr",
+                    shape=(n_obs + 1,),
+                    dtype=np.dtype(np.int64),
+                    chunk=min(n_obs + 1, _INDPTR_CHUNK),
+                    shard=None,
+                    codec=codec,
+                )
+                ip[...] = indptr
+                x.attrs.update(
+                    {
+                        "encoding-type": "csr_matrix",
+                        "encoding-version": "0.1.0",
+                        "shape": [n_obs, feature_shape[0]],
+                    }
+                )
+                info["chunk_elements"] = chunk_elements
+            elif root is not None:
+                root["X"].attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+            if root is not None:
+                obs_columns = _write_obs_var(root, inputs, obs, var, original)
+                root.attrs.update(
+                    {"encoding-type": "anndata", "encoding-version": "0.1.0", "dali_zarr": info}
+                )
+            else:
+                writers["X"].array.attrs.update({"dali_zarr": info})
+        nbytes = _dir_bytes(partial)
+        _publish(partial, dest)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return ConvertResult(
+        path=dest,
+        anndata=first.anndata,
+        layout=first.layout,
+        n_obs=n_obs,
+        feature_shape=feature_shape,
+        dtype=str(dtype),
+        nnz=nnz,
+        chunk_rows=chunk_rows,
+        chunk_elements=chunk_elements,
+        shard_chunks=shard_chunks,
+        codec=codec,
+        shuffle=shuffle_info,
+        block_rows=block_rows,
+        n_blocks=n_blocks,
+        obs_columns=obs_columns,
+        dropped_obs_columns=dropped,
+        nbytes=nbytes,
+        seconds=time.perf_counter() - t0,
+        notes=tuple(notes),
+    )
+
+
+def _write_obs_var(root, inputs, obs, var, original: np.ndarray) -> tuple[str, ...]:
+    aio, pd = _anndata_io()
+    obs = obs.iloc[original] if not np.array_equal(original, np.arange(len(obs))) else obs
+    obs = obs.copy()
+    obs[ORIGINAL_INDEX] = original
+    if len(inputs) > 1:
+        names = [i.path for i in inputs]
+        if len(set(names)) < len(names):  # the same input twice: categories must be unique
+            names = [f"{k}:{p}" for k, p in enumerate(names)]
+        which = np.searchsorted(np.cumsum([i.n_obs for i in inputs]), original, side="right")
+        obs[ORIGINAL_SOURCE] = pd.Categorical.from_codes(which, categories=names)
+    aio.write_elem(root, "obs", obs)
+    aio.write_elem(root, "var", var)
+    for key in ("obsm", "varm", "obsp", "varp", "layers", "uns"):
+        aio.write_elem(root, key, {})
+    return tuple(str(c) for c in obs.columns)

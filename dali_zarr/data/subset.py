@@ -1,0 +1,112 @@
+"""A dataset restricted to chosen observations (train/validation/test splits, filters).
+
+A :class:`Subset` is a :class:`~dali_zarr.data.dataset.Dataset` of its own: samplers plan
+over its ``m`` rows (ids ``0..m-1``, in the parent's order), and :meth:`Subset.read_rows`
+turns those local ranges into runs of consecutive parent rows, so a split that is contiguous
+in storage is read as whole ranges and a scattered one as short runs of the same chunks.
+Batches still report the *parent's* observation ids in ``batch["index"]``
+(:meth:`Subset.global_ids`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dali_zarr.data.dataset import Dataset, Rows, _ranges_rows
+from dali_zarr.data.obs import ObsColumn
+from dali_zarr.errors import DatasetError
+
+
+def _runs(parent_rows: np.ndarray) -> np.ndarray:
+    """``(k, 2)`` ``[start, stop)`` runs of consecutive ids, in the order given (vectorized)."""
+    if len(parent_rows) == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero(np.diff(parent_rows) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [len(parent_rows)]))
+    return np.stack([parent_rows[starts], parent_rows[stops - 1] + 1], axis=1)
+
+
+def _select(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarray:
+    """Sorted int64 parent row ids from a boolean mask or an array of ids."""
+    rows = np.asarray(rows)
+    if rows.dtype == bool:
+        if rows.shape != (n_obs,):
+            raise DatasetError(
+                f"{name}: a boolean mask must have one entry per observation ({n_obs}), "
+                f"got shape {rows.shape}."
+            )
+        return np.flatnonzero(rows).astype(np.int64)
+    if rows.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if rows.ndim != 1 or rows.dtype.kind not in "iu":
+        raise DatasetError(
+            f"{name}: rows must be a 1-D array of integer observation ids or a boolean mask, "
+            f"got dtype {rows.dtype} and shape {rows.shape}."
+        )
+    rows = rows.astype(np.int64, copy=False)
+    if np.any(rows[1:] <= rows[:-1]):
+        rows = np.sort(rows)
+        dup = np.flatnonzero(rows[1:] == rows[:-1])
+        if len(dup):
+            raise DatasetError(
+                f"{name}: row id {int(rows[dup[0]])} is selected more than once; a subset "
+                "holds each observation once (use np.unique)."
+            )
+    if rows[0] < 0 or rows[-1] >= n_obs:
+        bad = int(rows[0] if rows[0] < 0 else rows[-1])
+        raise DatasetError(f"{name}: row id {bad} is outside [0, {n_obs}).")
+    return rows
+
+
+class Subset(Dataset):
+    """The observations ``rows`` of ``dataset`` (a boolean mask or integer ids), as a dataset.
+
+    Local row ``i`` is parent row ``parent_rows[i]``; ``parent_rows`` is sorted (ids given
+    out of order are sorted, duplicates refused), so the subset keeps the parent's storage
+    order. Obs columns are the parent's, taken at those rows (same categories). A subset of
+    a subset is flattened onto the original dataset.
+    """
+
+    def __init__(self, dataset: Dataset, rows: np.ndarray | list | tuple) -> None:
+        if not isinstance(dataset, Dataset):
+            raise DatasetError(
+                f"Subset needs a dali_zarr Dataset (from open_dataset), got {type(dataset)!r}."
+            )
+        selected = _select(rows, dataset.n_obs, f"subset of {dataset.name}")
+        if isinstance(dataset, Subset):  # flatten: one mapping straight onto the stored rows
+            selected = dataset.parent_rows[selected]
+            dataset = dataset.parent
+        self.parent = dataset
+        self.parent_rows = selected
+        self.parent_rows.setflags(write=False)
+        self.name = f"{dataset.name}[{len(selected)} of {dataset.n_obs}]"
+        self.n_obs = len(selected)
+        self.feature_shape = dataset.feature_shape
+        self.dtype = dataset.dtype
+        self.layout = dataset.layout
+        self.index_dtype = dataset.index_dtype
+        self._columns: dict[str, ObsColumn] = {}
+
+    def read_rows(self, ranges: np.ndarray) -> Rows:
+        """Rows of local ``[start, stop)`` ranges, read as runs of consecutive parent rows."""
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        local = _ranges_rows(ranges)
+        if len(local) and (local.min() < 0 or local.max() >= self.n_obs):
+            raise DatasetError(f"{self.name}: row ranges reach outside [0, {self.n_obs}).")
+        return self.parent.read_rows(_runs(self.parent_rows[local]))
+
+    def obs_column(self, name: str) -> ObsColumn:
+        if name not in self._columns:
+            column = self.parent.obs_column(name)
+            self._columns[name] = ObsColumn(
+                column.name, column.values[self.parent_rows], column.categories
+            )
+        return self._columns[name]
+
+    def global_ids(self, rows: np.ndarray) -> np.ndarray:
+        """Local row ids → the parent's observation ids (what ``batch["index"]`` reports)."""
+        return self.parent.global_ids(self.parent_rows[rows])
+
+    def read_paths(self) -> dict[str, str]:
+        return self.parent.read_paths()

@@ -1,0 +1,373 @@
+"""Describe a store the way the loader will see it: layout, chunking, codecs, read paths.
+
+`inspect_store(path)` returns a `StoreReport` (``to_dict()`` for JSON, `format_report` for
+people). For every array the loader reads it names the path it takes:
+
+* ``gpu-decode``: read directly and compressed with a codec nvCOMP decodes (zstd, lz4, or
+  none), so the GPU path can decode it on the device. (That path is not in this release;
+  today these arrays are read by the direct CPU path.)
+* ``cpu-decode``: read directly (``os.preadv``) but decoded on the CPU (blosc, gzip, filters…).
+* ``zarr-fallback``: read through zarr-python (a remote store, an unsupported codec…); the
+  report says why.
+
+It also suggests ``chunk_size`` / ``preload_nchunks`` from the store's own chunking.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from dali_zarr.data.dataset import CsrDataset, Dataset, open_dataset
+from dali_zarr.errors import DatasetError
+from dali_zarr.io import DirectReader, open_reader, parse_layout
+
+__all__ = [
+    "GPU_CODECS",
+    "ArrayInfo",
+    "ObsInfo",
+    "StoreReport",
+    "Suggestion",
+    "format_report",
+    "inspect_store",
+    "suggest",
+]
+
+GPU_CODECS = frozenset({"zstd", "lz4"})  # nvCOMP batched decoders (plus "no compression")
+_CHECKSUMS = frozenset({"crc32c", "crc32", "adler32", "fletcher32", "jenkins_lookup3"})
+MIN_CHUNK_ROWS = 32
+TARGET_PRELOAD = 32
+MIN_WINDOW_BATCHES = 4
+WINDOW_BYTES_CAP = 2**30
+
+RULE = (
+    f"chunk_size = the smallest multiple of the store's rows per chunk that is >= "
+    f"{MIN_CHUNK_ROWS} rows (every loader chunk then reads whole store chunks, none twice); "
+    f"preload_nchunks = max({TARGET_PRELOAD}, ceil({MIN_WINDOW_BATCHES} x batch_size / "
+    f"chunk_size)), so a window mixes >= {TARGET_PRELOAD} chunks and holds >= "
+    f"{MIN_WINDOW_BATCHES} batches, capped at {WINDOW_BYTES_CAP // 2**20} MiB of decoded rows "
+    "per window and at the number of chunks in the store"
+)
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    """One zarr array: its storage and the read path the loader takes for it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    zarr_format: int
+    chunks: tuple[int, ...]  # the decodable chunk (the inner chunk when sharded)
+    shards: tuple[int, ...] | None
+    codecs: tuple[str, ...]
+    path: str  # "gpu-decode" | "cpu-decode" | "zarr-fallback" | "read whole at open"
+    why: str
+    rows_per_chunk: float | None  # observations per chunk (CSR: on average)
+
+
+@dataclass(frozen=True)
+class ObsInfo:
+    name: str
+    encoding: str
+    batchable: bool  # can ride in a batch (Loader(obs=[...]))
+    n_categories: int | None = None
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    chunk_size: int
+    preload_nchunks: int
+    batch_size: int
+    rows_per_store_chunk: float
+    window_rows: int
+    window_mib: float
+    rule: str = RULE
+
+
+@dataclass(frozen=True)
+class StoreReport:
+    path: str
+    kind: str  # "anndata" | "array"
+    layout: str  # "csr" | "dense"
+    n_obs: int
+    feature_shape: tuple[int, ...]
+    dtype: str
+    nnz: int | None
+    arrays: tuple[ArrayInfo, ...]
+    obs: tuple[ObsInfo, ...]
+    suggestion: Suggestion
+    converted: dict[str, Any] | None  # the ``dali_zarr`` attribute `convert` wrote, if any
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ---------------------------------------------------------------------------- codecs
+
+
+def _short(name: str, cfg: dict[str, Any]) -> str:
+    keep = {k: v for k, v in cfg.items() if k in ("level", "cname", "clevel", "shuffle", "endian")}
+    if not keep:
+        return name
+    return f"{name}({', '.join(f'{k}={v}' for k, v in keep.items())})"
+
+
+def _codec_names(array: zarr.Array) -> tuple[str, ...]:
+    md = array.metadata.to_dict()
+    if int(md.get("zarr_format", 3)) == 2:
+        filters = [f["id"] if isinstance(f, dict) else str(f) for f in (md.get("filters") or [])]
+        comp = md.get("compressor")
+        names = [_short(f, {}) for f in filters]
+        if comp:
+            c = dict(comp) if isinstance(comp, dict) else comp.get_config()
+            names.append(_short(c.pop("id"), c))
+        return tuple(names) or ("none",)
+    codecs = list(md.get("codecs", ()))
+    if codecs and _name(codecs[0]) == "sharding_indexed":
+        codecs = list(_config(codecs[0]).get("codecs", ()))
+    return tuple(_short(_name(c), _config(c)) for c in codecs)
+
+
+def _name(c: Any) -> str:
+    return str(c["name"] if isinstance(c, dict) else c.to_dict()["name"])
+
+
+def _config(c: Any) -> dict[str, Any]:
+    d = c if isinstance(c, dict) else c.to_dict()
+    return dict(d.get("configuration") or {})
+
+
+def _read_path(array: zarr.Array, name: str) -> tuple[str, str]:
+    """("gpu-decode" | "cpu-decode" | "zarr-fallback", why)."""
+    reader = open_reader(array, name=name)
+    if not isinstance(reader, DirectReader):
+        return "zarr-fallback", reader.reason
+    codecs = reader.layout.codecs
+    assert codecs is not None
+    if codecs.filters:
+        ids = ", ".join(f["id"] for f in codecs.filters)
+        return "cpu-decode", f"filters ({ids}) are undone on the CPU"
+    if codecs.order != "C":
+        return "cpu-decode", f"memory order {codecs.order} is transposed on the CPU"
+    ids = [c["id"] for c in codecs.bytes_codecs if c["id"] not in _CHECKSUMS]
+    if not ids:
+        return "gpu-decode", "not compressed: bytes go to the device as they are"
+    if len(ids) == 1 and ids[0] in GPU_CODECS:
+        return "gpu-decode", f"nvCOMP decodes {ids[0]}"
+    other = [i for i in ids if i not in GPU_CODECS] or ids
+    return "cpu-decode", f"{' + '.join(other)} has no nvCOMP decoder; decoded on the CPU"
+
+
+def _array_info(
+    array: zarr.Array, name: str, *, rows_per_element: float | None, whole: bool = False
+) -> ArrayInfo:
+    layout = parse_layout(array)
+    shards = layout.grid_chunk_shape if layout.shard is not None else None
+    if layout.shard is None and int(array.metadata.zarr_format) == 3:
+        shards = tuple(int(s) for s in array.shards) if array.shards else None
+    chunk0 = int(layout.chunk_shape[0])
+    if whole:
+        path, why = "read whole at open", "row offsets are held in memory"
+    else:
+        path, why = _read_path(array, name)
+    rows = chunk0 if rows_per_element is None else chunk0 * rows_per_element
+    return ArrayInfo(
+        name=name,
+        shape=tuple(int(s) for s in array.shape),
+        dtype=str(array.dtype),
+        zarr_format=int(array.metadata.zarr_format),
+        chunks=tuple(int(c) for c in layout.chunk_shape),
+        shards=shards,
+        codecs=_codec_names(array),
+        path=path,
+        why=why,
+        rows_per_chunk=None if whole else float(rows),
+    )
+
+
+# ---------------------------------------------------------------------------- obs
+
+
+def _obs_info(obs: zarr.Group) -> tuple[ObsInfo, ...]:
+    index = obs.attrs.get("_index", "_index")
+    order = list(obs.attrs.get("column-order", []))
+    names = order + sorted(k for k in obs if k not in order and k != index)
+    out = []
+    for name in names:
+        if name not in obs:
+            continue
+        node = obs[name]
+        encoding = str(node.attrs.get("encoding-type", "array"))
+        n_cat = None
+        if encoding == "categorical":
+            n_cat = int(node["categories"].shape[0])
+            batchable = True
+        elif encoding in ("nullable-integer", "nullable-boolean"):
+            batchable = True
+        else:
+            batchable = isinstance(node, zarr.Array) and np.dtype(node.dtype).kind in "biuf"
+        out.append(ObsInfo(name, encoding, batchable, n_cat))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------- suggestion
+
+
+def suggest(
+    *, n_obs: int, rows_per_chunk: float, row_bytes: float, batch_size: int = 256
+) -> Suggestion:
+    """``chunk_size`` / ``preload_nchunks`` for a store (the rule is in ``RULE``)."""
+    r = max(1, round(rows_per_chunk))
+    chunk_size = min(r * max(1, math.ceil(MIN_CHUNK_ROWS / r)), max(1, n_obs))
+    preload = max(TARGET_PRELOAD, math.ceil(MIN_WINDOW_BATCHES * batch_size / chunk_size))
+    by_memory = max(1, int(WINDOW_BYTES_CAP // max(1.0, chunk_size * row_bytes)))
+    preload = max(1, min(preload, by_memory, math.ceil(n_obs / chunk_size)))
+    window = preload * chunk_size
+    return Suggestion(
+        chunk_size=chunk_size,
+        preload_nchunks=preload,
+        batch_size=batch_size,
+        rows_per_store_chunk=float(rows_per_chunk),
+        window_rows=window,
+        window_mib=round(window * row_bytes / 2**20, 2),
+    )
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def inspect_store(path: str | os.PathLike, *, batch_size: int = 256) -> StoreReport:
+    """Open ``path`` as the loader would and describe it (raises DatasetError like the loader)."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        raise DatasetError(
+            f"{path}: is a file, not a Zarr store; if it is an .h5ad file, convert it first: "
+            f"dali-zarr convert {path} {os.path.splitext(path)[0]}.zarr"
+        )
+    ds: Dataset = open_dataset(path)
+    node = zarr.open(path, mode="r")
+    itemsize = np.dtype(ds.dtype).itemsize
+    arrays: list[ArrayInfo] = []
+    obs: tuple[ObsInfo, ...] = ()
+    nnz = None
+    if isinstance(node, zarr.Array):
+        kind = "array"
+        arrays.append(_array_info(node, ds.name, rows_per_element=None))
+        converted = node.attrs.get("dali_zarr")
+        row_bytes = float(ds.n_features * itemsize)
+    else:
+        kind = "anndata"
+        converted = node.attrs.get("dali_zarr")
+        x = node["X"]
+        if isinstance(ds, CsrDataset):
+            nnz = int(ds.indptr[-1])
+            mean = nnz / max(1, ds.n_obs)
+            per_element = 1.0 / mean if mean > 0 else float(ds.n_obs)
+            for key in ("data", "indices"):
+                arrays.append(_array_info(x[key], f"X/{key}", rows_per_element=per_element))
+            arrays.append(_array_info(x["indptr"], "X/indptr", rows_per_element=None, whole=True))
+            row_bytes = mean * (itemsize + np.dtype(ds.index_dtype).itemsize)
+        else:
+            arrays.append(_array_info(x, "X", rows_per_element=None))
+            row_bytes = float(ds.n_features * itemsize)
+        if "obs" in node and isinstance(node["obs"], zarr.Group):
+            obs = _obs_info(node["obs"])
+    read = [a for a in arrays if a.rows_per_chunk is not None]
+    rows_per_chunk = max(a.rows_per_chunk for a in read)  # the coarsest array sets the unit
+    return StoreReport(
+        path=path,
+        kind=kind,
+        layout=ds.layout,
+        n_obs=ds.n_obs,
+        feature_shape=ds.feature_shape,
+        dtype=str(ds.dtype),
+        nnz=nnz,
+        arrays=tuple(arrays),
+        obs=obs,
+        suggestion=suggest(
+            n_obs=ds.n_obs,
+            rows_per_chunk=rows_per_chunk,
+            row_bytes=row_bytes,
+            batch_size=batch_size,
+        ),
+        converted=dict(converted) if isinstance(converted, dict) else None,
+    )
+
+
+def _shape(shape: tuple[int, ...] | None) -> str:
+    if shape is None:
+        return "-"
+    return "×".join(str(s) for s in shape)
+
+
+def format_report(report: StoreReport) -> str:
+    """The report as text: a header, a table of arrays, obs columns and the suggestion."""
+    r = report
+    features = "×".join(str(s) for s in r.feature_shape) or "scalar"
+    what = (
+        f"AnnData store, X {'csr_matrix' if r.layout == 'csr' else 'dense'}"
+        if r.kind == "anndata"
+        else "plain Zarr array"
+    )
+    lines = [f"{r.path}: {what}", f"  {r.n_obs:,} observations × {features} features, {r.dtype}"]
+    if r.nnz is not None:
+        lines.append(f"  nnz {r.nnz:,} ({r.nnz / max(1, r.n_obs):.1f} per row)")
+    if r.converted:
+        c = r.converted
+        shuffled = f", shuffled (seed {c['shuffle']['seed']})" if c.get("shuffle") else ""
+        lines.append(
+            f"  written by dali-zarr convert: chunk_rows {c.get('chunk_rows')}, "
+            f"codec {c.get('codec')}{shuffled}"
+        )
+    lines.append("")
+    header = ("array", "fmt", "shape", "dtype", "chunk", "shard", "rows/chunk", "codecs", "path")
+    rows = [
+        (
+            a.name,
+            f"v{a.zarr_format}",
+            _shape(a.shape),
+            a.dtype,
+            _shape(a.chunks),
+            _shape(a.shards),
+            "-" if a.rows_per_chunk is None else f"{a.rows_per_chunk:,.1f}",
+            ", ".join(a.codecs),
+            a.path,
+        )
+        for a in r.arrays
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    for row in (header, *rows):
+        lines.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    lines.append("")
+    for a in r.arrays:
+        lines.append(f"  {a.name}: {a.path}: {a.why}")
+    if any(a.path == "gpu-decode" for a in r.arrays):
+        lines.append(
+            "  (gpu-decode arrays are read by the direct CPU path until the GPU path ships)"
+        )
+    if r.kind == "anndata":
+        lines.append("")
+        if r.obs:
+            parts = []
+            for o in r.obs:
+                desc = o.encoding if o.n_categories is None else f"{o.n_categories} categories"
+                parts.append(f"{o.name} ({desc}{'' if o.batchable else ', not batchable'})")
+            lines.append("  obs columns: " + ", ".join(parts))
+        else:
+            lines.append("  obs columns: none")
+    s = r.suggestion
+    lines += [
+        "",
+        f"  suggested: chunk_size={s.chunk_size}, preload_nchunks={s.preload_nchunks} "
+        f"(batch_size={s.batch_size}: a window is {s.window_rows:,} rows, "
+        f"~{s.window_mib:,.1f} MiB decoded)",
+        f"  store rows per chunk: {s.rows_per_store_chunk:,.1f}",
+        f"  rule: {s.rule}",
+    ]
+    return "\n".join(lines)

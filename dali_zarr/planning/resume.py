@@ -1,0 +1,580 @@
+"""Resuming an epoch part-way, on the same or on another number of ranks (pure functions).
+
+A loader state is a small dict of plain Python values (:func:`make_state`): the epoch, the
+batches this rank has handed out in it, the sampler settings, the rank and world size, and
+a fingerprint of the dataset. Since a plan is a pure function of its inputs, that is all a
+restarted job needs:
+
+- **Same world size.** Rank ``r`` replans the epoch and starts at batch ``consumed``; the
+  rest of the stream is identical, batch for batch, to the uninterrupted one, and windows
+  before the resume point are never read.
+- **Another world size** (elastic restart, ``W -> W'``). Every new rank replans, without
+  communication, every old rank's epoch and removes the first ``consumed[r]`` batches of
+  old rank ``r``: what is left (the rows the epoch had not yet delivered; rows the old plan
+  skipped anyway stay skipped) is the *remainder* of the epoch. :func:`plan_remainder`
+  splits it among the ``W'`` new ranks with the usual rules (equal batch counts, windows,
+  in-window shuffles), so the epoch is finished exactly once across the new ranks; later
+  epochs follow the normal plan for ``W'``. With ``enforce_equal_batches`` the split may
+  leave fewer than ``W' * batch_size`` remainder rows undelivered: the remainder plan's
+  ``rows_skipped`` counts them (together with the rows the old plan skipped), so that
+  ``rows_done + sum(n_rows over new ranks) + rows_skipped == n_obs`` holds exactly.
+
+An epoch may be resumed elastically more than once: the state keeps the earlier runs of the
+epoch as a ``history`` of :class:`Segment` (world size and batches consumed per rank), and
+the remainder of the remainder is planned the same way.
+
+**How many batches each old rank consumed.** :func:`resume_point` takes one state or the
+list of all old ranks' states. A list gives every rank's exact count. A single state
+(any rank's) is read as "every rank ran ``consumed`` steps in lockstep", each old rank having
+delivered ``min(consumed, its batch count)``: exact whenever the ranks have equal batch
+counts, which ``enforce_equal_batches=True`` (the default) guarantees and DDP needs. When the
+counts differ and that single state cannot tell how far the other ranks got (its own rank
+had finished its epoch), it is refused: pass the list of all states.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from dali_zarr.errors import ConfigError
+from dali_zarr.planning.partition import (
+    Shard,
+    offsets_of,
+    rank_bounds,
+    ranges_to_rows,
+    rows_delivered,
+    slice_ranges,
+    validate_count,
+    validate_seed,
+    validate_sizes,
+    window_rows_of,
+)
+from dali_zarr.planning.plan import EpochPlan
+from dali_zarr.planning.samplers import plan_epoch
+
+__all__ = [
+    "STATE_FORMAT",
+    "STATE_VERSION",
+    "PlanSettings",
+    "ResumePoint",
+    "Segment",
+    "batch_counts",
+    "dataset_fingerprint",
+    "make_state",
+    "plan_remainder",
+    "plan_resumed_epoch",
+    "remainder_ranges",
+    "resume_point",
+    "undelivered_ranges",
+]
+
+STATE_FORMAT = "dali_zarr.loader_state"
+STATE_VERSION = 1
+
+# Stream tag of the window shuffles of a remainder epoch: rng([seed, epoch, TAG, depth, rank,
+# window]); next to the tags of partition.py, and fixed forever for the same reason.
+TAG_RESUME_WINDOW = 3
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """Everything besides (n_obs, epoch, rank, world_size) that a plan depends on."""
+
+    seed: int
+    chunk_size: int
+    preload_nchunks: int
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    enforce_equal_batches: bool = True
+    shard: Shard = "chunks"
+
+    @classmethod
+    def of(cls, sampler: object) -> PlanSettings:
+        """The settings of a ChunkSampler or DistributedSampler (a ChunkSampler is one rank of
+        one: ``enforce_equal_batches=True`` and ``shard="chunks"``, which change nothing there).
+        """
+        try:
+            return cls(
+                seed=sampler.seed,  # type: ignore[attr-defined]
+                chunk_size=sampler.chunk_size,  # type: ignore[attr-defined]
+                preload_nchunks=sampler.preload_nchunks,  # type: ignore[attr-defined]
+                batch_size=sampler.batch_size,  # type: ignore[attr-defined]
+                shuffle=sampler.shuffle,  # type: ignore[attr-defined]
+                drop_last=sampler.drop_last,  # type: ignore[attr-defined]
+                enforce_equal_batches=getattr(sampler, "enforce_equal_batches", True),
+                shard=getattr(sampler, "shard", "chunks"),
+            )
+        except AttributeError:
+            raise ConfigError(
+                f"saving or resuming loader state needs a ChunkSampler or DistributedSampler, "
+                f"got {type(sampler).__name__}"
+            ) from None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def plan(self, *, n_obs: int, epoch: int, rank: int, world_size: int) -> EpochPlan:
+        """The normal (not resumed) plan of ``epoch`` for ``rank`` of ``world_size``."""
+        return plan_epoch(
+            n_obs=n_obs,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            **self.as_dict(),
+        )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """An earlier, interrupted run of an epoch: its world size and the batches each of its
+    ranks had delivered when it stopped."""
+
+    world_size: int
+    consumed: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        world = validate_count("history world_size", self.world_size)
+        consumed = tuple(_non_negative("history consumed", c) for c in self.consumed)
+        if len(consumed) != world:
+            raise ConfigError(
+                f"a history segment of world_size={world} must list {world} consumed counts, "
+                f"got {len(consumed)}"
+            )
+        object.__setattr__(self, "world_size", world)
+        object.__setattr__(self, "consumed", consumed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "consumed": list(self.consumed)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Segment:
+        try:
+            return cls(int(d["world_size"]), tuple(int(c) for c in d["consumed"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"malformed loader state: bad history entry {d!r} ({e})") from None
+
+
+def _non_negative(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+    try:
+        v = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}") from None
+    if v < 0:
+        raise ConfigError(f"{name} must be a non-negative integer, got {v}")
+    return int(v)
+
+
+# --------------------------------------------------------------------------- remainders
+
+
+def _runs(rows: np.ndarray, chunk_size: int) -> np.ndarray:
+    """Sorted unique row ids -> ``(k, 2)`` ranges of consecutive ids, cut at chunk borders."""
+    if rows.shape[0] == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(rows) != 1) | (rows[1:] % chunk_size == 0)) + 1
+    starts = rows[np.concatenate(([0], breaks))]
+    stops = rows[np.concatenate((breaks - 1, [rows.shape[0] - 1]))] + 1
+    return np.stack([starts, stops], axis=1).astype(np.int64, copy=False)
+
+
+def undelivered_ranges(plan: EpochPlan, consumed: int) -> np.ndarray:
+    """Row ranges of ``plan`` not delivered by its first ``consumed`` batches.
+
+    The untouched windows stay as they are (whole chunks, read order); the rest of a window
+    cut mid-way is a scattered subset of it, given as runs of consecutive ids in id order.
+    O(one window + ranges of the rank).
+    """
+    consumed = _non_negative("consumed", consumed)
+    if consumed > plan.n_batches:
+        raise ConfigError(
+            f"consumed={consumed} batches but rank {plan.rank} of {plan.world_size} has only "
+            f"{plan.n_batches} in epoch {plan.epoch}"
+        )
+    if consumed == plan.n_batches:
+        return np.zeros((0, 2), dtype=np.int64)
+    w, j = plan.window_of_batch(consumed)
+    whole_from = w * plan.window_rows
+    parts = []
+    if j > 0:
+        window = plan.window(w)
+        rest = window.order[window.batch_offsets[j] :]
+        parts.append(_runs(np.sort(window.global_rows()[rest]), plan.chunk_size))
+        whole_from = min((w + 1) * plan.window_rows, plan.n_rows)
+    tail, _ = slice_ranges(plan.row_ranges, plan.range_offsets, whole_from, plan.n_rows)
+    parts.append(tail)
+    return np.concatenate(parts).reshape(-1, 2)
+
+
+def plan_remainder(
+    row_ranges: np.ndarray,
+    *,
+    n_obs: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    settings: PlanSettings,
+    rows_done: int,
+    depth: int = 1,
+) -> EpochPlan:
+    """Plan ``rank``'s part of the rows in ``row_ranges`` (in that order) for one epoch.
+
+    The sequence of rows is split into ``world_size`` contiguous pieces exactly like a normal
+    epoch splits its shuffled chunk sequence (equal batch counts under
+    ``enforce_equal_batches``, else whole shares, cut to full batches with ``drop_last``);
+    windows and their shuffles are derived as usual, from a stream of their own (``depth``:
+    how many times the epoch has been resumed on another world size). ``rows_done`` are the
+    rows of the epoch delivered before (kept for the accounting of ``rows_skipped``).
+    """
+    s = settings
+    validate_sizes(chunk_size=s.chunk_size, preload_nchunks=s.preload_nchunks, batch_size=s.batch_size)
+    world_size = validate_count("world_size", world_size)
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
+    ranges = np.asarray(row_ranges, dtype=np.int64).reshape(-1, 2)
+    offsets = offsets_of(ranges)
+    n_rem = int(offsets[-1])
+    delivered = rows_delivered(
+        n_rem,
+        world_size,
+        s.batch_size,
+        enforce_equal_batches=s.enforce_equal_batches,
+        drop_last=s.drop_last,
+    )
+    n_rows = int(delivered[rank])
+    lo = int(rank_bounds(n_rem, world_size)[rank])
+    mine, mine_offsets = slice_ranges(ranges, offsets, lo, lo + n_rows)
+    window_rows = window_rows_of(s.chunk_size, s.preload_nchunks, s.batch_size)
+    return EpochPlan(
+        epoch=int(epoch),
+        rank=int(rank),
+        world_size=world_size,
+        n_obs=int(n_obs),
+        batch_size=s.batch_size,
+        seed=validate_seed(s.seed),
+        n_batches=-(-n_rows // s.batch_size),
+        n_windows=-(-n_rows // window_rows),
+        n_rows=n_rows,
+        rows_skipped=int(n_obs) - int(rows_done) - int(delivered.sum()),
+        chunk_size=s.chunk_size,
+        window_rows=window_rows,
+        shuffle=s.shuffle,
+        row_ranges=mine,
+        range_offsets=mine_offsets,
+        rows_done=int(rows_done),
+        stream=(TAG_RESUME_WINDOW, int(depth)),
+    )
+
+
+def _segment_plans(
+    settings: PlanSettings,
+    *,
+    n_obs: int,
+    epoch: int,
+    history: Sequence[Segment],
+    k: int,
+    ranges: np.ndarray | None,
+    rows_done: int,
+) -> list[EpochPlan]:
+    """All ranks' plans of run ``k`` of the epoch (run 0: the normal plans)."""
+    world = history[k].world_size
+    if k == 0:
+        return [
+            settings.plan(n_obs=n_obs, epoch=epoch, rank=r, world_size=world) for r in range(world)
+        ]
+    assert ranges is not None
+    return [
+        plan_remainder(
+            ranges,
+            n_obs=n_obs,
+            epoch=epoch,
+            rank=r,
+            world_size=world,
+            settings=settings,
+            rows_done=rows_done,
+            depth=k,
+        )
+        for r in range(world)
+    ]
+
+
+def remainder_ranges(
+    settings: PlanSettings, *, n_obs: int, epoch: int, history: Sequence[Segment]
+) -> tuple[np.ndarray, int]:
+    """Rows of ``epoch`` still to deliver after the interrupted runs in ``history``.
+
+    Returns ``(row_ranges, rows_done)``: the undelivered rows, old rank by old rank in their
+    read order, and how many rows the runs delivered. Rows a run's plan skipped are not in
+    it (they were never due).
+    """
+    if not history:
+        raise ValueError("remainder_ranges needs at least one interrupted run")
+    ranges: np.ndarray | None = None
+    rows_done = 0
+    for k, segment in enumerate(history):
+        plans = _segment_plans(
+            settings,
+            n_obs=n_obs,
+            epoch=epoch,
+            history=history,
+            k=k,
+            ranges=ranges,
+            rows_done=rows_done,
+        )
+        parts = []
+        for plan, consumed in zip(plans, segment.consumed, strict=True):
+            parts.append(undelivered_ranges(plan, consumed))
+            rows_done += min(consumed * plan.batch_size, plan.n_rows)
+        ranges = np.concatenate(parts).reshape(-1, 2)
+    assert ranges is not None
+    return ranges, rows_done
+
+
+def plan_resumed_epoch(
+    settings: PlanSettings,
+    *,
+    n_obs: int,
+    epoch: int,
+    history: Sequence[Segment],
+    rank: int,
+    world_size: int,
+) -> EpochPlan:
+    """``rank``'s plan of ``epoch`` after the interrupted runs in ``history`` (none: the
+    normal plan). Pure: every new rank gets its part without communication."""
+    if not history:
+        return settings.plan(n_obs=n_obs, epoch=epoch, rank=rank, world_size=world_size)
+    ranges, rows_done = remainder_ranges(settings, n_obs=n_obs, epoch=epoch, history=history)
+    return plan_remainder(
+        ranges,
+        n_obs=n_obs,
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        settings=settings,
+        rows_done=rows_done,
+        depth=len(history),
+    )
+
+
+def batch_counts(
+    settings: PlanSettings,
+    *,
+    n_obs: int,
+    epoch: int,
+    world_size: int,
+    history: Sequence[Segment] = (),
+) -> np.ndarray:
+    """``(world_size,)`` batches every rank yields in ``epoch`` (resumed after ``history``).
+
+    Lets each rank check, locally, whether all ranks will run the same number of steps.
+    """
+    s = settings
+    if history:
+        ranges, _ = remainder_ranges(s, n_obs=n_obs, epoch=epoch, history=history)
+        n = int((ranges[:, 1] - ranges[:, 0]).sum())
+    else:
+        s.plan(n_obs=n_obs, epoch=epoch, rank=0, world_size=world_size)  # validates
+        n = int(n_obs)
+    rows = rows_delivered(
+        n,
+        world_size,
+        s.batch_size,
+        enforce_equal_batches=s.enforce_equal_batches,
+        drop_last=s.drop_last,
+    )
+    return -(-rows // s.batch_size)
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def dataset_fingerprint(dataset: object) -> dict[str, Any]:
+    """What identifies a dataset for resuming: name, size, feature shape, dtype, layout."""
+    return {
+        "name": str(dataset.name),  # type: ignore[attr-defined]
+        "n_obs": int(dataset.n_obs),  # type: ignore[attr-defined]
+        "feature_shape": [int(s) for s in dataset.feature_shape],  # type: ignore[attr-defined]
+        "dtype": str(np.dtype(dataset.dtype)),  # type: ignore[attr-defined]
+        "layout": str(getattr(dataset, "layout", "")),
+    }
+
+
+def make_state(
+    *,
+    settings: PlanSettings,
+    dataset: Mapping[str, Any],
+    epoch: int,
+    consumed: int,
+    n_batches: int,
+    rank: int,
+    world_size: int,
+    history: Sequence[Segment] = (),
+    **extra: Any,
+) -> dict[str, Any]:
+    """A loader state: plain Python values (plus whatever ``extra`` carries)."""
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "epoch": int(epoch),
+        "consumed": int(consumed),
+        "n_batches": int(n_batches),
+        "rank": int(rank),
+        "world_size": int(world_size),
+        "history": [seg.as_dict() for seg in history],
+        "sampler": settings.as_dict(),
+        "dataset": dict(dataset),
+        **extra,
+    }
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where this rank continues: the plan of (``epoch``, ``history``) from batch ``start``.
+
+    ``own_state`` is the state this very rank saved (same world size and rank), if given;
+    only that one may carry per-process extras such as a DALI pipeline checkpoint.
+    """
+
+    epoch: int
+    history: tuple[Segment, ...]
+    start: int
+    own_state: Mapping[str, Any] | None = None
+
+
+_REQUIRED = ("epoch", "consumed", "rank", "world_size", "history", "sampler", "dataset")
+
+
+def _check_state(
+    state: object, *, settings: PlanSettings, dataset: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping):
+        raise ConfigError(
+            f"a loader state is a dict from Loader.state_dict(), got {type(state).__name__}"
+        )
+    if state.get("format") != STATE_FORMAT:
+        raise ConfigError(
+            f"not a dali_zarr loader state (format={state.get('format')!r}, expected "
+            f"{STATE_FORMAT!r}): pass the dict Loader.state_dict() returned"
+        )
+    if state.get("version") != STATE_VERSION:
+        raise ConfigError(
+            f"loader state version {state.get('version')!r} is not supported by this "
+            f"dali_zarr (reads version {STATE_VERSION})"
+        )
+    missing = [k for k in _REQUIRED if k not in state]
+    if missing:
+        raise ConfigError(f"malformed loader state: missing {', '.join(missing)}")
+    diffs = []
+    saved_ds = dict(state["dataset"])
+    for key, now in dataset.items():
+        if saved_ds.get(key) != now:
+            diffs.append(f"dataset {key}: saved {saved_ds.get(key)!r}, now {now!r}")
+    saved_s = dict(state["sampler"])
+    for key, now in settings.as_dict().items():
+        if saved_s.get(key) != now:
+            diffs.append(f"sampler {key}: saved {saved_s.get(key)!r}, now {now!r}")
+    if diffs:
+        hint = (
+            " (build the ChunkSampler with seed=state['sampler']['seed'])"
+            if any(d.startswith("sampler seed") for d in diffs)
+            else ""
+        )
+        raise ConfigError(
+            "cannot resume from this loader state, it was saved for another dataset or other "
+            "sampler settings: " + "; ".join(diffs) + ". Resume with the same dataset and "
+            "sampler settings (only the number of ranks may change)" + hint
+        )
+    return state
+
+
+def resume_point(
+    states: Mapping[str, Any] | Sequence[Mapping[str, Any]],
+    *,
+    settings: PlanSettings,
+    dataset: Mapping[str, Any],
+    rank: int,
+    world_size: int,
+) -> ResumePoint:
+    """Where ``rank`` of ``world_size`` continues after the run that saved ``states``.
+
+    ``states``: one loader state (this rank's, or any old rank's) or the list of all old
+    ranks' states. Refuses states of another dataset, other sampler settings or a malformed
+    or inconsistent set with a ConfigError that says what differs.
+    """
+    many = not isinstance(states, Mapping)
+    group = list(states) if many else [states]  # type: ignore[list-item]
+    if not group:
+        raise ConfigError("load_state_dict got an empty list of states")
+    group = [_check_state(s, settings=settings, dataset=dataset) for s in group]
+    first = group[0]
+    try:
+        epoch = _non_negative("epoch", first["epoch"])
+        old_world = validate_count("world_size", first["world_size"])
+        history = tuple(Segment.from_dict(d) for d in first["history"])
+        for s in group:
+            if (
+                s["epoch"] != first["epoch"]
+                or s["world_size"] != first["world_size"]
+                or list(s["history"]) != list(first["history"])
+            ):
+                raise ConfigError(
+                    "the loader states do not belong to one run: epochs "
+                    f"{sorted({s['epoch'] for s in group})}, world sizes "
+                    f"{sorted({s['world_size'] for s in group})} (or different histories)"
+                )
+            if not 0 <= s["rank"] < old_world:
+                raise ConfigError(f"state of rank {s['rank']} in a world of {old_world}")
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"malformed loader state: {e}") from None
+
+    n_obs = int(dataset["n_obs"])
+    counts = batch_counts(settings, n_obs=n_obs, epoch=epoch, world_size=old_world, history=history)
+    if many and len(group) > 1:
+        ranks = sorted(int(s["rank"]) for s in group)
+        if ranks != list(range(old_world)):
+            raise ConfigError(
+                f"a list of loader states must hold one state per rank of the run that saved "
+                f"them (ranks 0..{old_world - 1}), got ranks {ranks}; or pass a single state"
+            )
+        consumed = [0] * old_world
+        for s in group:
+            consumed[int(s["rank"])] = _non_negative("consumed", s["consumed"])
+        by_rank = {int(s["rank"]): s for s in group}
+    else:
+        s = group[0]
+        r0, c = int(s["rank"]), _non_negative("consumed", s["consumed"])
+        if c > counts[r0]:
+            raise ConfigError(
+                f"state says rank {r0} consumed {c} batches of epoch {epoch} but its plan has "
+                f"{int(counts[r0])}: the state does not match this dataset and settings"
+            )
+        if c == counts[r0] and (counts > c).any():
+            raise ConfigError(
+                f"ranks of the saved run have different batch counts {counts.tolist()} and "
+                f"rank {r0} had finished its epoch, so one state cannot tell how far the "
+                "others got: pass the list of all ranks' states to load_state_dict"
+            )
+        consumed = [min(c, int(n)) for n in counts]
+        consumed[r0] = c
+        by_rank = {r0: s}
+    for r, (c, n) in enumerate(zip(consumed, counts, strict=True)):
+        if c > n:
+            raise ConfigError(
+                f"state of rank {r} says {c} batches consumed in epoch {epoch}, but its plan "
+                f"has {int(n)}: the state does not match this dataset and settings"
+            )
+    if world_size == old_world:
+        return ResumePoint(epoch, history, consumed[rank], by_rank.get(rank))
+    return ResumePoint(epoch, (*history, Segment(old_world, tuple(consumed))), 0, None)
