@@ -19,10 +19,11 @@ inputs, so the input that decides an output's shape always comes first.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import lru_cache
 
 import numpy as np
 from nvidia.dali import types
-from nvidia.dali.plugin.numba.fn.experimental import numba_function
+from nvidia.dali.plugin.numba import NumbaFunction
 
 _DALI_TYPE = {
     np.dtype(np.float32): types.FLOAT,
@@ -104,54 +105,73 @@ def _csr_batch_shapes(outs, ins):
 # --- graph builders ---------------------------------------------------------------------------
 
 
+_RUN_FNS: dict[str, Callable] = {
+    "densify_csr": _densify_csr_rows,
+    "gather_csr": _gather_csr_rows,
+    "gather_dense": _gather_dense_rows,
+}
+
+
+@lru_cache(maxsize=64)
+def _numba_op(
+    kernel: str,
+    width: int | None,
+    out_types: tuple,
+    in_types: tuple,
+    outs_ndim: tuple[int, ...],
+    ins_ndim: tuple[int, ...],
+) -> NumbaFunction:
+    """One compiled DALI numba op per signature and process.
+
+    Compiling an op takes seconds (numba builds C callbacks for DALI); the instance can be
+    called in any number of pipelines, so later loaders of the same shape start at once.
+    """
+    setup = _csr_batch_shapes if kernel == "gather_csr" else _rows_by_width(int(width or 0))
+    return NumbaFunction(
+        run_fn=_RUN_FNS[kernel],
+        setup_fn=setup,
+        out_types=list(out_types),
+        in_types=list(in_types),
+        outs_ndim=list(outs_ndim),
+        ins_ndim=list(ins_ndim),
+        device="cpu",
+    )
+
+
 def densify_csr(pos, data, indices, indptr, *, n_features: int, data_dtype, index_dtype):
     """DALI op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions."""
-    return numba_function(
-        pos,
-        data,
-        indices,
-        indptr,
-        run_fn=_densify_csr_rows,
-        setup_fn=_rows_by_width(n_features),
-        out_types=[types.FLOAT],
-        in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64],
-        outs_ndim=[2],
-        ins_ndim=[1, 1, 1, 1],
+    op = _numba_op(
+        "densify_csr",
+        n_features,
+        (types.FLOAT,),
+        (types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64),
+        (2,),
+        (1, 1, 1, 1),
     )
+    return op(pos, data, indices, indptr)
 
 
 def gather_csr(nnz_hint, pos, data, indices, indptr, *, data_dtype, index_dtype):
     """DALI op: the batch's (data, indices, indptr) from window CSR + positions."""
-    return numba_function(
-        nnz_hint,
-        pos,
-        data,
-        indices,
-        indptr,
-        run_fn=_gather_csr_rows,
-        setup_fn=_csr_batch_shapes,
-        out_types=[dali_type(data_dtype), dali_type(index_dtype), types.INT64],
-        in_types=[
-            types.UINT8,
-            types.INT64,
-            dali_type(data_dtype),
-            dali_type(index_dtype),
-            types.INT64,
-        ],
-        outs_ndim=[1, 1, 1],
-        ins_ndim=[2, 1, 1, 1, 1],
+    op = _numba_op(
+        "gather_csr",
+        None,
+        (dali_type(data_dtype), dali_type(index_dtype), types.INT64),
+        (types.UINT8, types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64),
+        (1, 1, 1),
+        (2, 1, 1, 1, 1),
     )
+    return op(nnz_hint, pos, data, indices, indptr)
 
 
 def gather_dense(pos, values, *, n_features: int, dtype):
     """DALI op: rows ``pos`` of a window given as a 2-D ``(rows, n_features)`` view."""
-    return numba_function(
-        pos,
-        values,
-        run_fn=_gather_dense_rows,
-        setup_fn=_rows_by_width(n_features),
-        out_types=[dali_type(dtype)],
-        in_types=[types.INT64, dali_type(dtype)],
-        outs_ndim=[2],
-        ins_ndim=[1, 2],
+    op = _numba_op(
+        "gather_dense",
+        n_features,
+        (dali_type(dtype),),
+        (types.INT64, dali_type(dtype)),
+        (2,),
+        (1, 2),
     )
+    return op(pos, values)
