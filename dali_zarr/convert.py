@@ -10,7 +10,9 @@ read; plain arrays give a plain array.
 Memory is bounded: ``X`` is never loaded whole. At any time the converter holds one block of
 input rows (twice while shuffling it) and, per output array, a buffer of one shard, because
 zarr rewrites a whole shard on every partial write, so each shard is written once, complete.
-``obs``/``var`` (one value per row or feature) and CSR ``indptr`` are held in memory.
+``obs``/``var`` (one value per row or feature), CSR ``indptr`` and the output→input row map
+are held in memory. AnnData inputs need the ``anndata`` package (and ``.h5ad`` files h5py),
+which reads and writes ``obs``/``var`` in every encoding anndata knows.
 
 The output is written into ``DST.partial`` (marked as ours) and renamed to ``DST`` only when
 complete, so an interrupted run never leaves a ``DST`` that looks complete; a re-run removes
@@ -58,7 +60,7 @@ SHUFFLE_METHOD = (
     "rows of every window_pieces consecutive pieces permuted uniformly"
 )
 
-Progress = Callable[[int], None]
+Progress = Callable[[int, int], None]  # (rows written so far, total rows)
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,16 @@ class _Input:
     @property
     def nnz(self) -> int:
         return int(self.indptr[-1]) if self.indptr is not None else 0
+
+    def rows_per_chunk(self) -> float | None:
+        """Rows in one of the input's own chunks (CSR: on average); None if not chunked."""
+        array = self.data if self.layout == "csr" else self.x
+        chunks = getattr(array, "chunks", None)
+        if not chunks or not self.n_obs:
+            return None
+        if self.layout == "csr":
+            return chunks[0] * self.n_obs / max(1, self.nnz)
+        return float(chunks[0])
 
     def close(self) -> None:
         if self.handle is not None:
@@ -574,6 +586,7 @@ def convert(
     shuffle: bool = False,
     seed: int = 0,
     block_rows: int | None = None,
+    piece_rows: int | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> ConvertResult:
@@ -587,8 +600,12 @@ def convert(
     ``shuffle``: write rows in the order of `output_permutation` (``seed``); the obs column
     ``original_index`` always gives each output row's row number in the concatenated input.
     ``block_rows``: input rows read at once (default: about 64 MiB of decoded X); with
-    ``shuffle`` it is rounded to whole pieces of ``chunk_rows`` rows.
-    ``progress(rows)`` is called after each block with the rows just written.
+    ``shuffle`` it is rounded down to whole pieces of ``piece_rows`` rows (default
+    ``chunk_rows``). Each piece is one read of the input, so pieces much smaller than the
+    input's own chunks decode those chunks several times: larger pieces convert faster,
+    smaller pieces mix rows better.
+    ``progress(done, total)`` is called before the first block and after each block (it may
+    raise to abort: nothing is left at ``dest``).
     """
     t0 = time.perf_counter()
     paths = (
@@ -601,7 +618,11 @@ def convert(
         raise ConfigError("no input given; pass at least one .h5ad file or Zarr store.")
     if codec not in CODECS:
         raise ConfigError(f"codec {codec!r} is unknown; use one of {', '.join(CODECS)}.")
-    for name, value in (("chunk_rows", chunk_rows), ("block_rows", block_rows)):
+    for name, value in (
+        ("chunk_rows", chunk_rows),
+        ("block_rows", block_rows),
+        ("piece_rows", piece_rows),
+    ):
         if value is not None and (not isinstance(value, int | np.integer) or value < 1):
             raise ConfigError(f"{name}={value!r}: must be a positive number of rows.")
     if shard_bytes is not None and shard_bytes < 0:
@@ -627,6 +648,7 @@ def convert(
             shuffle=shuffle,
             seed=int(seed),
             block_rows=block_rows,
+            piece_rows=piece_rows,
             overwrite=overwrite,
             progress=progress,
             t0=t0,
@@ -634,6 +656,165 @@ def convert(
     finally:
         for inp in inputs:
             inp.close()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Sizes derived once from the inputs and the options."""
+
+    n_obs: int
+    offsets: np.ndarray  # (n_inputs + 1,) global row offsets of the inputs
+    layout: Literal["csr", "dense"]
+    feature_shape: tuple[int, ...]
+    dtype: np.dtype
+    index_dtype: np.dtype | None  # CSR
+    nnz: int | None  # CSR
+    row_bytes: int  # decoded bytes of one row (CSR: on average)
+    chunk_rows: int
+    block_rows: int
+    shuffle: dict[str, int] | None
+
+
+def _plan(
+    inputs: Sequence[_Input],
+    *,
+    chunk_rows: int,
+    block_rows: int | None,
+    shuffle: bool,
+    piece_rows: int | None,
+    seed: int,
+) -> _Plan:
+    n_obs = sum(inp.n_obs for inp in inputs)
+    if n_obs == 0:
+        raise DatasetError(f"{', '.join(i.path for i in inputs)}: no rows; nothing to convert.")
+    first = inputs[0]
+    dtype = np.result_type(*[inp.dtype for inp in inputs])
+    nnz = index_dtype = None
+    if first.layout == "csr":
+        nnz = sum(inp.nnz for inp in inputs)
+        index_dtype = np.result_type(*[inp.index_dtype for inp in inputs])
+        row_bytes = max(1, round(nnz / n_obs * (dtype.itemsize + index_dtype.itemsize)))
+    else:
+        row_bytes = max(1, math.prod(first.feature_shape) * dtype.itemsize)
+    chunk_rows = min(chunk_rows, n_obs)
+    if block_rows is None:
+        block_rows = max(1, DEFAULT_BLOCK_BYTES // row_bytes)
+        if block_rows >= chunk_rows:
+            block_rows -= block_rows % chunk_rows
+    block_rows = min(int(block_rows), n_obs)
+    shuffle_info = None
+    if shuffle:
+        piece = min(int(piece_rows or chunk_rows), n_obs)
+        shuffle_info = {
+            "seed": seed,
+            "piece_rows": piece,
+            "window_pieces": max(1, block_rows // piece),
+        }
+        block_rows = piece * shuffle_info["window_pieces"]
+    return _Plan(
+        n_obs=n_obs,
+        offsets=np.cumsum([0] + [inp.n_obs for inp in inputs]).astype(np.int64),
+        layout=first.layout,
+        feature_shape=first.feature_shape,
+        dtype=dtype,
+        index_dtype=index_dtype,
+        nnz=nnz,
+        row_bytes=row_bytes,
+        chunk_rows=chunk_rows,
+        block_rows=block_rows,
+        shuffle=shuffle_info,
+    )
+
+
+def _shuffle_note(inputs: Sequence[_Input], plan: _Plan) -> str | None:
+    """Pieces much smaller than the input's chunks decode each chunk many times: say so."""
+    if plan.shuffle is None:
+        return None
+    piece = plan.shuffle["piece_rows"]
+    coarse = max((r for i in inputs if (r := i.rows_per_chunk())), default=0.0)
+    if coarse < 4 * piece:
+        return None
+    return (
+        f"shuffle pieces of {piece} rows are much smaller than the input's chunks "
+        f"(~{coarse:,.0f} rows), so each input chunk was decoded about {coarse / piece:.0f} "
+        "times; larger pieces (piece_rows / --piece-rows) convert faster but mix rows less"
+    )
+
+
+@dataclass
+class _Outputs:
+    """The output arrays of X, each behind an `_Appender`."""
+
+    writers: dict[str, _Appender]
+    x_group: zarr.Group | None  # CSR: the X group (indptr is written at the end)
+    chunk_elements: int | None  # CSR
+    shard_chunks: int | None
+
+
+def _create_x(root: zarr.Group | None, partial: str, plan: _Plan, shard_bytes: int, codec: str):
+    if plan.layout == "csr":
+        assert root is not None and plan.nnz is not None and plan.index_dtype is not None
+        x = root.create_group("X")
+        target = max(1, round(plan.nnz / plan.n_obs * plan.chunk_rows))
+        writers, chunk_elements, shard_chunks = {}, target, None
+        for name, dt in (("data", plan.dtype), ("indices", plan.index_dtype)):
+            chunk, shard, unit = _layout(plan.nnz, target, dt.itemsize, shard_bytes)
+            array = _create(
+                x, name, shape=(plan.nnz,), dtype=dt, chunk=chunk, shard=shard, codec=codec
+            )
+            writers[name] = _Appender(array, unit)
+            if name == "data":
+                chunk_elements, shard_chunks = chunk, None if shard is None else shard // chunk
+        return _Outputs(writers, x, chunk_elements, shard_chunks)
+    chunk, shard, unit = _layout(plan.n_obs, plan.chunk_rows, plan.row_bytes, shard_bytes)
+    array = _create(
+        root if root is not None else partial,
+        "X" if root is not None else None,
+        shape=(plan.n_obs, *plan.feature_shape),
+        dtype=plan.dtype,
+        chunk=chunk,
+        shard=shard,
+        codec=codec,
+    )
+    return _Outputs(
+        {"X": _Appender(array, unit)}, None, None, None if shard is None else shard // chunk
+    )
+
+
+def _stream(
+    inputs: Sequence[_Input], plan: _Plan, out: _Outputs, progress: Progress | None
+) -> tuple[int, np.ndarray, np.ndarray | None]:
+    """Copy X block by block. Returns (blocks, input row of every output row, CSR row lengths)."""
+    n_obs = plan.n_obs
+    original = np.empty(n_obs, np.int64)
+    lengths = np.zeros(n_obs, np.int64) if plan.layout == "csr" else None
+    n_blocks = done = 0
+    if progress is not None:
+        progress(0, n_obs)
+    for ranges, perm in _windows(n_obs, block_rows=plan.block_rows, shuffle=plan.shuffle):
+        if lengths is not None:
+            data, indices, lens = _read_csr(
+                inputs, plan.offsets, ranges, plan.dtype, plan.index_dtype
+            )
+            if perm is not None:
+                data, indices, lens = _permute_csr(data, indices, lens, perm)
+            out.writers["data"].append(data)
+            out.writers["indices"].append(indices)
+            lengths[done : done + len(lens)] = lens
+            n = len(lens)
+        else:
+            values = _read_dense(inputs, plan.offsets, ranges, plan.dtype)
+            out.writers["X"].append(values if perm is None else values[perm])
+            n = len(values)
+        rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
+        original[done : done + n] = rows if perm is None else rows[perm]
+        done += n
+        n_blocks += 1
+        if progress is not None:
+            progress(done, n_obs)
+    for writer in out.writers.values():
+        writer.finish()
+    return n_blocks, original, lengths
 
 
 def _convert(
@@ -646,161 +827,58 @@ def _convert(
     shuffle: bool,
     seed: int,
     block_rows: int | None,
+    piece_rows: int | None,
     overwrite: bool,
     progress: Progress | None,
     t0: float,
 ) -> ConvertResult:
     first = inputs[0]
-    n_obs = sum(inp.n_obs for inp in inputs)
-    if n_obs == 0:
-        raise DatasetError(f"{', '.join(i.path for i in inputs)}: no rows; nothing to convert.")
-    offsets = np.cumsum([0] + [inp.n_obs for inp in inputs]).astype(np.int64)
-    dtype = np.result_type(*[inp.dtype for inp in inputs])
-    feature_shape = first.feature_shape
-    csr = first.layout == "csr"
-    nnz = sum(inp.nnz for inp in inputs) if csr else None
-    index_dtype = np.result_type(*[inp.index_dtype for inp in inputs]) if csr else None
-    if csr:
-        row_bytes = max(1, round(nnz / n_obs * (dtype.itemsize + index_dtype.itemsize)))
-    else:
-        row_bytes = max(1, math.prod(feature_shape) * dtype.itemsize)
-    chunk_rows = min(chunk_rows, n_obs)
-    if block_rows is None:
-        block_rows = max(1, DEFAULT_BLOCK_BYTES // row_bytes)
-        if block_rows >= chunk_rows:
-            block_rows -= block_rows % chunk_rows
-    block_rows = min(int(block_rows), n_obs)
-    shuffle_info = None
-    if shuffle:
-        piece = chunk_rows
-        shuffle_info = {
-            "seed": seed,
-            "piece_rows": piece,
-            "window_pieces": max(1, block_rows // piece),
-        }
-        block_rows = piece * shuffle_info["window_pieces"]
-
-    # Only after every check on the inputs: touch the file system.
+    plan = _plan(
+        inputs,
+        chunk_rows=chunk_rows,
+        block_rows=block_rows,
+        shuffle=shuffle,
+        piece_rows=piece_rows,
+        seed=seed,
+    )
     obs = var = None
     dropped: tuple[str, ...] = ()
-    if first.anndata:
+    if first.anndata:  # read (and check) before touching the file system
         obs, dropped = _combined_obs(inputs)
         var = _check_var(inputs)
     partial = _prepare_destination(dest, [i.path for i in inputs], overwrite)
-    notes: list[str] = []
+    notes = [n for n in (_shuffle_note(inputs, plan),) if n]
+    obs_columns: tuple[str, ...] = ()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Numcodecs codecs are not in the Zarr")
             warnings.filterwarnings("ignore", message=".*zarr v3 autosharding")
+            # The root gets its AnnData attributes last: a partial store is not a dataset.
             root = zarr.open_group(partial, mode="a", zarr_format=3) if first.anndata else None
-            if csr:
-                assert nnz is not None and index_dtype is not None
-                chunk_elements = max(1, round(nnz / n_obs * chunk_rows))
-                x = root.create_group("X")
-                arrays = {}
-                units = {}
-                shard_chunks = None
-                for name, dt in (("data", dtype), ("indices", index_dtype)):
-                    chunk, shard, unit = _layout(nnz, chunk_elements, dt.itemsize, shard_bytes)
-                    arrays[name] = _create(
-                        x, name, shape=(nnz,), dtype=dt, chunk=chunk, shard=shard, codec=codec
-                    )
-                    units[name] = unit
-                    if name == "data":
-                        chunk_elements = chunk
-                        shard_chunks = None if shard is None else shard // chunk
-                writers = {k: _Appender(a, units[k]) for k, a in arrays.items()}
-                lengths = np.zeros(n_obs, np.int64)
-            else:
-                chunk_elements = None
-                chunk, shard, unit = _layout(n_obs, chunk_rows, row_bytes, shard_bytes)
-                shard_chunks = None if shard is None else shard // chunk
-                shape = (n_obs, *feature_shape)
-                target = root if root is not None else partial
-                xa = _create(
-                    target,
-                    "X" if root is not None else None,
-                    shape=shape,
-                    dtype=dtype,
-                    chunk=chunk,
-                    shard=shard,
-                    codec=codec,
-                )
-                writers = {"X": _Appender(xa, unit)}
-            if shard_bytes and shard_chunks is None:
-                notes.append(
-                    "not sharded: a shard of the requested size would hold fewer than 2 chunks"
-                )
-
-            n_blocks = 0
-            out_row = 0
-            original = np.empty(n_obs, np.int64) if first.anndata else None
-            for ranges, perm in _windows(n_obs, block_rows=block_rows, shuffle=shuffle_info):
-                if csr:
-                    data, indices, lens = _read_csr(inputs, offsets, ranges, dtype, index_dtype)
-                    if perm is not None:
-                        data, indices, lens = _permute_csr(data, indices, lens, perm)
-                    writers["data"].append(data)
-                    writers["indices"].append(indices)
-                    lengths[out_row : out_row + len(lens)] = lens
-                    n = len(lens)
-                    del data, indices
-                else:
-                    values = _read_dense(inputs, offsets, ranges, dtype)
-                    if perm is not None:
-                        values = values[perm]
-                    writers["X"].append(values)
-                    n = len(values)
-                    del values
-                if original is not None:
-                    rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
-                    original[out_row : out_row + n] = rows if perm is None else rows[perm]
-                out_row += n
-                n_blocks += 1
-                if progress is not None:
-                    progress(n)
-            for w in writers.values():
-                w.finish()
-
+            out = _create_x(root, partial, plan, shard_bytes, codec)
+            if shard_bytes and out.shard_chunks is None:
+                notes.append("not sharded: a shard of the requested size holds < 2 chunks")
+            n_blocks, original, lengths = _stream(inputs, plan, out, progress)
             info: dict[str, Any] = {
                 "version": 1,
                 "sources": [os.path.abspath(i.path) for i in inputs],
-                "chunk_rows": chunk_rows,
+                "chunk_rows": plan.chunk_rows,
+                "chunk_elements": out.chunk_elements,
                 "codec": codec,
-                "shuffle": shuffle_info,
-                "shuffle_method": SHUFFLE_METHOD if shuffle_info else None,
+                "shuffle": plan.shuffle,
+                "shuffle_method": SHUFFLE_METHOD if plan.shuffle else None,
             }
-            obs_columns: tuple[str, ...] = ()
-            if csr:
-                indptr = np.zeros(n_obs + 1, np.int64)
-                np.cumsum(lengths, out=indptr[1:])
-                ip = _create(
-                    x,
-                    "indptr",
-                    shape=(n_obs + 1,),
-                    dtype=np.dtype(np.int64),
-                    chunk=min(n_obs + 1, _INDPTR_CHUNK),
-                    shard=None,
-                    codec=codec,
-                )
-                ip[...] = indptr
-                x.attrs.update(
-                    {
-                        "encoding-type": "csr_matrix",
-                        "encoding-version": "0.1.0",
-                        "shape": [n_obs, feature_shape[0]],
-                    }
-                )
-                info["chunk_elements"] = chunk_elements
-            elif root is not None:
-                root["X"].attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+            if lengths is not None:
+                _write_indptr(out.x_group, lengths, plan, codec)
             if root is not None:
+                if plan.layout == "dense":
+                    root["X"].attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
                 obs_columns = _write_obs_var(root, inputs, obs, var, original)
                 root.attrs.update(
                     {"encoding-type": "anndata", "encoding-version": "0.1.0", "dali_zarr": info}
                 )
             else:
-                writers["X"].array.attrs.update({"dali_zarr": info})
+                out.writers["X"].array.attrs.update({"dali_zarr": info})
         nbytes = _dir_bytes(partial)
         _publish(partial, dest)
     except BaseException:
@@ -809,17 +887,17 @@ def _convert(
     return ConvertResult(
         path=dest,
         anndata=first.anndata,
-        layout=first.layout,
-        n_obs=n_obs,
-        feature_shape=feature_shape,
-        dtype=str(dtype),
-        nnz=nnz,
-        chunk_rows=chunk_rows,
-        chunk_elements=chunk_elements,
-        shard_chunks=shard_chunks,
+        layout=plan.layout,
+        n_obs=plan.n_obs,
+        feature_shape=plan.feature_shape,
+        dtype=str(plan.dtype),
+        nnz=plan.nnz,
+        chunk_rows=plan.chunk_rows,
+        chunk_elements=out.chunk_elements,
+        shard_chunks=out.shard_chunks,
         codec=codec,
-        shuffle=shuffle_info,
-        block_rows=block_rows,
+        shuffle=plan.shuffle,
+        block_rows=plan.block_rows,
         n_blocks=n_blocks,
         obs_columns=obs_columns,
         dropped_obs_columns=dropped,
@@ -829,7 +907,30 @@ def _convert(
     )
 
 
+def _write_indptr(x: zarr.Group, lengths: np.ndarray, plan: _Plan, codec: str) -> None:
+    indptr = np.zeros(plan.n_obs + 1, np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    array = _create(
+        x,
+        "indptr",
+        shape=indptr.shape,
+        dtype=indptr.dtype,
+        chunk=min(len(indptr), _INDPTR_CHUNK),
+        shard=None,
+        codec=codec,
+    )
+    array[...] = indptr
+    x.attrs.update(
+        {
+            "encoding-type": "csr_matrix",
+            "encoding-version": "0.1.0",
+            "shape": [plan.n_obs, plan.feature_shape[0]],
+        }
+    )
+
+
 def _write_obs_var(root, inputs, obs, var, original: np.ndarray) -> tuple[str, ...]:
+    """obs (in output row order, plus original_index/original_source), var, empty groups."""
     aio, pd = _anndata_io()
     obs = obs.iloc[original] if not np.array_equal(original, np.arange(len(obs))) else obs
     obs = obs.copy()

@@ -3,10 +3,11 @@
 `inspect_store(path)` returns a `StoreReport` (``to_dict()`` for JSON, `format_report` for
 people). For every array the loader reads it names the path it takes:
 
-* ``gpu-decode``: read directly and compressed with a codec nvCOMP decodes (zstd, lz4, or
-  none), so the GPU path can decode it on the device. (That path is not in this release;
-  today these arrays are read by the direct CPU path.)
-* ``cpu-decode``: read directly (``os.preadv``) but decoded on the CPU (blosc, gzip, filters…).
+* ``gpu-decode``: read directly, with chunks nvCOMP decodes on the device (zstd, numcodecs
+  lz4, or uncompressed), by the rule of `dali_zarr.io.gpu.gpu_codec_kind`; ``device="cpu"``
+  reads the same arrays by the direct CPU path.
+* ``cpu-decode``: read directly (``os.preadv``) but decoded on the CPU (blosc, gzip, filters,
+  byte swaps, zstd with content checksums…).
 * ``zarr-fallback``: read through zarr-python (a remote store, an unsupported codec…); the
   report says why.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,9 +28,9 @@ import zarr
 from dali_zarr.data.dataset import CsrDataset, Dataset, open_dataset
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import DirectReader, open_reader, parse_layout
+from dali_zarr.io.gpu import GPU_KINDS, gpu_codec_kind
 
 __all__ = [
-    "GPU_CODECS",
     "ArrayInfo",
     "ObsInfo",
     "StoreReport",
@@ -38,8 +40,6 @@ __all__ = [
     "suggest",
 ]
 
-GPU_CODECS = frozenset({"zstd", "lz4"})  # nvCOMP batched decoders (plus "no compression")
-_CHECKSUMS = frozenset({"crc32c", "crc32", "adler32", "fletcher32", "jenkins_lookup3"})
 MIN_CHUNK_ROWS = 32
 TARGET_PRELOAD = 32
 MIN_WINDOW_BATCHES = 4
@@ -88,6 +88,7 @@ class Suggestion:
     window_rows: int
     window_mib: float
     rule: str = RULE
+    warning: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,9 @@ class StoreReport:
 
 
 def _short(name: str, cfg: dict[str, Any]) -> str:
-    keep = {k: v for k, v in cfg.items() if k in ("level", "cname", "clevel", "shuffle", "endian")}
+    if name == "bytes":
+        return "bytes" if cfg.get("endian", "little") == "little" else f"bytes({cfg['endian']})"
+    keep = {k: v for k, v in cfg.items() if k in ("level", "cname", "clevel", "shuffle")}
     if not keep:
         return name
     return f"{name}({', '.join(f'{k}={v}' for k, v in keep.items())})"
@@ -143,25 +146,22 @@ def _config(c: Any) -> dict[str, Any]:
     return dict(d.get("configuration") or {})
 
 
+_GPU_WHY = {
+    "none": "not compressed: the bytes go to the device as they are",
+    "zstd": "nvCOMP decodes zstd",
+    "lz4": "nvCOMP decodes lz4 (numcodecs framing: the 4-byte size header is skipped)",
+}
+
+
 def _read_path(array: zarr.Array, name: str) -> tuple[str, str]:
-    """("gpu-decode" | "cpu-decode" | "zarr-fallback", why)."""
+    """("gpu-decode" | "cpu-decode" | "zarr-fallback", why), as the readers decide it."""
     reader = open_reader(array, name=name)
     if not isinstance(reader, DirectReader):
         return "zarr-fallback", reader.reason
-    codecs = reader.layout.codecs
-    assert codecs is not None
-    if codecs.filters:
-        ids = ", ".join(f["id"] for f in codecs.filters)
-        return "cpu-decode", f"filters ({ids}) are undone on the CPU"
-    if codecs.order != "C":
-        return "cpu-decode", f"memory order {codecs.order} is transposed on the CPU"
-    ids = [c["id"] for c in codecs.bytes_codecs if c["id"] not in _CHECKSUMS]
-    if not ids:
-        return "gpu-decode", "not compressed: bytes go to the device as they are"
-    if len(ids) == 1 and ids[0] in GPU_CODECS:
-        return "gpu-decode", f"nvCOMP decodes {ids[0]}"
-    other = [i for i in ids if i not in GPU_CODECS] or ids
-    return "cpu-decode", f"{' + '.join(other)} has no nvCOMP decoder; decoded on the CPU"
+    kind, why = gpu_codec_kind(reader.layout)  # the GPU backend's own rule, not a copy of it
+    if kind in GPU_KINDS:
+        return "gpu-decode", _GPU_WHY.get(kind, kind)
+    return "cpu-decode", f"{why}: read directly, decoded on the CPU"
 
 
 def _array_info(
@@ -229,6 +229,13 @@ def suggest(
     by_memory = max(1, int(WINDOW_BYTES_CAP // max(1.0, chunk_size * row_bytes)))
     preload = max(1, min(preload, by_memory, math.ceil(n_obs / chunk_size)))
     window = preload * chunk_size
+    warning = ""
+    if (window // batch_size) * batch_size == 0:
+        warning = f"a window of {window} rows holds no batch of {batch_size}: " + (
+            "the store has fewer rows than one batch; use a smaller batch_size"
+            if n_obs < batch_size
+            else "raise preload_nchunks"
+        )
     return Suggestion(
         chunk_size=chunk_size,
         preload_nchunks=preload,
@@ -236,6 +243,7 @@ def suggest(
         rows_per_store_chunk=float(rows_per_chunk),
         window_rows=window,
         window_mib=round(window * row_bytes / 2**20, 2),
+        warning=warning,
     )
 
 
@@ -343,13 +351,15 @@ def format_report(report: StoreReport) -> str:
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     for row in (header, *rows):
-        lines.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+        cells = "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True))
+        lines.append(("  " + cells).rstrip())
     lines.append("")
     for a in r.arrays:
         lines.append(f"  {a.name}: {a.path}: {a.why}")
     if any(a.path == "gpu-decode" for a in r.arrays):
         lines.append(
-            "  (gpu-decode arrays are read by the direct CPU path until the GPU path ships)"
+            "  (gpu-decode: what device='gpu' decodes with nvCOMP; device='cpu' reads the same"
+            " arrays by the direct path)"
         )
     if r.kind == "anndata":
         lines.append("")
@@ -368,6 +378,7 @@ def format_report(report: StoreReport) -> str:
         f"(batch_size={s.batch_size}: a window is {s.window_rows:,} rows, "
         f"~{s.window_mib:,.1f} MiB decoded)",
         f"  store rows per chunk: {s.rows_per_store_chunk:,.1f}",
-        f"  rule: {s.rule}",
+        *([f"  warning: {s.warning}"] if s.warning else []),
+        textwrap.fill(f"rule: {s.rule}", width=96, initial_indent="  ", subsequent_indent="    "),
     ]
     return "\n".join(lines)

@@ -51,6 +51,9 @@ class JaxLoader(Loader):
     shape ``[B, n_features]``; obs columns are ``[B]``; ``return_index=True`` adds
     ``batch["index"]``, the global observation ids.
 
+    A BCSR batch's ``nnz`` differs from batch to batch, so a jitted function taking it
+    compiles once per distinct shape; for ``jax.jit`` prefer ``output="dense"``.
+
     Integer widths follow JAX: with its default 32-bit mode (``jax_enable_x64`` off) int64
     outputs (category codes, ``index``, 64-bit obs columns) arrive as int32 and float64 as
     float32. JAX would wrap integers beyond int32 silently, so this loader refuses at

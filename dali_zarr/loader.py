@@ -8,17 +8,28 @@ planning lives in :mod:`dali_zarr.planning`, reading in :mod:`dali_zarr.io` and
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Literal
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
 from dali_zarr.data.dataset import Dataset
+from dali_zarr.distributed import torch_dist_initialized
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.pipeline import Transform, build_pipeline
 from dali_zarr.graph.source import BatchSource, Output, Planner
+from dali_zarr.planning import EpochPlan
+from dali_zarr.planning.resume import (
+    PlanSettings,
+    ResumePoint,
+    Segment,
+    batch_counts,
+    dataset_fingerprint,
+    make_state,
+    resume_point,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +44,22 @@ class Loader:
     (categorical codes as int64, numeric columns in their dtype); ``return_index=True`` adds
     ``batch["index"]``, the global observation ids. Call :meth:`set_epoch` before each epoch
     to reshuffle, as with torch's ``DistributedSampler``.
+
+    **Uneven batch counts.** Under an initialized ``torch.distributed`` with several ranks,
+    iterating an epoch in which the ranks would yield different numbers of batches (only
+    possible with ``enforce_equal_batches=False``) raises a ConfigError on every rank at the
+    start of the epoch, since DDP would hang at the step one rank no longer takes. Pass
+    ``allow_uneven_batches=True`` to take that on yourself (e.g. with
+    ``torch.distributed.algorithms.Join``).
+
+    **Resuming.** :meth:`state_dict` / :meth:`load_state_dict` save and restore the position
+    in the epoch (see :mod:`dali_zarr.planning.resume`), on the same or on another number of
+    ranks. Our state is the source of truth for *which rows* come in which batch: the DALI
+    callback is a pure function of (epoch, iteration) and the plan, so a fresh pipeline
+    started at the saved batch yields the identical stream. DALI's own checkpoint adds only
+    the state of stateful DALI operators (random ops in ``transform``); with
+    ``enable_checkpointing=True`` it is saved in the state too and restored when the same
+    rank of the same world size loads it, so such ops continue their random streams exactly.
     """
 
     def __init__(
@@ -49,6 +76,8 @@ class Loader:
         prefetch_windows: int = 2,
         prefetch_queue_depth: int = 2,
         transform: Transform | None = None,
+        allow_uneven_batches: bool = False,
+        enable_checkpointing: bool = False,
     ) -> None:
         if output not in ("dense", "csr"):
             raise ConfigError(f"output={output!r}: use 'dense' or 'csr'.")
@@ -75,6 +104,8 @@ class Loader:
         self.num_threads = num_threads
         self.prefetch_queue_depth = prefetch_queue_depth
         self.transform = transform
+        self.allow_uneven_batches = bool(allow_uneven_batches)
+        self.enable_checkpointing = bool(enable_checkpointing)
         self.epoch = 0
         self._source = BatchSource(
             dataset,
@@ -86,10 +117,17 @@ class Loader:
             keep_alive=prefetch_queue_depth + 2,
         )
         self._iterator: DALIGenericIterator | None = None
+        self._pipe = None
         self._names: list[str] = []
         self._dali_epoch = -1  # DALI's epoch counter of the epoch now bound
         self._open_epoch = False  # an epoch was started and not run to its end
-        self._consumed = 0  # batches handed out in the open epoch
+        self._consumed = 0  # batches handed out in the DALI epoch now bound
+        self._iter0 = 0  # DALI iteration of its first batch (>0 after a DALI restore)
+        # (epoch, history, start) of the epoch now or last iterated: plan batch of the
+        # k-th batch handed out is start + k
+        self._run: tuple[int, tuple[Segment, ...], int] | None = None
+        self._pending: ResumePoint | None = None  # from load_state_dict, not yet started
+        self._restore: dict[str, Any] | None = None  # DALI checkpoint to build the pipeline from
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -100,8 +138,19 @@ class Loader:
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        """Batches this rank yields in the current epoch."""
-        return self._source.plan(self.epoch).n_batches
+        """Batches this rank yields in the current epoch (after :meth:`load_state_dict`:
+        the batches still to come in the resumed epoch)."""
+        history, start = self._resume_for(self.epoch)
+        return self._source.plan(self.epoch, history).n_batches - start
+
+    def plan(self) -> EpochPlan:
+        """The plan the current epoch follows on this rank; after :meth:`load_state_dict` on
+        another world size, the remainder plan of the resumed epoch (``rows_done``,
+        ``rows_skipped`` account for the whole epoch)."""
+        history = self._resume_for(self.epoch)[0]
+        if self._run is not None and self._run[0] == self.epoch:
+            history = self._run[1]
+        return self._source.plan(self.epoch, history)
 
     def categories(self, column: str) -> tuple[str, ...] | None:
         """Label names of a categorical obs column: ``categories(c)[code]``."""
@@ -127,13 +176,147 @@ class Loader:
     def close(self) -> None:
         self._source.close()
 
+    # -- resume ---------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank stands: a small dict of plain values (plus DALI's checkpoint bytes
+        with ``enable_checkpointing=True``), to save with the model on every rank.
+
+        ``consumed`` counts the batches handed out to the caller in the current epoch, not
+        what DALI has prefetched: call this after the step on the last batch is done (or
+        after the loop), and the resumed run continues with the next batch.
+        """
+        settings = PlanSettings.of(self.sampler)
+        dali: dict[str, Any] | None = None
+        if self._pending is not None and self._pending.epoch == self.epoch:
+            epoch, history, consumed = self.epoch, self._pending.history, self._pending.start
+            dali = self._restore
+        elif self._run is not None and self._run[0] == self.epoch:
+            epoch, history, start = self._run
+            consumed = start + self._consumed
+            dali = self._dali_checkpoint(bound=True)
+        else:
+            epoch, history, consumed = self.epoch, (), 0
+            dali = self._dali_checkpoint(bound=False)
+            if dali is None and self._restore is not None:
+                dali = {**self._restore, "bound": False}
+        return make_state(
+            settings=settings,
+            dataset=dataset_fingerprint(self.dataset),
+            epoch=epoch,
+            consumed=consumed,
+            n_batches=self._source.plan(epoch, history).n_batches,
+            rank=self.sampler.rank,  # type: ignore[attr-defined]
+            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
+            history=history,
+            dali=dali,
+        )
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Continue where the run that saved ``state`` stopped; call on a fresh Loader.
+
+        ``state``: this rank's saved state, any old rank's, or the list of all old ranks'
+        states. With the same world size this rank continues its epoch at the next batch
+        (the stream is identical to the uninterrupted one). With another world size the
+        rest of that epoch is split among the new ranks, every row not yet delivered exactly
+        once (see :mod:`dali_zarr.planning.resume`); later epochs follow the normal plan.
+        Sets :attr:`epoch` to the saved epoch; iterate it (``set_epoch`` to the same epoch
+        is fine) to continue it. A state of another dataset or other sampler settings is
+        refused with a ConfigError that says what differs.
+        """
+        if self._iterator is not None:
+            raise ConfigError(
+                "load_state_dict must be called on a fresh Loader, before it is iterated: "
+                "build a new Loader and load the state into it"
+            )
+        point = resume_point(
+            state,
+            settings=PlanSettings.of(self.sampler),
+            dataset=dataset_fingerprint(self.dataset),
+            rank=self.sampler.rank,  # type: ignore[attr-defined]
+            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
+        )
+        self._source.plan(point.epoch, point.history)  # plan now: fail here, not in DALI
+        self._pending = point
+        self._restore = None
+        self.epoch = point.epoch
+        dali = point.own_state.get("dali") if point.own_state is not None else None
+        if dali and self.enable_checkpointing:
+            self._restore = dict(dali)
+        elif dali:
+            log.info(
+                "dali_zarr: the state has a DALI checkpoint; ignored (enable_checkpointing=False)"
+            )
+
+    def _resume_for(self, epoch: int) -> tuple[tuple[Segment, ...], int]:
+        """(history, first plan batch) the next iteration of ``epoch`` starts from."""
+        if self._pending is not None and self._pending.epoch == epoch:
+            return self._pending.history, self._pending.start
+        return (), 0
+
+    def _dali_checkpoint(self, *, bound: bool) -> dict[str, Any] | None:
+        """DALI's checkpoint at the last batch handed out (it counts consumed iterations)."""
+        if not self.enable_checkpointing or self._iterator is None:
+            return None
+        checkpoints = getattr(self._iterator, "checkpoints", None)
+        blob = checkpoints()[0] if checkpoints is not None else self._pipe.checkpoint()
+        return {
+            "checkpoint": blob,
+            "epoch_idx": self._dali_epoch,
+            "iteration": self._iter0 + self._consumed,
+            "bound": bound,
+        }
+
+    def _check_even(self, history: tuple[Segment, ...]) -> None:
+        """Refuse, on every rank alike, an epoch whose ranks would run different step counts
+        under torch.distributed (DDP would wait forever on the rank that ran out)."""
+        world = getattr(self.sampler, "world_size", 1)
+        if self.allow_uneven_batches or world <= 1 or not torch_dist_initialized():
+            return
+        try:
+            settings = PlanSettings.of(self.sampler)
+        except ConfigError:
+            return  # a custom planner: we cannot compute the other ranks' counts
+        if settings.enforce_equal_batches:
+            return  # equal by construction, in resumed epochs too
+        counts = batch_counts(
+            settings,
+            n_obs=self.dataset.n_obs,
+            epoch=self.epoch,
+            world_size=world,
+            history=history,
+        )
+        if (counts != counts[0]).any():
+            raise ConfigError(
+                f"epoch {self.epoch}: with enforce_equal_batches=False the {world} ranks yield "
+                f"different numbers of batches {counts.tolist()}; under torch.distributed "
+                "(DDP) the ranks with more batches would wait forever in a collective on the "
+                "ranks that ran out. Use enforce_equal_batches=True (the default: equal "
+                "counts, fewer than world_size x batch_size rows left out per epoch), or pass "
+                "Loader(..., allow_uneven_batches=True) and handle the uneven ends yourself, "
+                "e.g. by wrapping the loop in torch.distributed.algorithms.Join([model])"
+            )
+
     # -- internals ------------------------------------------------------------------------------
 
     def _start_epoch(self) -> DALIGenericIterator:
-        self._source.plan(self.epoch)  # validate settings before DALI starts calling back
+        pending = self._pending
+        history, start = self._resume_for(self.epoch)
+        # validate settings (and the ranks' batch counts) before DALI starts calling back
+        self._source.plan(self.epoch, history)
+        self._check_even(history)
+        if pending is not None and pending.epoch != self.epoch and (pending.start or history):
+            log.warning(
+                "dali_zarr: the loaded state resumes epoch %d but epoch %d was started; the "
+                "rest of epoch %d is not delivered",
+                pending.epoch,
+                self.epoch,
+                pending.epoch,
+            )
+        self._pending = None
+        self._run = (self.epoch, history, start)
         if self._iterator is None:
-            self._dali_epoch = 0
-            self._source.bind_epoch(0, self.epoch)
+            restore, self._restore = self._restore, None
             pipe, self._names = build_pipeline(
                 self._source,
                 dtype=self.dtype,
@@ -141,18 +324,46 @@ class Loader:
                 num_threads=self.num_threads,
                 prefetch_queue_depth=self.prefetch_queue_depth,
                 transform=self.transform,
+                enable_checkpointing=self.enable_checkpointing,
+                checkpoint=restore["checkpoint"] if restore else None,
             )
+            self._pipe = pipe
+            if restore is None:
+                self._dali_epoch = 0
+                self._source.bind_epoch(0, self.epoch, history=history, start=start)
+                self._iterator = self._make_iterator(pipe, self._names)
+                self._open_epoch, self._consumed, self._iter0 = True, 0, 0
+                return self._iterator
+            # DALI resumes its epoch `epoch_idx` at `iteration`, its operators restored
+            self._dali_epoch, self._iter0 = int(restore["epoch_idx"]), int(restore["iteration"])
+            if restore.get("bound") and pending is not None and pending.epoch == self.epoch:
+                # ... and that position is the saved batch `start` of this epoch: go on
+                self._source.bind_epoch(
+                    self._dali_epoch, self.epoch, history=history, start=start - self._iter0
+                )
+                self._iterator = self._make_iterator(pipe, self._names)
+                self._open_epoch, self._consumed = True, 0
+                return self._iterator
+            # ... at another epoch's position: end that DALI epoch (unbound: it stops at
+            # once) and begin ours as the next, so DALI's operator state still carries over
             self._iterator = self._make_iterator(pipe, self._names)
-        else:
-            if self._open_epoch:  # the last loop was left early: drain what DALI prefetched
-                self._source.cut_epoch(self._dali_epoch, self._consumed)
-                for _ in self._iterator:
-                    pass
-            self._dali_epoch += 1
-            self._source.bind_epoch(self._dali_epoch, self.epoch)
-            self._iterator.reset()
+            self._open_epoch, self._consumed = True, 0
+        if self._open_epoch:  # the last loop was left early: drain what DALI prefetched
+            self._source.cut_epoch(self._dali_epoch, self._iter0 + self._consumed)
+            # next(), not `for`: iter() on a DALI iterator resets it when its pipeline has
+            # already reached the end (the loop stopped at exactly len(self) batches, as
+            # Lightning does), which would skip the next epoch
+            while True:
+                try:
+                    next(self._iterator)
+                except StopIteration:
+                    break
+        self._dali_epoch += 1
+        self._source.bind_epoch(self._dali_epoch, self.epoch, history=history, start=start)
+        self._iterator.reset()
         self._open_epoch = True
         self._consumed = 0
+        self._iter0 = 0
         return self._iterator
 
     def _make_iterator(self, pipe, names: list[str]):

@@ -43,7 +43,9 @@ class Chunks:
         self.dtype = np.dtype(meta["data_type"])
         outer = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
         enc = meta["chunk_key_encoding"]
-        self.sep = enc.get("configuration", {}).get("separator", "/" if enc["name"] == "default" else ".")
+        self.sep = enc.get("configuration", {}).get(
+            "separator", "/" if enc["name"] == "default" else "."
+        )
         self.prefix = "c" + self.sep if enc["name"] == "default" else ""
         codecs = meta["codecs"]
         self.sharded = codecs[0]["name"] == "sharding_indexed"
@@ -175,6 +177,7 @@ def dense_pass(
     n_genes: int,
     batch_size: int,
     local: threading.local,
+    on_batch=None,
 ) -> None:
     n_obs = len(indptr) - 1
     starts = np.arange(0, n_obs, batch_size)
@@ -200,6 +203,8 @@ def dense_pass(
         out[...] = 0
         rows = np.repeat(np.arange(r1 - r0, dtype=np.int64), np.diff(indptr[r0 : r1 + 1]))
         out[rows * n_genes + cols] = vals
+        if on_batch is not None:  # tests look at the batches
+            on_batch(r0, out.reshape(r1 - r0, n_genes))
 
     futures = [
         pool.submit(batch, int(r0), int(r1), int(c0), int(c1))

@@ -10,6 +10,8 @@ Batches still report the *parent's* observation ids in ``batch["index"]``
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 
 from dali_zarr.data.dataset import Dataset, Rows, _ranges_rows
@@ -80,7 +82,9 @@ class Subset(Dataset):
         self.parent = dataset
         self.parent_rows = selected
         self.parent_rows.setflags(write=False)
-        self.name = f"{dataset.name}[{len(selected)} of {dataset.n_obs}]"
+        # the row set is part of the name, which identifies the dataset (e.g. when resuming)
+        digest = zlib.crc32(np.ascontiguousarray(selected).view(np.uint8))
+        self.name = f"{dataset.name}[{len(selected)} of {dataset.n_obs} rows #{digest:08x}]"
         self.n_obs = len(selected)
         self.feature_shape = dataset.feature_shape
         self.dtype = dataset.dtype

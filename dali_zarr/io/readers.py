@@ -357,6 +357,62 @@ class DirectReader:
                     pieces.append(_Piece((c, *oc), dst, crop))
         return pieces
 
+    # -- byte locations (public: planned reads such as dali_zarr.io.gpu use them) -----------
+
+    def chunk_locations(
+        self, chunks: Sequence[tuple[int, ...]]
+    ) -> list[tuple[str, int, int] | None]:
+        """``(file, offset, nbytes)`` of the stored bytes of each chunk (inner chunk when
+        sharded), or None for a chunk that is not stored (it reads as the fill value).
+
+        Shard indexes are read, crc32c-checked and cached exactly as ``read_rows`` does;
+        an index entry pointing past the end of its shard raises ``ChunkReadError``.
+        """
+        lay = self.layout
+        if lay.shard is None:
+            out: list[tuple[str, int, int] | None] = []
+            for coords in chunks:
+                path = self._file(lay.key(tuple(coords)))
+                try:
+                    size = os.stat(path).st_size
+                except FileNotFoundError:
+                    out.append(None)
+                    continue
+                except OSError as e:
+                    raise self._error(tuple(coords), f"stat failed ({e})") from e
+                out.append((path, 0, int(size)))
+            return out
+        cps = lay.shard.chunks_per_shard
+        shards = {tuple(c // k for c, k in zip(co, cps, strict=True)) for co in chunks}
+        todo = sorted(s for s in shards if s not in self._shard_index)
+        _run_parallel(self.executor, todo, self._load_shard_index)
+        located: list[tuple[str, int, int] | None] = []
+        for co in chunks:
+            coords = tuple(co)
+            shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
+            cached = self._shard_index.get(shard)
+            if cached is None:
+                located.append(None)  # missing shard
+                continue
+            index, size = cached
+            inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
+            offset, nbytes = (int(v) for v in index[inner])
+            if offset == _EMPTY and nbytes == _EMPTY:
+                located.append(None)
+                continue
+            if offset + nbytes > size:
+                raise self._error(
+                    coords,
+                    f"shard index says bytes [{offset}, {offset + nbytes}) but the shard file "
+                    f"is {size} bytes (truncated shard or corrupted index)",
+                )
+            located.append((self._file(lay.key(shard)), offset, nbytes))
+        return located
+
+    def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
+        """The error ``read_rows`` raises for a bad chunk (names the array, key and file)."""
+        return self._error(tuple(coords), problem)
+
     # -- reading ---------------------------------------------------------------------------
 
     def _file(self, key: str) -> str:

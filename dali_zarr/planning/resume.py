@@ -30,6 +30,9 @@ delivered ``min(consumed, its batch count)``: exact whenever the ranks have equa
 counts, which ``enforce_equal_batches=True`` (the default) guarantees and DDP needs. When the
 counts differ and that single state cannot tell how far the other ranks got (its own rank
 had finished its epoch), it is refused: pass the list of all states.
+
+Cost of an elastic resume, once per restart: every old rank's plan (O(n_chunks) each) and
+one window per old rank; a same-size resume costs one plan, like any epoch.
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ from dali_zarr.planning.partition import (
     Shard,
     offsets_of,
     rank_bounds,
-    ranges_to_rows,
     rows_delivered,
     slice_ranges,
     validate_count,
@@ -102,18 +104,18 @@ class PlanSettings:
         """The settings of a ChunkSampler or DistributedSampler (a ChunkSampler is one rank of
         one: ``enforce_equal_batches=True`` and ``shard="chunks"``, which change nothing there).
         """
-        try:
+        try:  # plain Python values, so that a state dict is JSON-able and compares equal
             return cls(
-                seed=sampler.seed,  # type: ignore[attr-defined]
-                chunk_size=sampler.chunk_size,  # type: ignore[attr-defined]
-                preload_nchunks=sampler.preload_nchunks,  # type: ignore[attr-defined]
-                batch_size=sampler.batch_size,  # type: ignore[attr-defined]
-                shuffle=sampler.shuffle,  # type: ignore[attr-defined]
-                drop_last=sampler.drop_last,  # type: ignore[attr-defined]
-                enforce_equal_batches=getattr(sampler, "enforce_equal_batches", True),
-                shard=getattr(sampler, "shard", "chunks"),
+                seed=int(sampler.seed),  # type: ignore[attr-defined]
+                chunk_size=int(sampler.chunk_size),  # type: ignore[attr-defined]
+                preload_nchunks=int(sampler.preload_nchunks),  # type: ignore[attr-defined]
+                batch_size=int(sampler.batch_size),  # type: ignore[attr-defined]
+                shuffle=bool(sampler.shuffle),  # type: ignore[attr-defined]
+                drop_last=bool(sampler.drop_last),  # type: ignore[attr-defined]
+                enforce_equal_batches=bool(getattr(sampler, "enforce_equal_batches", True)),
+                shard=str(getattr(sampler, "shard", "chunks")),  # type: ignore[arg-type]
             )
-        except AttributeError:
+        except (AttributeError, TypeError, ValueError):
             raise ConfigError(
                 f"saving or resuming loader state needs a ChunkSampler or DistributedSampler, "
                 f"got {type(sampler).__name__}"
@@ -237,7 +239,9 @@ def plan_remainder(
     rows of the epoch delivered before (kept for the accounting of ``rows_skipped``).
     """
     s = settings
-    validate_sizes(chunk_size=s.chunk_size, preload_nchunks=s.preload_nchunks, batch_size=s.batch_size)
+    validate_sizes(
+        chunk_size=s.chunk_size, preload_nchunks=s.preload_nchunks, batch_size=s.batch_size
+    )
     world_size = validate_count("world_size", world_size)
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, world_size={world_size}), got rank={rank}")

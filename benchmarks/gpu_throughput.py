@@ -1,0 +1,445 @@
+"""GPU throughput: dense float32 minibatches delivered on the GPU, against baselines and ceilings.
+
+    python benchmarks/gpu_throughput.py                         # 200k cells x 62,710 genes
+    python benchmarks/gpu_throughput.py --cells 20000 --batches 20   # quick look
+
+Needs a CUDA GPU (exits with a message otherwise). Writes a Tahoe-like AnnData store once
+(cached under ``--out``/stores/, keyed by its parameters): ``--cells`` cells x ``--genes``
+genes (Tahoe-100M has 62,710), about ``--nnz-per-cell`` non-zeros per cell, anndata's zarr v3
+defaults (zstd, sharded), through ``benchmarks/contenders/stores.py`` (falls back to
+``dali_zarr.synthetic.make_single_cell`` when that script is absent). Then measures, after
+``--warmup`` batches, ``--batches`` batches of ``--batch-size`` rows (torch.cuda.synchronize()
+before the clock stops), and reports rows/s and GB/s of dense float32 ``[B, genes]`` on the
+GPU:
+
+* ``dali_zarr gpu``: ``GpuBatchSource`` + ``build_gpu_pipeline`` (kvikio reads, nvCOMP
+  decode, densify kernel in the DALI graph), batches as torch CUDA tensors (DLPack, no copy);
+* ``dali_zarr cpu + .cuda()``: the CPU path's dense batches copied to the GPU;
+* ``baseline``: zarr-python reads of ``chunk_size``-row blocks → NumPy CSR → ``torch.cuda`` →
+  ``torch.sparse_csr_tensor(...).to_dense()`` (what one writes without a loader);
+* ``annbatch gpu``: ``annbatch.Loader(preload_to_gpu=True, to="torch")`` + ``.to_dense()``,
+  run by ``--annbatch-python`` (default: ``benchmarks/.venv-annbatch/bin/python`` if present;
+  skipped with the reason when it cannot run);
+* ceilings: host→device copy bandwidth (pinned, 256 MiB), raw read bandwidth of the store's
+  files (``os.pread`` on 8 threads; page cache likely warm) and, with kvikio, raw reads into
+  GPU memory.
+
+Output: a table on stdout, ``<out>/gpu_throughput.json`` and ``<out>/gpu_throughput.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cells", type=int, default=200_000)
+    p.add_argument("--genes", type=int, default=62_710)
+    p.add_argument("--nnz-per-cell", type=float, default=2_000)
+    p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--preload-nchunks", type=int, default=64)
+    p.add_argument("--batches", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device-id", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
+    p.add_argument("--store", help="use this AnnData store instead of writing one")
+    p.add_argument(
+        "--annbatch-python", default=os.path.join(HERE, ".venv-annbatch", "bin", "python")
+    )
+    p.add_argument("--worker", choices=["annbatch"], help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def require_gpu() -> None:
+    try:
+        import torch
+
+        ok = torch.cuda.is_available()
+    except Exception as e:  # no torch / broken CUDA
+        ok, why = False, str(e)
+    else:
+        why = "torch.cuda.is_available() is False"
+    if not ok:
+        sys.exit(
+            f"gpu_throughput.py needs a CUDA GPU ({why}). Run it on a GPU machine: "
+            "python benchmarks/gpu_throughput.py [--cells N]"
+        )
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+def make_store(args: argparse.Namespace) -> str:
+    if args.store:
+        return args.store
+    name = f"tahoe_{args.cells}x{args.genes}_{int(args.nnz_per_cell)}.zarr"
+    path = os.path.join(args.out, "stores", name)
+    if os.path.exists(os.path.join(path, "zarr.json")):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    writer = os.path.join(HERE, "contenders", "stores.py")
+    print(f"writing {path} ...", file=sys.stderr)
+    if os.path.exists(writer):
+        cmd = [sys.executable, writer, "sparse", "--path", path, "--n-obs", str(args.cells)]
+        cmd += ["--n-genes", str(args.genes), "--nnz-per-cell", str(args.nnz_per_cell)]
+        subprocess.run(cmd, check=True, cwd=os.path.dirname(writer))
+    else:
+        from dali_zarr.synthetic import make_single_cell
+
+        make_single_cell(
+            path,
+            n_obs=args.cells,
+            n_features=args.genes,
+            density=args.nnz_per_cell / args.genes,
+            chunk_elements=65_536,
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------- measurements
+
+
+def timed(batches, consume, warmup: int, n: int) -> dict:
+    """Time ``consume`` over ``n`` batches after ``warmup``; returns rows, seconds."""
+    import torch
+
+    it = iter(batches)
+    for _ in range(warmup):
+        consume(next(it))
+    torch.cuda.synchronize()
+    rows = 0
+    start = time.perf_counter()
+    for _ in range(n):
+        try:
+            rows += consume(next(it))
+        except StopIteration:
+            break
+    torch.cuda.synchronize()
+    return {"rows": rows, "seconds": time.perf_counter() - start}
+
+
+def forever(make_epoch):
+    epoch = 0
+    while True:
+        yield from make_epoch(epoch)
+        epoch += 1
+
+
+def sampler(args, seed=0):
+    import dali_zarr as dz
+
+    return dz.ChunkSampler(
+        chunk_size=args.chunk_size,
+        preload_nchunks=args.preload_nchunks,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        seed=seed,
+    )
+
+
+def run_dali_gpu(args, store: str) -> dict:
+    import dali_zarr as dz
+    from dali_zarr.graph.gpu_pipeline import (
+        GpuBatchSource,
+        build_gpu_pipeline,
+        gpu_status,
+        to_torch,
+    )
+    from dali_zarr.graph.iterator import DaliEpochIterator
+
+    print(gpu_status()[1], file=sys.stderr)
+    ds = dz.open_dataset(store)
+    src = GpuBatchSource(
+        ds, sampler(args), output="dense", obs=[], return_index=False, device_id=args.device_id
+    )
+    pipe, names, _ = build_gpu_pipeline(src, device_id=args.device_id)
+    iterator = DaliEpochIterator(pipe, names)
+    state = {"epoch": -1}
+
+    def epoch(e):
+        if state["epoch"] >= 0:
+            iterator.reset()
+        state["epoch"] = e
+        src.bind_epoch(e, e)
+        return iterator
+
+    result = timed(forever(epoch), lambda b: to_torch(b["X"]).shape[0], args.warmup, args.batches)
+    result["paths"] = src.read_paths()
+    src.close()
+    return result
+
+
+def run_dali_cpu(args, store: str) -> dict:
+    import dali_zarr as dz
+
+    loader = dz.Loader(dz.open_dataset(store), sampler(args), device="cpu", output="dense")
+
+    def epoch(e):
+        loader.set_epoch(e)
+        return iter(loader)
+
+    result = timed(
+        forever(epoch),
+        lambda b: b["X"].cuda(non_blocking=True).shape[0],
+        args.warmup,
+        args.batches,
+    )
+    loader.close()
+    return result
+
+
+def run_baseline(args, store: str) -> dict:
+    """zarr read → NumPy CSR → torch.cuda → densify, one batch of random row blocks at a time."""
+    import torch
+    import zarr
+
+    x = zarr.open_group(store, mode="r")["X"]
+    indptr = x["indptr"][...].astype(np.int64)
+    n_obs, n_genes = (int(s) for s in x.attrs["shape"])
+    data, indices = x["data"], x["indices"]
+    rng = np.random.default_rng(0)
+    blocks = max(1, args.batch_size // args.chunk_size)
+
+    def batches():
+        while True:
+            starts = rng.integers(0, max(1, n_obs - args.chunk_size), blocks)
+            parts_d, parts_i, counts = [], [], []
+            for s in starts.tolist():
+                e = min(n_obs, s + args.chunk_size)
+                a, b = int(indptr[s]), int(indptr[e])
+                parts_d.append(data[a:b])
+                parts_i.append(indices[a:b])
+                counts.append(np.diff(indptr[s : e + 1]))
+            crow = np.concatenate([[0], np.cumsum(np.concatenate(counts))])
+            yield crow, np.concatenate(parts_d), np.concatenate(parts_i)
+
+    def consume(batch):
+        crow, d, i = batch
+        dev = "cuda"
+        t = torch.sparse_csr_tensor(
+            torch.from_numpy(crow).to(dev),
+            torch.from_numpy(i.astype(np.int64)).to(dev),
+            torch.from_numpy(d.astype(np.float32)).to(dev),
+            size=(len(crow) - 1, n_genes),
+        )
+        return t.to_dense().shape[0]
+
+    return timed(batches(), consume, args.warmup, args.batches)
+
+
+def run_annbatch(args, store: str) -> dict:
+    py = args.annbatch_python
+    if not os.path.exists(py):
+        return {"skipped": f"no annbatch environment at {py} (pass --annbatch-python)"}
+    cmd = [py, os.path.abspath(__file__), "--worker", "annbatch", "--store", store]
+    cmd += ["--batch-size", str(args.batch_size), "--chunk-size", str(args.chunk_size)]
+    cmd += ["--preload-nchunks", str(args.preload_nchunks), "--batches", str(args.batches)]
+    cmd += ["--warmup", str(args.warmup)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        return {"skipped": f"annbatch worker failed: {proc.stderr.strip()[-500:]}"}
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def annbatch_worker(args) -> None:
+    """Runs inside the annbatch environment: no dali_zarr import."""
+    try:
+        import anndata as ad
+        import torch
+        import zarr
+        from annbatch import Loader
+
+        loader = Loader(
+            chunk_size=args.chunk_size,
+            preload_nchunks=args.preload_nchunks,
+            batch_size=args.batch_size,
+            shuffle=True,
+            drop_last=True,
+            preload_to_gpu=True,
+            to="torch",
+            rng=np.random.default_rng(0),
+        )
+        loader.add_dataset(ad.io.sparse_dataset(zarr.open_group(args.store, mode="r")["X"]))
+        result = timed(
+            forever(lambda _e: loader),
+            lambda b: b["X"].to_dense().shape[0],
+            args.warmup,
+            args.batches,
+        )
+        result["version"] = __import__("annbatch").__version__
+        del torch
+    except Exception as e:
+        result = {"skipped": f"{type(e).__name__}: {e}"}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def ceiling_h2d(nbytes: int = 256 << 20) -> float:
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 10
+    for _ in range(reps):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return reps * nbytes / (time.perf_counter() - start) / 1e9
+
+
+def store_files(store: str) -> list[str]:
+    out = []
+    for name in ("data", "indices"):
+        for root, _, files in os.walk(os.path.join(store, "X", name)):
+            out += [os.path.join(root, f) for f in files if not f.endswith(".json")]
+    return out
+
+
+def ceiling_read(store: str) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = store_files(store)
+
+    def read(path):
+        with open(path, "rb", buffering=0) as f:
+            buf = bytearray(os.path.getsize(path))
+            f.readinto(buf)
+        return len(buf)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(8) as pool:
+        total = sum(pool.map(read, files))
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def ceiling_kvikio(store: str) -> float | None:
+    try:
+        import cupy
+        import kvikio
+    except ImportError:
+        return None
+    files = store_files(store)
+    sizes = [os.path.getsize(p) for p in files]
+    buf = cupy.empty(max(sizes), dtype=cupy.uint8)
+    start = time.perf_counter()
+    for path, size in zip(files, sizes, strict=True):
+        with kvikio.CuFile(path, "r") as f:
+            f.pread(buf[:size], size, 0).get()
+    cupy.cuda.runtime.deviceSynchronize()
+    return sum(sizes) / (time.perf_counter() - start) / 1e9
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def store_shape(store: str) -> tuple[int, int, int]:
+    """(cells, genes, nnz) of the store's X."""
+    import zarr
+
+    x = zarr.open_group(store, mode="r")["X"]
+    cells, genes = (int(v) for v in x.attrs["shape"])
+    return cells, genes, int(x["indptr"][-1])
+
+
+def report(args, store: str, results: dict, ceilings: dict) -> None:
+    cells, genes, nnz = store_shape(store)
+    bytes_per_row = genes * 4
+    lines = [
+        f"store: {store} ({cells} cells x {genes} genes, {nnz / cells:.0f} nnz/cell)",
+        f"batch {args.batch_size}, chunk {args.chunk_size}, preload {args.preload_nchunks}",
+        "",
+        "| loader | rows/s | GB/s dense float32 | note |",
+        "|---|---:|---:|---|",
+    ]
+    bars = {}
+    for name, r in results.items():
+        if "skipped" in r:
+            lines.append(f"| {name} | – | – | skipped: {r['skipped']} |")
+            continue
+        rps = r["rows"] / r["seconds"]
+        gbs = rps * bytes_per_row / 1e9
+        bars[name] = gbs
+        note = "; ".join(f"{k}: {v}" for k, v in r.get("paths", {}).items())
+        lines.append(f"| {name} | {rps:,.0f} | {gbs:.2f} | {note} |")
+    # ceilings are in bytes moved; a loader delivers dense bytes, so also show what each
+    # ceiling allows in dense float32 (x the dense/stored or dense/CSR size ratio)
+    stored = sum(os.path.getsize(p) for p in store_files(store))
+    dense_total = cells * bytes_per_row
+    csr_row = 8 * nnz / cells + 8  # float32 data + int32 indices + int64 indptr
+    expand = {"stored": dense_total / max(1, stored), "csr": bytes_per_row / csr_row}
+    lines += ["", "| ceiling | GB/s moved | dense float32 GB/s it allows |", "|---|---:|---:|"]
+    dense_ceilings = {}
+    for name, (v, basis) in ceilings.items():
+        if v is None:
+            lines.append(f"| {name} | n/a | n/a |")
+            continue
+        dense_ceilings[name] = v * expand[basis]
+        lines.append(f"| {name} | {v:.2f} | {v * expand[basis]:.2f} (x{expand[basis]:.1f}) |")
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_throughput.json"), "w") as f:
+        json.dump({"args": vars(args), "results": results, "ceilings": ceilings}, f, indent=2)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.barh(list(bars), list(bars.values()), color="tab:green")
+        for i, (name, v) in enumerate(dense_ceilings.items()):
+            ax.axvline(v, ls="--", color=f"C{i}", label=f"{name} ({v:.1f} GB/s)")
+        ax.set_xlabel("GB/s of dense float32 delivered on the GPU (ceilings: dense-equivalent)")
+        ax.set_title(f"{cells} x {genes}, batch {args.batch_size}")
+        ax.legend(loc="lower right", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "gpu_throughput.png"), dpi=120)
+    except ImportError:
+        print("matplotlib missing: no chart written", file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker == "annbatch":
+        annbatch_worker(args)
+        return
+    require_gpu()
+    sys.path.insert(0, ROOT)
+    store = make_store(args)
+    results = {}
+    for name, fn in (
+        ("dali_zarr gpu", run_dali_gpu),
+        ("dali_zarr cpu + .cuda()", run_dali_cpu),
+        ("baseline zarr→numpy→torch.cuda→densify", run_baseline),
+        ("annbatch gpu (preload_to_gpu=True)", run_annbatch),
+    ):
+        print(f"measuring {name} ...", file=sys.stderr)
+        try:
+            results[name] = fn(args, store)
+        except Exception as e:  # report and go on: one contender must not sink the table
+            results[name] = {"skipped": f"{type(e).__name__}: {e}"}
+    ceilings = {  # name: (GB/s, what the bytes are: stored chunk bytes or CSR arrays)
+        "host→device copy of CSR (pinned)": (ceiling_h2d(), "csr"),
+        "raw read of the store (os, 8 threads)": (ceiling_read(store), "stored"),
+        "raw read into GPU memory (kvikio)": (ceiling_kvikio(store), "stored"),
+    }
+    report(args, store, results, ceilings)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,506 @@
+"""The ``dali-zarr`` command line: ``convert``, ``inspect`` and ``bench``.
+
+Each subcommand is a thin shell over a library function (`dali_zarr.convert.convert`,
+`dali_zarr.inspection.inspect_store`, `dali_zarr.Loader`), so everything it does can also be
+done from Python. Errors dali_zarr raises on purpose, and bad options, are printed as one
+line on stderr with exit status 2; an interrupted command exits with 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
+
+from dali_zarr.errors import DaliZarrError
+
+__all__ = ["bench_summary", "build_parser", "main", "parse_size"]
+
+PROG = "dali-zarr"
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"1GB"`` → 10**9, ``"256MiB"`` → 2**28, ``"0"``/``"none"`` → 0 (no sharding)."""
+    t = text.strip().lower().replace("_", "")
+    if t in ("none", "off", "0"):
+        return 0
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(?:e(\d+))?\s*([a-z]*)", t)
+    if not m or m.group(3) not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: use a number of bytes with an optional unit, e.g. 256MB, "
+            "1GB, 512MiB, or 0/none"
+        )
+    value = float(m.group(1)) * 10 ** int(m.group(2) or 0) * _UNITS[m.group(3)]
+    return int(value)
+
+
+# ---------------------------------------------------------------------------- argparse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_CONVERT_HELP = """\
+Convert an .h5ad file, an AnnData Zarr store or a plain Zarr array (several inputs are
+concatenated along the rows) into a zarr v3 store laid out for dali_zarr: chunks of
+--chunk-rows rows, shards of --shard-size, a codec the GPU path decodes. AnnData inputs give an
+AnnData store (X, obs, var; layers/obsm/uns are not copied) with an obs column original_index
+(each output row's row number in the concatenated input) and, for several inputs,
+original_source; plain arrays give a plain array.
+
+X is streamed in blocks of --block-rows rows: peak memory is about two blocks plus one shard
+per output array (obs, var and CSR indptr are held in memory). The output is written to
+DST.partial and renamed to DST when complete; an interrupted run leaves no DST, and a re-run
+removes the stale DST.partial.
+"""
+
+_SHUFFLE_HELP = (
+    "write the rows in a pseudo-random order. This is a two-level shuffle, not a uniform "
+    "permutation (that would need the whole input in memory): the input rows are cut into "
+    "pieces of --piece-rows consecutive rows, the pieces are put in random order, then every "
+    "--block-rows // --piece-rows consecutive pieces are read together and their rows are "
+    "permuted uniformly. Rows of one input piece stay within one block of output rows. The "
+    "obs column original_index (and the output's 'dali_zarr' attribute) records the order."
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dali_zarr.convert import CODECS, DEFAULT_CHUNK_ROWS
+
+    parser = _Parser(
+        prog=PROG,
+        description="Convert, inspect and benchmark Zarr datasets for the dali_zarr loader.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    c = sub.add_parser(
+        "convert",
+        help="convert .h5ad / AnnData Zarr / Zarr arrays into a store laid out for dali_zarr",
+        description=_CONVERT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage=f"{PROG} convert [options] SRC [SRC ...] DST",
+    )
+    c.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="input(s) (.h5ad file, AnnData Zarr store, Zarr array), then the output path",
+    )
+    c.add_argument(
+        "--chunk-rows",
+        type=_positive,
+        default=DEFAULT_CHUNK_ROWS,
+        metavar="N",
+        help="rows per chunk (default %(default)s). Dense X / arrays: N rows x all other axes. "
+        "CSR data/indices are 1-D, so a chunk holds round(nnz / n_obs * N) elements: N rows on "
+        "average (recorded in the 'dali_zarr' attribute)",
+    )
+    c.add_argument(
+        "--shard-size",
+        type=_size,
+        default="256MiB",
+        metavar="SIZE",
+        help="bytes per shard, rounded down to whole chunks, e.g. 1GB, 256MiB (default "
+        "%(default)s); 0 or none: no sharding",
+    )
+    c.add_argument(
+        "--codec",
+        choices=CODECS,
+        default="zstd",
+        help="compression of every chunk; all three are decoded by nvCOMP (default %(default)s)",
+    )
+    c.add_argument("--shuffle", action="store_true", help=_SHUFFLE_HELP)
+    c.add_argument(
+        "--seed",
+        type=_non_negative,
+        default=0,
+        metavar="S",
+        help="seed of --shuffle (default %(default)s)",
+    )
+    c.add_argument(
+        "--block-rows",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="input rows read (and, with --shuffle, shuffled) at once; bounds memory "
+        "(default: about 64 MiB of decoded X)",
+    )
+    c.add_argument(
+        "--piece-rows",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="with --shuffle: rows per shuffled piece (default: --chunk-rows). Every piece is "
+        "one read of the input: pieces much smaller than the input's own chunks make the "
+        "conversion slower (those chunks are decoded several times), larger pieces mix less",
+    )
+    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
+    c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c.set_defaults(func=_convert)
+
+    i = sub.add_parser(
+        "inspect",
+        help="describe a store: layout, chunks, shards, codecs, read path, suggested settings",
+        description="Describe a Zarr store as the loader sees it: layout, shape, chunking, "
+        "sharding, codecs, which read path each array takes (gpu-decode: a codec nvCOMP "
+        "decodes; cpu-decode: read directly, decoded on the CPU; zarr-fallback: read through "
+        "zarr-python, with the reason) and a suggested chunk_size / preload_nchunks.",
+    )
+    i.add_argument("path", metavar="PATH", help="an AnnData Zarr store or a Zarr array")
+    i.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=256,
+        metavar="B",
+        help="batch size the suggestion plans for (default %(default)s)",
+    )
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.set_defaults(func=_inspect)
+
+    b = sub.add_parser(
+        "bench",
+        help="measure the loader's throughput on your store",
+        description="Time --batches batches of dali_zarr's Loader (CPU path, shuffled "
+        "ChunkSampler) on PATH after --warmup batches, and print rows/s, MB/s and batches/s. "
+        "Several paths are loaded as one collection. chunk_size / preload_nchunks default to "
+        "the suggestion of 'dali-zarr inspect'.",
+    )
+    b.add_argument("paths", nargs="+", metavar="PATH", help="store(s) to read")
+    b.add_argument("--chunk-size", type=_positive, default=None, metavar="N")
+    b.add_argument("--preload-nchunks", type=_positive, default=None, metavar="N")
+    b.add_argument("--batch-size", type=_positive, default=256, metavar="B")
+    b.add_argument("--output", choices=("dense", "csr"), default="dense")
+    b.add_argument("--batches", type=_positive, default=50, metavar="N", help="timed batches")
+    b.add_argument("--warmup", type=_non_negative, default=2, metavar="N", help="untimed batches")
+    b.add_argument("--num-threads", type=_positive, default=2, metavar="N", help="DALI threads")
+    b.add_argument("--seed", type=_non_negative, default=0, metavar="S")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--json", action="store_true", help="print the summary as JSON")
+    b.set_defaults(func=_bench)
+    return parser
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _bar(quiet: bool, **kwargs: Any):
+    """A tqdm progress bar on stderr, off when quiet or when stderr is not a terminal."""
+    from tqdm import tqdm
+
+    return tqdm(file=sys.stderr, disable=quiet or not sys.stderr.isatty(), **kwargs)
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.1f} MB"
+
+
+def _print_json(payload: dict[str, Any]) -> None:
+    print(json.dumps(payload, indent=2, default=str))
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from dali_zarr.convert import convert
+
+    if len(args.paths) < 2:
+        raise _UsageError("convert needs at least one SRC and a DST")
+    *sources, dest = args.paths
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = _bar(args.quiet or args.json, total=total, unit="rows", desc="convert")
+        bar.update(done - bar.n)
+
+    try:
+        result = convert(
+            sources,
+            dest,
+            chunk_rows=args.chunk_rows,
+            shard_bytes=args.shard_size,
+            codec=args.codec,
+            shuffle=args.shuffle,
+            seed=args.seed,
+            block_rows=args.block_rows,
+            piece_rows=args.piece_rows,
+            overwrite=args.overwrite,
+            progress=progress,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        _print_json(result.to_dict())
+    elif not args.quiet:
+        print(_convert_summary(result))
+    return 0
+
+
+def _convert_summary(r: Any) -> str:
+    features = "×".join(str(s) for s in r.feature_shape)
+    kind = f"AnnData, X {r.layout}" if r.anndata else "Zarr array"
+    head = f"wrote {r.path}: {kind}, {r.n_obs:,} × {features}, {r.dtype}"
+    if r.nnz is not None:
+        head += f", nnz {r.nnz:,}"
+    chunks = (
+        f"{r.chunk_elements:,} elements (~{r.chunk_rows:,} rows)"
+        if r.chunk_elements is not None
+        else f"{r.chunk_rows:,} rows"
+    )
+    shards = f"{r.shard_chunks} chunks per shard" if r.shard_chunks else "not sharded"
+    lines = [head, f"  chunks of {chunks}, {shards}, codec {r.codec}"]
+    if r.shuffle:
+        s = r.shuffle
+        lines.append(
+            f"  shuffled: seed {s['seed']}, pieces of {s['piece_rows']:,} rows, "
+            f"{s['window_pieces']} pieces per block"
+        )
+    lines.append(
+        f"  {r.n_blocks} block{'' if r.n_blocks == 1 else 's'} of <= {r.block_rows:,} rows, "
+        f"{_mb(r.nbytes)} on disk, {r.seconds:.1f} s"
+    )
+    if r.obs_columns:
+        lines.append(f"  obs columns: {', '.join(r.obs_columns)}")
+    if r.dropped_obs_columns:
+        lines.append(
+            f"  obs columns not in every input, dropped: {', '.join(r.dropped_obs_columns)}"
+        )
+    lines += [f"  note: {n}" for n in r.notes]
+    lines.append(f"  next: {PROG} inspect {r.path}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from dali_zarr.inspection import format_report, inspect_store
+
+    report = inspect_store(args.path, batch_size=args.batch_size)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(format_report(report))
+    return 0
+
+
+# ---------------------------------------------------------------------------- bench
+
+
+def _batches(loader: Any) -> Iterator[dict[str, Any]]:
+    """Batches forever: epoch after epoch, so a short store still fills the timed run."""
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        got = False
+        for batch in loader:
+            got = True
+            yield batch
+        if not got:
+            return
+        epoch += 1
+
+
+def _batch_bytes(x: Any) -> int:
+    import torch
+
+    if x.layout == torch.sparse_csr:
+        parts = (x.values(), x.col_indices(), x.crow_indices())
+        return sum(p.numel() * p.element_size() for p in parts)
+    return x.numel() * x.element_size()
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dali_zarr.data.dataset import open_dataset
+    from dali_zarr.inspection import inspect_store
+    from dali_zarr.loader import Loader
+    from dali_zarr.planning import ChunkSampler
+
+    paths = args.paths
+    dataset = open_dataset(paths[0] if len(paths) == 1 else paths)
+    if args.output == "csr" and dataset.layout != "csr":
+        raise _UsageError(f"--output csr needs a sparse X, but {dataset.name} is dense")
+    chunk_size, preload = args.chunk_size, args.preload_nchunks
+    if chunk_size is None or preload is None:
+        s = inspect_store(paths[0], batch_size=args.batch_size).suggestion
+        if chunk_size is None:
+            chunk_size = s.chunk_size
+        if preload is None:
+            preload = max(1, math.ceil(s.preload_nchunks * s.chunk_size / chunk_size))
+    sampler = ChunkSampler(
+        chunk_size=chunk_size,
+        preload_nchunks=preload,
+        batch_size=args.batch_size,
+        shuffle=True,
+        seed=args.seed,
+    )
+    loader = Loader(dataset, sampler, output=args.output, num_threads=args.num_threads)
+    try:
+        if len(loader) == 0:
+            raise _UsageError(
+                f"{dataset.name} yields no batch of {args.batch_size} rows; lower --batch-size"
+            )
+        stream = _batches(loader)
+        t_start = time.perf_counter()
+        for _ in range(args.warmup):
+            next(stream)
+        t0 = time.perf_counter()
+        rows = nbytes = done = 0
+        with _bar(args.quiet or args.json, total=args.batches, unit="batch", desc="bench") as bar:
+            for batch in stream:
+                x = batch["X"]
+                rows += int(x.shape[0])
+                nbytes += _batch_bytes(x)
+                done += 1
+                bar.update(1)
+                if done == args.batches:
+                    break
+        elapsed = max(time.perf_counter() - t0, 1e-9)
+    finally:
+        loader.close()
+    summary = {
+        "paths": list(paths),
+        "n_obs": dataset.n_obs,
+        "output": args.output,
+        "chunk_size": chunk_size,
+        "preload_nchunks": preload,
+        "batch_size": args.batch_size,
+        "num_threads": args.num_threads,
+        "warmup_batches": args.warmup,
+        "warmup_seconds": t0 - t_start,
+        "batches": done,
+        "rows": rows,
+        "bytes": nbytes,
+        "seconds": elapsed,
+        "batches_per_s": done / elapsed,
+        "rows_per_s": rows / elapsed,
+        "mb_per_s": nbytes / elapsed / 1e6,
+        "read_paths": loader.read_paths(),
+    }
+    if args.json:
+        _print_json(summary)
+        return 0
+    print(bench_summary(summary))
+    return 0
+
+
+def bench_summary(s: dict[str, Any]) -> str:
+    """The bench result as text (``s`` is what ``bench --json`` prints)."""
+    kind = "sparse CSR" if s["output"] == "csr" else "dense float32"
+    return "\n".join(
+        [
+            f"bench {' + '.join(s['paths'])}: {s['batches']} batches of {s['batch_size']} rows "
+            f"after {s['warmup_batches']} warm-up batches",
+            f"  settings: output={s['output']}, chunk_size={s['chunk_size']}, "
+            f"preload_nchunks={s['preload_nchunks']}, num_threads={s['num_threads']} "
+            f"({s['n_obs']:,} observations)",
+            f"  start-up + warm-up  {s['warmup_seconds']:.2f} s (builds the DALI pipeline)",
+            f"  timed               {s['seconds']:.2f} s",
+            f"  batches/s           {s['batches_per_s']:,.1f}",
+            f"  rows/s              {s['rows_per_s']:,.0f}",
+            f"  MB/s                {s['mb_per_s']:,.1f}  (batch tensors as delivered: {kind})",
+            "  read paths          " + ", ".join(f"{k}: {v}" for k, v in s["read_paths"].items()),
+        ]
+    )
+
+
+# ---------------------------------------------------------------------------- main
+
+
+_QUIET_WARNINGS = (
+    ".*Numcodecs codecs are not in the Zarr",
+    ".*zarr v3 autosharding",
+    ".*Consolidated metadata",
+    ".*Writing zarr v2 data",
+)
+
+
+class _UsageError(DaliZarrError):
+    """A combination of command-line arguments that cannot work."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 error, 130 interrupted)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed
+        return e.code if isinstance(e.code, int) else 2
+    func: Callable[[argparse.Namespace], int] = args.func
+    prefix = f"{PROG} {args.command}"
+    try:
+        with warnings.catch_warnings():
+            for message in _QUIET_WARNINGS:  # zarr/anndata chatter that is no use on a terminal
+                warnings.filterwarnings("ignore", message=message)
+            return func(args)
+    except DaliZarrError as e:
+        print(f"{prefix}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:  # the file system said no (permissions, disk full, ...)
+        print(f"{prefix}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""GPU twins of the row-gather and CSR-densify ops (numba.cuda kernels run by DALI's numba plugin).
+
+Same contract as :mod:`dali_zarr.graph.kernels`: one DALI sample is one whole minibatch; each
+op reads the window through ``pos`` (window-local positions of the batch rows, shuffled) and
+writes the batch, so the shuffle costs nothing extra. Every op is **one kernel launch per
+minibatch**, never one per row.
+
+How DALI runs them: ``numba_function(device="gpu")`` compiles ``run_fn`` (a plain Python
+function, *not* ``@cuda.jit``) with ``numba.cuda`` for the arguments ``(*outputs, *inputs)``
+as C-contiguous arrays, and launches it once per sample with the **static** ``blocks`` /
+``threads_per_block`` given at graph build time. Batch sizes vary (last partial batch), so
+every kernel uses grid-stride loops: block ``b`` handles output rows ``b, b + gridDim, ...``
+and its threads stride over that row's columns or non-zeros. The output shapes come from the
+same CPU ``setup_fn`` as the CPU ops (DALI quirk: it sees only the first ``len(outputs)``
+inputs, so the shape-deciding inputs come first).
+
+CSR → dense (:func:`densify_csr_gpu`), two variants chosen by the feature count:
+
+* ``n_features <= SHARED_COLS`` (8192 float32 = 32 KiB of shared memory): the block zeroes a
+  shared-memory copy of the row, scatters the row's non-zeros into it with shared-memory
+  atomics, then writes the row to global memory with coalesced stores. Each non-zero is read
+  once and each output element written **once** to global memory.
+* wider rows: the block zero-fills its output row in global memory (coalesced), syncs, then
+  scatters the non-zeros with global atomics. Trade-off: the non-zero positions are written
+  twice (zero, then value), but the second write lands on lines the same block wrote
+  microseconds earlier, so it is served by L2 and DRAM traffic stays ~one write per element;
+  the alternative (shared-memory column tiles) re-reads the row's column ids once per tile,
+  which costs more than it saves for realistic densities (a 62k-gene row is 8 tiles).
+
+Duplicate column ids in a row add up in both variants (atomics), as in the CPU kernel and
+scipy; their summation order is not fixed, so float sums of duplicates may differ in the
+last bit from the CPU path (integer-valued counts are exact).
+
+CSR gather (:func:`gather_csr_gpu`) needs each output row's start, a prefix sum of the batch
+rows' lengths. The callback computes it on the host (``batch_indptr``, B+1 int64) because the
+host must know the batch's nnz anyway (DALI sizes outputs from shapes before the kernel runs;
+that is what ``nnz_hint`` carries) and it already holds the window's indptr: a cumsum of B
+values costs microseconds and avoids a device scan (a single-block scan would serialise the
+prefix over one SM; a multi-block scan is 2-3 extra launches). The kernel then copies each
+row's run of data/indices to its slot, one block per row, and copies ``batch_indptr`` out.
+
+Dense gather (:func:`gather_dense_gpu`) copies rows ``pos`` with coalesced loads/stores and
+casts to the output dtype in the same pass (float32 by default), so there is no separate
+cast launch.
+
+Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
+float16 is a DALI ``fn.cast`` after the op; bfloat16 is :func:`to_bfloat16_bits_gpu`, which
+rounds float32 to nearest-even bfloat16 and writes the bits as uint16 (the framework views
+them as bfloat16, no copy). Both are one extra launch per minibatch.
+
+Nothing here needs a GPU at import time: ``numba.cuda`` imports without a driver; kernels
+are compiled when a pipeline is built on a device. The same functions run under the numba
+CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how CI tests them (tests/
+test_cuda_kernels.py), and compile to PTX without a GPU where libNVVM is installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numba
+import numpy as np
+from numba import cuda
+from nvidia.dali import types
+from nvidia.dali.plugin.numba.fn.experimental import numba_function
+
+from dali_zarr.graph.kernels import _rows_by_width, dali_type
+
+#: widest row (in float32 elements) densified through shared memory (32 KiB per block).
+SHARED_COLS = 8192
+#: default launch shape: blocks (grid-stride over rows) and threads per block.
+DEFAULT_BLOCKS = 1024
+DEFAULT_THREADS = 256
+
+_f32 = numba.float32
+
+
+# --- kernels (plain functions: DALI compiles them with numba.cuda; tests wrap them in cuda.jit)
+
+
+def densify_csr_scatter(out, pos, data, indices, indptr):
+    """out[i, :] = dense row pos[i]: zero-fill the row, sync, scatter with global atomics."""
+    width = out.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        for c in range(t, width, nt):
+            out[i, c] = 0
+        cuda.syncthreads()  # the block's zeros are visible to its own threads after this
+        r = pos[i]
+        for p in range(indptr[r] + t, indptr[r + 1], nt):
+            cuda.atomic.add(out, (i, indices[p]), _f32(data[p]))
+
+
+def make_densify_csr_shared(width: int) -> Callable:
+    """The shared-memory variant for rows of ``width <= SHARED_COLS`` (a compile-time size)."""
+    if not 0 < width <= SHARED_COLS:
+        raise ValueError(f"width {width} is not in (0, {SHARED_COLS}]")
+
+    def densify_csr_shared(out, pos, data, indices, indptr):
+        """out[i, :] = dense row pos[i], built in shared memory, stored once."""
+        row = cuda.shared.array(width, numba.float32)
+        t = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+            for c in range(t, width, nt):
+                row[c] = 0
+            cuda.syncthreads()
+            r = pos[i]
+            for p in range(indptr[r] + t, indptr[r + 1], nt):
+                cuda.atomic.add(row, indices[p], _f32(data[p]))
+            cuda.syncthreads()
+            for c in range(t, width, nt):
+                out[i, c] = row[c]
+            cuda.syncthreads()  # before the next row reuses `row`
+
+    return densify_csr_shared
+
+
+def gather_csr_rows(
+    out_data, out_indices, out_indptr, nnz_hint, batch_indptr, pos, data, indices, indptr
+):
+    """The batch's CSR: row pos[i] of the window goes to [batch_indptr[i], batch_indptr[i+1])."""
+    n = pos.shape[0]
+    g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    for k in range(g, n + 1, cuda.gridDim.x * cuda.blockDim.x):
+        out_indptr[k] = batch_indptr[k]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, n, cuda.gridDim.x):
+        r = pos[i]
+        src = indptr[r]
+        dst = batch_indptr[i]
+        for k in range(t, indptr[r + 1] - src, nt):
+            out_data[dst + k] = data[src + k]
+            out_indices[dst + k] = indices[src + k]
+
+
+def gather_dense_rows(out, pos, values):
+    """out[i] = values[pos[i]] (2-D views; the store to ``out`` casts to its dtype)."""
+    width = out.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        r = pos[i]
+        for c in range(t, width, nt):
+            out[i, c] = values[r, c]
+
+
+def float32_bits_to_bfloat16_bits(out, bits):
+    """out = bfloat16 bits (round to nearest even, NaN kept quiet) of float32 ``bits`` (2-D)."""
+    width = out.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        for c in range(t, width, nt):
+            u = numba.uint32(bits[i, c])
+            if (u & numba.uint32(0x7FFFFFFF)) > numba.uint32(0x7F800000):
+                out[i, c] = numba.uint16((u >> numba.uint32(16)) | numba.uint32(0x40))
+            else:
+                lsb = (u >> numba.uint32(16)) & numba.uint32(1)
+                out[i, c] = numba.uint16((u + numba.uint32(0x7FFF) + lsb) >> numba.uint32(16))
+
+
+def copy_segments(out, src, seg_src, seg_dst, seg_len):
+    """out[seg_dst[s] : +seg_len[s]] = src[seg_src[s] : +seg_len[s]] for every segment s.
+
+    Used by the GPU read path (dali_zarr.io.gpu) to assemble a window's rows from decoded
+    chunks in one launch; 1-D arrays of one dtype, offsets in elements.
+    """
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for s in range(cuda.blockIdx.x, seg_len.shape[0], cuda.gridDim.x):
+        a = seg_src[s]
+        b = seg_dst[s]
+        for k in range(t, seg_len[s], nt):
+            out[b + k] = src[a + k]
+
+
+def densify_kernel(n_features: int) -> Callable:
+    """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features``."""
+    if n_features <= SHARED_COLS:
+        return make_densify_csr_shared(max(1, n_features))
+    return densify_csr_scatter
+
+
+# --- setup functions (CPU, compiled by the plugin with njit) -----------------------------------
+
+
+def _csr_batch_shapes_gpu(outs, ins):
+    """data/indices: nnz from ``nnz_hint`` (nnz, 0); indptr: len(batch_indptr)."""
+    for s in range(len(outs[0])):
+        outs[0][s][0] = ins[0][s][0]
+        outs[1][s][0] = ins[0][s][0]
+        outs[2][s][0] = ins[1][s][0]
+
+
+def _same_shape_2d(outs, ins):
+    for s in range(len(outs[0])):
+        outs[0][s][0] = ins[0][s][0]
+        outs[0][s][1] = ins[0][s][1]
+
+
+# --- graph builders (device="gpu"; every input must be a GPU DataNode) -------------------------
+
+
+def _launch(blocks: int, threads: int) -> dict:
+    if blocks < 1 or threads < 1 or threads > 1024:
+        raise ValueError(
+            f"blocks={blocks}, threads={threads}: need blocks >= 1, 1 <= threads <= 1024"
+        )
+    return {"blocks": [int(blocks), 1, 1], "threads_per_block": [int(threads), 1, 1]}
+
+
+def densify_csr_gpu(
+    pos,
+    data,
+    indices,
+    indptr,
+    *,
+    n_features: int,
+    data_dtype,
+    index_dtype,
+    blocks: int = DEFAULT_BLOCKS,
+    threads: int = DEFAULT_THREADS,
+):
+    """GPU op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions."""
+    return numba_function(
+        pos,
+        data,
+        indices,
+        indptr,
+        run_fn=densify_kernel(n_features),
+        setup_fn=_rows_by_width(n_features),
+        out_types=[types.FLOAT],
+        in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64],
+        outs_ndim=[2],
+        ins_ndim=[1, 1, 1, 1],
+        device="gpu",
+        **_launch(blocks, threads),
+    )
+
+
+def gather_csr_gpu(
+    nnz_hint,
+    batch_indptr,
+    pos,
+    data,
+    indices,
+    indptr,
+    *,
+    data_dtype,
+    index_dtype,
+    blocks: int = DEFAULT_BLOCKS,
+    threads: int = DEFAULT_THREADS,
+):
+    """GPU op: the batch's (data, indices, indptr) from window CSR + positions + batch indptr."""
+    return numba_function(
+        nnz_hint,
+        batch_indptr,
+        pos,
+        data,
+        indices,
+        indptr,
+        run_fn=gather_csr_rows,
+        setup_fn=_csr_batch_shapes_gpu,
+        out_types=[dali_type(data_dtype), dali_type(index_dtype), types.INT64],
+        in_types=[
+            types.UINT8,
+            types.INT64,
+            types.INT64,
+            dali_type(data_dtype),
+            dali_type(index_dtype),
+            types.INT64,
+        ],
+        outs_ndim=[1, 1, 1],
+        ins_ndim=[2, 1, 1, 1, 1, 1],
+        device="gpu",
+        **_launch(blocks, threads),
+    )
+
+
+def gather_dense_gpu(
+    pos,
+    values,
+    *,
+    n_features: int,
+    dtype,
+    out_dtype=np.float32,
+    blocks: int = DEFAULT_BLOCKS,
+    threads: int = DEFAULT_THREADS,
+):
+    """GPU op: rows ``pos`` of a 2-D ``(rows, n_features)`` window, cast to ``out_dtype``."""
+    return numba_function(
+        pos,
+        values,
+        run_fn=gather_dense_rows,
+        setup_fn=_rows_by_width(n_features),
+        out_types=[dali_type(out_dtype)],
+        in_types=[types.INT64, dali_type(dtype)],
+        outs_ndim=[2],
+        ins_ndim=[1, 2],
+        device="gpu",
+        **_launch(blocks, threads),
+    )
+
+
+def to_bfloat16_bits_gpu(x_bits, *, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS):
+    """GPU op: uint16 bfloat16 bits of a 2-D float32 batch given as uint32 (``fn.reinterpret``)."""
+    return numba_function(
+        x_bits,
+        run_fn=float32_bits_to_bfloat16_bits,
+        setup_fn=_same_shape_2d,
+        out_types=[types.UINT16],
+        in_types=[types.UINT32],
+        outs_ndim=[2],
+        ins_ndim=[2],
+        device="gpu",
+        **_launch(blocks, threads),
+    )
+
+
+# --- helpers for running the kernels outside DALI (GPU read path, tests) -----------------------
+
+
+def numba_signature(dtypes: Sequence[np.dtype], ndims: Sequence[int]) -> tuple:
+    """The argument types DALI compiles ``run_fn`` for: C-contiguous arrays."""
+    return tuple(
+        numba.types.Array(numba.from_dtype(np.dtype(d)), int(n), "C")
+        for d, n in zip(dtypes, ndims, strict=True)
+    )

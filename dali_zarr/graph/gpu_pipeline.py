@@ -1,0 +1,756 @@
+"""The GPU graph (``device="gpu"``), ready to be wired into the Loader.
+
+Same shape as the CPU path (:mod:`dali_zarr.graph.pipeline`): one DALI sample is one whole
+minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the window through
+``pos``. What changes:
+
+* windows live on the device. :class:`GpuBatchSource` reads each window with
+  :class:`DeviceWindowReader` (kvikio + nvCOMP through :mod:`dali_zarr.io.gpu`; host decode
+  + one copy where needed) into a slot of a :class:`BufferRing` of device buffers, on the
+  prefetch thread, ``prefetch_windows`` windows ahead of the consumer;
+* there are two ``external_source`` ops fed by one :class:`GpuBatchSource`: a GPU one for
+  the window arrays (``no_copy=True``: DALI reads our slot in place) and a CPU one for the
+  small per-batch arrays (``pos``, the batch's CSR row starts, obs columns, index), which
+  DALI copies to the device with ``.gpu()``;
+* the ops are the numba.cuda kernels of :mod:`dali_zarr.graph.cuda_kernels`, one launch per
+  minibatch each (plus one for a half-precision output).
+
+Ring sizing: a window's slot is handed to DALI without a copy, so it must not be
+overwritten while DALI may still read it. A slot is recycled only after
+``prefetch_queue_depth + 2`` further batches were served from other windows (DALI runs at
+most ``prefetch_queue_depth`` iterations ahead of the consumer), and the device is
+synchronised before a recycled slot is written (DALI's stream is not ours to wait on; this
+costs the reader thread a wait, never the consumer). ``prefetch_windows +
+prefetch_queue_depth + 3`` slots cover the windows being read ahead, the current one and
+every window DALI may still hold, so the reader never waits on the consumer for a slot.
+
+Only the host-side logic of this module (the source, the ring, the window reader with a
+NumPy backend) runs in CI; the graph and the CUDA backend need a GPU and have not been run
+(see README "GPU path").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from nvidia.dali import fn, types
+from nvidia.dali.pipeline import Pipeline
+
+from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset
+from dali_zarr.graph import cuda_kernels, kernels
+from dali_zarr.graph.source import BatchSource, Output, Planner, Window
+from dali_zarr.io import DirectReader
+from dali_zarr.io.gpu import (
+    NotPlannable,
+    describe_path,
+    execute_plan_cpu,
+    gpu_codec_kind,
+    plan_rows,
+    probe_gpu,
+)
+
+Transform = Callable[[dict], dict]
+ALIGN = 256
+
+#: output dtypes offered on the GPU; "bfloat16" comes out as uint16 bits to be viewed.
+GPU_OUTPUT_DTYPES = ("float32", "float16", "float64", "bfloat16")
+
+
+# ---------------------------------------------------------------------------- host helpers
+
+
+def batch_indptr(indptr: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Row starts of the batch's CSR (B+1 int64): prefix sum of the rows ``pos``' lengths."""
+    out = np.zeros(len(pos) + 1, dtype=np.int64)
+    if len(pos):
+        np.cumsum(indptr[pos + 1] - indptr[pos], out=out[1:])
+    return out
+
+
+def gpu_source_names(
+    layout: str, output: Output, obs: list[str], return_index: bool
+) -> tuple[list[str], list[str]]:
+    """(host names, device names) of the GPU callback's outputs, in order."""
+    host = ["pos"]
+    if layout == "csr" and output == "csr":
+        host += ["nnz_hint", "batch_indptr"]
+    host += [*obs, *(["index"] if return_index else [])]
+    device = ["data", "indices", "indptr"] if layout == "csr" else ["values"]
+    return host, device
+
+
+# ---------------------------------------------------------------------------- backends
+
+
+class HostBackend:
+    """NumPy stand-in for the device: runs the same window reader and ring logic on the CPU.
+
+    Used by the tests (and usable for debugging): "device" buffers are host arrays and the
+    byte plans run with :func:`dali_zarr.io.gpu.execute_plan_cpu`.
+    """
+
+    name = "host"
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def view(self, buf: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        return buf[offset : offset + n].view(dtype).reshape(shape)
+
+    def read_array(self, reader: Any, ranges: np.ndarray, out: Any) -> None:
+        try:
+            plan = plan_rows(reader, ranges)
+        except NotPlannable:
+            out[...] = reader.read_rows(ranges).reshape(out.shape)
+            return
+        execute_plan_cpu(plan, reader, out=out.reshape(plan.out_shape))
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        out[...] = host.reshape(out.shape)
+
+    def minmax(self, values: Any) -> tuple[int, int]:
+        return int(values.min()), int(values.max())
+
+    def finish(self) -> None:
+        pass
+
+    def before_reuse(self) -> None:
+        pass
+
+    def path(self, reader: Any) -> str:
+        return _plan_path(reader, "host")
+
+
+class CudaBackend:
+    """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only)."""
+
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0) -> None:
+        import cupy
+
+        from dali_zarr.io.gpu import GpuPlanExecutor
+
+        self.cp = cupy
+        self.device_id = device_id
+        self.executor = GpuPlanExecutor(device_id)
+        self.support = self.executor.support
+
+    def alloc(self, nbytes: int) -> Any:
+        with self.cp.cuda.Device(self.device_id):
+            return self.cp.empty(max(nbytes, 1), dtype=self.cp.uint8)
+
+    def view(self, buf: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        return buf[offset : offset + n].view(dtype).reshape(shape)
+
+    def read_array(self, reader: Any, ranges: np.ndarray, out: Any) -> None:
+        try:
+            plan = plan_rows(reader, ranges)
+        except NotPlannable:
+            self.upload(np.ascontiguousarray(reader.read_rows(ranges)), out)
+            return
+        self.executor.run(plan, reader, out.reshape(plan.out_shape))
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        with self.cp.cuda.Device(self.device_id):
+            out.reshape(-1).set(np.ascontiguousarray(host).reshape(-1), stream=self.executor.stream)
+
+    def minmax(self, values: Any) -> tuple[int, int]:
+        with self.cp.cuda.Device(self.device_id), self.executor.stream:
+            both = self.cp.stack([values.min(), values.max()]).get()
+        return int(both[0]), int(both[1])
+
+    def finish(self) -> None:
+        self.executor.stream.synchronize()
+
+    def before_reuse(self) -> None:
+        # DALI may still have queued kernels reading the slot on its own stream
+        with self.cp.cuda.Device(self.device_id):
+            self.cp.cuda.runtime.deviceSynchronize()
+
+    def path(self, reader: Any) -> str:
+        return _plan_path(reader, "cuda", self.support)
+
+
+def _plan_path(reader: Any, backend: str, support: Any = None) -> str:
+    if not isinstance(reader, DirectReader):
+        return f"gpu: host read ({reader.path}: {reader.reason}), one copy to the device"
+    if tuple(reader.layout.chunk_shape[1:]) != tuple(reader.shape[1:]):
+        return "gpu: host read (chunks split rows), one copy to the device"
+    kind, why = gpu_codec_kind(reader.layout)
+    if backend == "host":
+        return f"host-backend plan: {kind}" + (f" ({why})" if why else "")
+    return describe_path(kind, why, support)
+
+
+# ---------------------------------------------------------------------------- ring
+
+
+@dataclass(eq=False)
+class Lease:
+    """One slot of the ring, held by one window until it is retired."""
+
+    slot: int
+    buf: Any
+    key: Any = None  # the window's key in the source's window cache
+    last_served: int | None = None  # serve counter of the last batch handed out from it
+
+
+class BufferRing:
+    """``n_slots`` reusable device buffers (grown on demand, never shrunk)."""
+
+    def __init__(self, n_slots: int, backend: Any) -> None:
+        self.backend = backend
+        self._bufs: list[Any] = [None] * n_slots
+        self._used = [False] * n_slots  # slot was handed out before (sync before reuse)
+        self._free = list(range(n_slots))
+        self._cond = threading.Condition()
+        self.waits = 0  # times acquire() found no free slot (for diagnostics)
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._bufs)
+
+    @property
+    def n_free(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def acquire(self, nbytes: int, reclaim: Callable[[], None] = lambda: None) -> Lease:
+        """A slot of at least ``nbytes``; calls ``reclaim`` and waits while none is free."""
+        while True:
+            with self._cond:
+                if self._free:
+                    slot = self._free.pop(0)
+                    break
+                self.waits += 1
+            reclaim()
+            with self._cond:
+                if not self._free:
+                    self._cond.wait(0.05)
+        reused = self._used[slot]
+        self._used[slot] = True
+        if reused:
+            self.backend.before_reuse()
+        buf = self._bufs[slot]
+        if buf is None or buf.size < nbytes:
+            self._bufs[slot] = buf = self.backend.alloc(
+                max(nbytes, 2 * (0 if buf is None else buf.size))
+            )
+        return Lease(slot, buf)
+
+    def release(self, lease: Lease) -> None:
+        with self._cond:
+            if lease.slot not in self._free:
+                self._free.append(lease.slot)
+            self._cond.notify_all()
+
+
+# ---------------------------------------------------------------------------- window reader
+
+
+@dataclass(frozen=True)
+class DeviceWindow(Window):
+    """A window whose arrays live in a ring slot; ``host_indptr`` stays on the host (CSR)."""
+
+    host_indptr: np.ndarray | None = None
+    lease: Lease | None = field(default=None, compare=False)
+
+
+def _csr_parts(dataset: Dataset):
+    # NB: CsrDataset/DenseDataset expose no public accessor for their readers yet.
+    if isinstance(dataset, CsrDataset):
+        return dataset._data, dataset._indices, dataset.indptr
+    return None
+
+
+def _dense_reader(dataset: Dataset):
+    if isinstance(dataset, DenseDataset):
+        return dataset._reader
+    return None
+
+
+def _row_lengths(indptr: np.ndarray, ranges: np.ndarray) -> np.ndarray:
+    lengths = ranges[:, 1] - ranges[:, 0]
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    rows = np.repeat(ranges[:, 0] - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
+    return indptr[rows + 1] - indptr[rows]
+
+
+class DeviceWindowReader:
+    """Reads a window's rows of a dataset into one device buffer (one ring slot).
+
+    Single-store CSR and dense datasets take the byte-plan path per array; any other
+    dataset (collections, subsets) is read on the host with ``dataset.read_rows`` and copied
+    once.
+    """
+
+    def __init__(self, dataset: Dataset, backend: Any) -> None:
+        self.dataset = dataset
+        self.backend = backend
+        self.csr = _csr_parts(dataset)
+        self.dense = _dense_reader(dataset)
+        self.dtype = np.dtype(dataset.dtype).newbyteorder("=")
+        self.index_dtype = np.dtype(dataset.index_dtype)
+
+    def layout(self, ranges: np.ndarray) -> tuple[list[tuple[str, tuple, np.dtype, int]], Any]:
+        """[(name, shape, dtype, byte offset)] of the window's arrays in a slot, and the
+        window's host indptr (CSR) or None."""
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
+        if self.csr is None and self.dense is None:
+            return [], None  # generic path (read_generic): sizes known only after reading
+        if self.csr is not None:
+            indptr = self.csr[2]
+            host_indptr = np.zeros(n_rows + 1, dtype=np.int64)
+            np.cumsum(_row_lengths(indptr, ranges), out=host_indptr[1:])
+            nnz = int(host_indptr[-1])
+            shapes = [
+                ("data", (nnz,), self.dtype),
+                ("indices", (nnz,), self.index_dtype),
+                ("indptr", (n_rows + 1,), np.dtype(np.int64)),
+            ]
+        else:
+            host_indptr = None
+            shapes = [("values", (n_rows, self.dataset.n_features), self.dtype)]
+        out, offset = [], 0
+        for name, shape, dtype in shapes:
+            out.append((name, shape, dtype, offset))
+            offset += -(-max(1, math.prod(shape) * dtype.itemsize) // ALIGN) * ALIGN
+        return out, host_indptr
+
+    @staticmethod
+    def nbytes(layout: list) -> int:
+        if not layout:
+            return 0
+        _, shape, dtype, offset = layout[-1]
+        return offset + math.prod(shape) * np.dtype(dtype).itemsize
+
+    def read(self, ranges: np.ndarray, lease_buf: Any, layout: list, host_indptr: Any):
+        """Fill ``lease_buf`` with the window; returns (device arrays, host indptr)."""
+        be = self.backend
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        views = {name: be.view(lease_buf, off, shape, dt) for name, shape, dt, off in layout}
+        if self.csr is not None:
+            data_reader, indices_reader, indptr = self.csr
+            element_ranges = indptr[ranges]
+            if len(host_indptr) > 1 and host_indptr[-1] > 0:
+                be.read_array(data_reader, element_ranges, views["data"])
+                be.read_array(indices_reader, element_ranges, views["indices"])
+                self._check_indices(views["indices"], ranges)
+            be.upload(host_indptr, views["indptr"])
+            arrays = (views["data"], views["indices"], views["indptr"])
+        elif self.dense is not None:
+            be.read_array(self.dense, ranges, views["values"])
+            arrays = (views["values"],)
+        else:
+            raise AssertionError("generic datasets are read by read_generic")
+        be.finish()
+        return arrays, host_indptr
+
+    def read_generic(self, ranges: np.ndarray, alloc: Callable[[int], Any]):
+        """Collections/subsets: host read, then one copy per array into a slot from ``alloc``."""
+        rows = self.dataset.read_rows(ranges)
+        if self.dataset.layout == "csr":
+            host = [
+                np.ascontiguousarray(rows.data, dtype=self.dtype),
+                np.ascontiguousarray(rows.indices, dtype=self.index_dtype),
+                np.ascontiguousarray(rows.indptr, dtype=np.int64),
+            ]
+            host_indptr = host[2]
+        else:
+            host = [np.ascontiguousarray(rows.values, self.dtype).reshape(rows.n_rows, -1)]
+            host_indptr = None
+        layout, offset = [], 0
+        for a in host:
+            layout.append((a.shape, a.dtype, offset))
+            offset += -(-max(1, a.nbytes) // ALIGN) * ALIGN
+        lease = alloc(offset)
+        arrays = []
+        for a, (shape, dt, off) in zip(host, layout, strict=True):
+            view = self.backend.view(lease.buf, off, shape, dt)
+            self.backend.upload(a, view)
+            arrays.append(view)
+        self.backend.finish()
+        return tuple(arrays), host_indptr, lease
+
+    def _check_indices(self, indices: Any, ranges: np.ndarray) -> None:
+        """Out-of-range column ids would make densify write out of bounds: refuse them."""
+        if indices.size == 0:
+            return
+        low, high = self.backend.minmax(indices)
+        n = self.dataset.feature_shape[0]
+        if low < 0 or high >= n:
+            from dali_zarr.errors import DatasetError
+
+            raise DatasetError(
+                f"{self.dataset.name}: column index {high if high >= n else low} is outside "
+                f"[0, {n}) in rows of ranges {ranges[:4].tolist()}...; the store is corrupted "
+                "or its 'shape' attribute is wrong."
+            )
+
+    def read_paths(self) -> dict[str, str]:
+        readers = []
+        if self.csr is not None:
+            readers = [self.csr[0], self.csr[1]]
+        elif self.dense is not None:
+            readers = [self.dense]
+        if not readers:
+            return {
+                name: f"gpu: host read ({path}), one copy to the device"
+                for name, path in self.dataset.read_paths().items()
+            }
+        return {r.name: self.backend.path(r) for r in readers}
+
+
+# ---------------------------------------------------------------------------- the source
+
+
+class GpuBatchSource(BatchSource):
+    """:class:`BatchSource` whose windows live on the device; feeds two external sources.
+
+    ``host_source`` (CPU op) yields ``host_names``, ``device_source`` (GPU op, no copy)
+    yields ``device_names``; both are pure in ``(epoch, iteration)`` like the base callback.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        sampler: Planner,
+        *,
+        output: Output,
+        obs: list[str],
+        return_index: bool,
+        prefetch_windows: int = 2,
+        prefetch_queue_depth: int = 2,
+        backend: Any = None,
+        device_id: int = 0,
+    ) -> None:
+        super().__init__(
+            dataset,
+            sampler,
+            output=output,
+            obs=obs,
+            return_index=return_index,
+            prefetch_windows=prefetch_windows,
+            keep_alive=prefetch_queue_depth + 2,
+        )
+        self.host_names, self.device_names = gpu_source_names(
+            dataset.layout, output, list(obs), return_index
+        )
+        self.names = [*self.host_names, *self.device_names]
+        self.backend = backend if backend is not None else CudaBackend(device_id)
+        self.reader = DeviceWindowReader(dataset, self.backend)
+        self.retire_after = prefetch_queue_depth + 2
+        self.ring = BufferRing(self.prefetch_windows + prefetch_queue_depth + 3, self.backend)
+        self._served = 0
+        self._leases: list[Lease] = []
+        self._lease_lock = threading.Lock()
+        self._twins: dict[tuple[int, int, int], list] = {}
+        self._twin_lock = threading.Lock()
+
+    # -- reading (prefetch thread) ----------------------------------------------------------------
+
+    def read_window(self, key: Any, w: int) -> DeviceWindow:
+        # ``key`` is what the base class keys windows by (the plan key: epoch [+ history])
+        plan = (self.plan(*key) if isinstance(key, tuple) else self.plan(key)).window(w)
+        ranges = plan.row_ranges
+        layout, host_indptr = self.reader.layout(ranges)
+        if layout:
+            lease = self.ring.acquire(self.reader.nbytes(layout), self._reclaim)
+            try:
+                arrays, host_indptr = self.reader.read(ranges, lease.buf, layout, host_indptr)
+            except BaseException:
+                self.ring.release(lease)
+                raise
+        else:
+            arrays, host_indptr, lease = self.reader.read_generic(
+                ranges, lambda n: self.ring.acquire(n, self._reclaim)
+            )
+        lease.key = (key, w)
+        with self._lease_lock:
+            self._leases.append(lease)
+        return DeviceWindow(plan, arrays, plan.global_rows(), host_indptr, lease)
+
+    def _reclaim(self) -> None:
+        """Release slots DALI can no longer read: served long enough ago, or never served and
+        dropped by the window cache."""
+        with self._lock:
+            windows = dict(self._windows)
+        with self._lease_lock:
+            keep = []
+            for lease in self._leases:
+                if lease.last_served is not None:
+                    done = self._served - lease.last_served >= self.retire_after
+                else:
+                    fut = windows.get(lease.key)
+                    done = fut is not None and fut.done() and not _holds(fut, lease)
+                    done = done or fut is None
+                (self.ring.release if done else keep.append)(lease)
+            self._leases = keep
+
+    # -- the callbacks -----------------------------------------------------------------------
+
+    def batch_outputs(self, window: Window, j: int) -> list:
+        assert isinstance(window, DeviceWindow)
+        pos = np.ascontiguousarray(window.plan.batch_positions(j), dtype=np.int64)
+        outputs: list = [pos]
+        if self.dataset.layout == "csr" and self.output == "csr":
+            bptr = batch_indptr(window.host_indptr, pos)
+            outputs += [np.empty((int(bptr[-1]), 0), dtype=np.uint8), bptr]
+        rows = window.global_rows[pos]
+        outputs.extend(np.ascontiguousarray(values[rows]) for values in self.obs.values())
+        if self.return_index:
+            outputs.append(np.ascontiguousarray(self.dataset.global_ids(rows), dtype=np.int64))
+        with self._lease_lock:
+            self._served += 1
+            if window.lease is not None:
+                window.lease.last_served = self._served
+        self._reclaim()
+        return outputs + list(window.arrays)
+
+    def host_source(self, info) -> list:
+        return self._half(info, 0)
+
+    def device_source(self, info) -> list:
+        return self._half(info, 1)
+
+    def _half(self, info, which: int) -> list:
+        key = (info.epoch_idx, info.iteration)
+        with self._twin_lock:
+            pending = self._twins.pop((*key, which), None)
+        if pending is not None:
+            return pending
+        full = self(info)  # raises StopIteration at the end of the epoch, for both halves
+        n_host = len(self.host_names)
+        # device arrays go as one contiguous (1, ...) batch each: a list of samples would
+        # make DALI copy them even with no_copy=True
+        halves = (full[:n_host], [batch[0][None] for batch in full[n_host:]])
+        with self._twin_lock:
+            self._twins[(*key, 1 - which)] = halves[1 - which]
+            while len(self._twins) > 8:  # a half DALI never asked for (epoch cut short)
+                self._twins.pop(next(iter(self._twins)))
+        return halves[which]
+
+    def read_paths(self) -> dict[str, str]:
+        return self.reader.read_paths()
+
+
+def _holds(future, lease: Lease) -> bool:
+    if future.cancelled():
+        return False
+    try:
+        return getattr(future.result(timeout=0), "lease", None) is lease
+    except BaseException:
+        return False
+
+
+# ---------------------------------------------------------------------------- the graph
+
+
+def _host_layout(source: GpuBatchSource) -> list[tuple[np.dtype, int]]:
+    fixed = {
+        "pos": (np.dtype(np.int64), 1),
+        "nnz_hint": (np.dtype(np.uint8), 2),
+        "batch_indptr": (np.dtype(np.int64), 1),
+        "index": (np.dtype(np.int64), 1),
+    }
+    return [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in source.host_names]
+
+
+def _device_layout(source: GpuBatchSource) -> list[tuple[np.dtype, int]]:
+    ds = source.dataset
+    data = np.dtype(ds.dtype).newbyteorder("=")
+    fixed = {
+        "data": (data, 1),
+        "indices": (np.dtype(ds.index_dtype), 1),
+        "indptr": (np.dtype(np.int64), 1),
+        "values": (data, 2),
+    }
+    return [fixed[n] for n in source.device_names]
+
+
+def build_gpu_graph(
+    source: GpuBatchSource,
+    *,
+    blocks: int = cuda_kernels.DEFAULT_BLOCKS,
+    threads: int = cuda_kernels.DEFAULT_THREADS,
+) -> dict:
+    """Declare the GPU graph inside an active pipeline (with a ``device_id``).
+
+    Returns the named output nodes, all on the GPU: ``X`` float32 ``[B, *features]`` (or
+    ``X_data``/``X_indices``/``X_indptr`` for ``output="csr"``), obs columns, ``index``.
+    """
+    ds = source.dataset
+    host_layout, dev_layout = _host_layout(source), _device_layout(source)
+    host_nodes = fn.external_source(
+        source=source.host_source,
+        batch=True,
+        batch_info=True,
+        num_outputs=len(host_layout),
+        dtype=[kernels.dali_type(d) for d, _ in host_layout],
+        ndim=[n for _, n in host_layout],
+        no_copy=True,
+    )
+    dev_nodes = fn.external_source(
+        source=source.device_source,
+        device="gpu",
+        batch=True,
+        batch_info=True,
+        num_outputs=len(dev_layout),
+        dtype=[kernels.dali_type(d) for d, _ in dev_layout],
+        ndim=[n for _, n in dev_layout],
+        no_copy=True,  # the ring keeps slots intact until DALI is done with them
+    )
+    node = dict(zip(source.host_names, host_nodes, strict=True))
+    node.update(zip(source.device_names, dev_nodes, strict=True))
+    launch = {"blocks": blocks, "threads": threads}
+    pos = node["pos"].gpu()
+    out: dict = {}
+    if ds.layout == "csr" and source.output == "csr":
+        out["X_data"], out["X_indices"], out["X_indptr"] = cuda_kernels.gather_csr_gpu(
+            node["nnz_hint"].gpu(),
+            node["batch_indptr"].gpu(),
+            pos,
+            node["data"],
+            node["indices"],
+            node["indptr"],
+            data_dtype=ds.dtype,
+            index_dtype=ds.index_dtype,
+            **launch,
+        )
+    elif ds.layout == "csr":
+        out["X"] = cuda_kernels.densify_csr_gpu(
+            pos,
+            node["data"],
+            node["indices"],
+            node["indptr"],
+            n_features=ds.n_features,
+            data_dtype=ds.dtype,
+            index_dtype=ds.index_dtype,
+            **launch,
+        )
+    else:
+        x = cuda_kernels.gather_dense_gpu(
+            pos,
+            node["values"],
+            n_features=ds.n_features,
+            dtype=ds.dtype,
+            out_dtype=np.float32,
+            **launch,
+        )
+        if len(ds.feature_shape) != 1:
+            x = fn.reshape(x, shape=[-1, *ds.feature_shape])
+        out["X"] = x
+    for name in source.obs:
+        out[name] = node[name].gpu()
+    if source.return_index:
+        out["index"] = node["index"].gpu()
+    return out
+
+
+def convert_x(x, dtype: str, n_features: int, feature_shape: tuple[int, ...], **launch):
+    """float32 ``X`` → the requested dtype on the GPU (one launch); returns (node, view).
+
+    ``view`` is the dtype the framework must view the output as (``"bfloat16"`` for the
+    uint16 bits of a bfloat16 output), or None.
+    """
+    if dtype == "float32":
+        return x, None
+    if dtype == "float16":
+        return fn.cast(x, dtype=types.FLOAT16), None
+    if dtype == "float64":
+        return fn.cast(x, dtype=types.FLOAT64), None
+    if dtype == "bfloat16":
+        bits = fn.reinterpret(x, dtype=types.UINT32)
+        if len(feature_shape) != 1:
+            bits = fn.reshape(bits, shape=[-1, n_features])
+        half = cuda_kernels.to_bfloat16_bits_gpu(bits, **launch)
+        if len(feature_shape) != 1:
+            half = fn.reshape(half, shape=[-1, *feature_shape])
+        return half, "bfloat16"
+    raise TypeError(f"dtype={dtype!r} is not offered on the GPU; use one of {GPU_OUTPUT_DTYPES}.")
+
+
+def build_gpu_pipeline(
+    source: GpuBatchSource,
+    *,
+    device_id: int,
+    dtype: str = "float32",
+    num_threads: int = 2,
+    prefetch_queue_depth: int = 2,
+    transform: Transform | None = None,
+    blocks: int = cuda_kernels.DEFAULT_BLOCKS,
+    threads: int = cuda_kernels.DEFAULT_THREADS,
+) -> tuple[Pipeline, list[str], dict[str, str]]:
+    """A GPU DALI pipeline yielding one minibatch per iteration: (pipe, names, views).
+
+    ``views`` maps output names to the dtype they must be viewed as (bfloat16 bits).
+    ``prefetch_queue_depth`` must be the value the source's ring was sized for.
+    """
+    dtype = str(np.dtype(dtype)) if dtype != "bfloat16" else dtype
+    if dtype not in GPU_OUTPUT_DTYPES:
+        raise TypeError(f"dtype={dtype!r} is not offered on the GPU; use {GPU_OUTPUT_DTYPES}.")
+    pipe = Pipeline(
+        batch_size=1,
+        num_threads=num_threads,
+        device_id=device_id,
+        prefetch_queue_depth=prefetch_queue_depth,
+        exec_dynamic=True,
+    )
+    views: dict[str, str] = {}
+    with pipe:
+        outputs = build_gpu_graph(source, blocks=blocks, threads=threads)
+        if transform is not None:
+            outputs = transform(dict(outputs))
+        if "X" in outputs and dtype != "float32":
+            ds = source.dataset
+            outputs["X"], view = convert_x(
+                outputs["X"],
+                dtype,
+                ds.n_features,
+                ds.feature_shape,
+                blocks=blocks,
+                threads=threads,
+            )
+            if view:
+                views["X"] = view
+        names = list(outputs)
+        pipe.set_outputs(*outputs.values())
+    return pipe, names, views
+
+
+def to_torch(tensor: Any, view: str | None = None):
+    """A DALI GPU output as a torch CUDA tensor without a copy, ordered on torch's current
+    stream (``torch.from_dlpack`` passes it to DALI, which makes that stream wait)."""
+    import torch
+
+    t = torch.from_dlpack(tensor)
+    if view == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t
+
+
+def default_device_id() -> int:
+    """This process's GPU: torchrun's ``LOCAL_RANK`` (0 when not launched by torchrun)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def gpu_status() -> tuple[bool, str]:
+    """(GPU path usable, a sentence saying what was found) — for ``device="auto"``."""
+    s = probe_gpu()
+    if not s.usable:
+        return False, f"dali_zarr: CPU path ({s.reason})"
+    io = "GPUDirect Storage" if s.gds else ("kvikio compat mode" if s.kvikio else "pread + copy")
+    dec = "nvCOMP" if s.nvcomp else "CPU decode (no nvCOMP)"
+    return True, f"dali_zarr: GPU path (reads: {io}; zstd/lz4 decode: {dec})"

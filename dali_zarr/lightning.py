@@ -1,0 +1,298 @@
+"""Lightning: a ``LightningDataModule`` whose train/validation/test splits are subsets of one
+Zarr dataset, each served by a :class:`~dali_zarr.Loader`.
+
+Splits come from a categorical obs column (``split_column="split"`` with values such as
+"train"/"val"/"test") or from explicit boolean masks / row-id arrays. Each split is a
+:class:`~dali_zarr.Subset`; batches report the store's own observation ids in
+``batch["index"]`` (with ``return_index=True``).
+
+- **train**: ``DistributedSampler(shuffle=True, enforce_equal_batches=True)`` over the train
+  rows, so every rank runs the same number of complete batches (DDP never waits on a rank
+  that ran out). The trainer's epoch reaches the loader: Lightning calls ``set_epoch`` on a
+  dataloader's ``batch_sampler.sampler`` before each epoch, and the train loader carries one
+  that forwards to :meth:`Loader.set_epoch`, so every epoch is reshuffled.
+- **val / test**: unshuffled, ``drop_last=False``, ``enforce_equal_batches=False``: each rank
+  reads its contiguous share of the split exactly once; nothing is padded or repeated, so
+  metrics summed over ranks are exact. Ranks may run different numbers of batches (at most
+  one apart in rows' worth), which is safe as long as the evaluation steps hold no
+  collective: log sums and counts and reduce them once at the end of the epoch (e.g.
+  ``self.trainer.strategy.reduce(t, reduce_op="sum")`` in ``on_validation_epoch_end``, or a
+  torchmetrics ``Metric``), not ``self.log(..., sync_dist=True)`` on every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from lightning.pytorch import LightningDataModule
+
+from dali_zarr.data.dataset import Dataset, Source, open_dataset
+from dali_zarr.data.subset import Subset
+from dali_zarr.distributed import DistInfo, resolve_rank_world, torch_dist_initialized
+from dali_zarr.errors import ConfigError
+from dali_zarr.loader import Loader
+from dali_zarr.planning import ChunkSampler, DistributedSampler
+from dali_zarr.planning.partition import Shard
+
+__all__ = ["EvalLoader", "TrainLoader", "ZarrDataModule"]
+
+SPLITS = ("train", "val", "test")
+_DEFAULT_LABELS: dict[str, str | Sequence[str]] = {"train": "train", "val": "val", "test": "test"}
+
+
+class _EpochForwarder:
+    """What Lightning's ``_set_sampler_epoch`` looks for: ``dataloader.batch_sampler.sampler``
+    with a ``set_epoch``. Forwards the trainer's epoch to the loader."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self.sampler = self
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
+class TrainLoader(Loader):
+    """The train :class:`Loader` as Lightning expects a dataloader to look.
+
+    - ``batch_sampler.sampler.set_epoch`` reaches :meth:`Loader.set_epoch`, so the trainer's
+      epoch reshuffles every epoch.
+    - ``len()`` is the whole epoch's batch count, also after ``load_state_dict``: Lightning
+      saves and restores the loader's state with its checkpoints (the loader implements
+      ``state_dict``/``load_state_dict``), restores its own batch counter too, and counts the
+      batches still to come itself.
+    """
+
+    @property
+    def batch_sampler(self) -> _EpochForwarder:
+        return _EpochForwarder(self)
+
+    def __len__(self) -> int:
+        return self.sampler.num_batches(self.dataset.n_obs)  # type: ignore[attr-defined]
+
+
+class EvalLoader(Loader):
+    """A val/test :class:`Loader` for Lightning (which reads ``batch_sampler`` from every
+    dataloader that has a ``sampler``); unshuffled, so it takes no epoch."""
+
+    batch_sampler = None
+
+
+class ZarrDataModule(LightningDataModule):
+    """Train/val/test loaders over subsets of one Zarr dataset (see the module docstring).
+
+    ``data``: a store path, a Zarr node, a list of them (a collection) or a
+    :class:`~dali_zarr.Dataset`; paths are opened in :meth:`setup`, on every rank.
+
+    Splits: ``split_column`` names a categorical (or numeric) obs column and
+    ``split_labels`` maps each split to the value(s) that select it (default
+    ``{"train": "train", "val": "val", "test": "test"}``); or ``splits`` maps split names
+    ("train", "val", "test") to boolean masks or arrays of row ids. Without ``splits`` the
+    column defaults to ``"split"``. Explicit splits may not overlap.
+
+    Sampling: ``chunk_size``, ``preload_nchunks``, ``batch_size`` (``eval_batch_size`` for
+    val/test, default ``batch_size``), ``seed`` (the same on every rank; ``None`` draws one
+    on rank 0 and broadcasts it), ``shard``. Loading: ``obs`` columns, ``output``,
+    ``return_index``, ``dtype``, and ``loader_kwargs`` for the other :class:`Loader`
+    arguments (``num_threads``, ``prefetch_windows``, ``transform``, ...); ``open_kwargs``
+    go to :func:`~dali_zarr.open_dataset`.
+
+    Ranks come from ``dist_info`` (default: ``"torch"`` once torch.distributed is
+    initialized, as under ``strategy="ddp"``, otherwise the trainer's ``global_rank`` and
+    ``world_size``, otherwise a single process).
+    """
+
+    def __init__(
+        self,
+        *,
+        data: Source | Sequence[Source] | Dataset,
+        split_column: str | None = None,
+        split_labels: Mapping[str, str | int | Sequence[str | int]] | None = None,
+        splits: Mapping[str, np.ndarray | Sequence[int] | Sequence[bool]] | None = None,
+        chunk_size: int = 64,
+        preload_nchunks: int = 32,
+        batch_size: int = 256,
+        eval_batch_size: int | None = None,
+        seed: int | None = 0,
+        shard: Shard = "chunks",
+        obs: Sequence[str] = (),
+        output: str = "dense",
+        return_index: bool = False,
+        dtype: Any = "float32",
+        dist_info: DistInfo | None = None,
+        loader_kwargs: Mapping[str, Any] | None = None,
+        open_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if splits is not None and split_column is not None:
+            raise ConfigError(
+                "pass either split_column (splits from an obs column) or splits (masks or "
+                "row ids per split), not both."
+            )
+        if splits is not None:
+            unknown = sorted(set(splits) - set(SPLITS))
+            if unknown:
+                raise ConfigError(f"splits: unknown split name(s) {unknown}; use {SPLITS}.")
+        labels = dict(_DEFAULT_LABELS if split_labels is None else split_labels)
+        unknown = sorted(set(labels) - set(SPLITS))
+        if unknown:
+            raise ConfigError(f"split_labels: unknown split name(s) {unknown}; use {SPLITS}.")
+        self.data = data
+        self.split_column = "split" if splits is None and split_column is None else split_column
+        self.split_labels = labels
+        self.splits = None if splits is None else dict(splits)
+        self.chunk_size = chunk_size
+        self.preload_nchunks = preload_nchunks
+        self.batch_size = batch_size
+        self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
+        self.seed = seed
+        self.shard = shard
+        self.obs = list(obs)
+        self.output = output
+        self.return_index = return_index
+        self.dtype = dtype
+        self.dist_info = dist_info
+        self.loader_kwargs = dict(loader_kwargs or {})
+        self.open_kwargs = dict(open_kwargs or {})
+        self.dataset: Dataset | None = data if isinstance(data, Dataset) else None
+        self.split_rows: dict[str, np.ndarray] = {}
+        self._loaders: dict[tuple[str, int, int], Loader] = {}
+        # the sampler settings checked now, not at the first batch
+        ChunkSampler(chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=batch_size)
+        ChunkSampler(
+            chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=self.eval_batch_size
+        )
+
+    # -- Lightning hooks ------------------------------------------------------------------------
+
+    def setup(self, stage: str | None = None) -> None:
+        """Open the dataset (on every rank) and find the rows of each split."""
+        if self.dataset is None:
+            self.dataset = open_dataset(self.data, **self.open_kwargs)  # type: ignore[arg-type]
+        if not self.split_rows:
+            self.split_rows = self._find_split_rows(self.dataset)
+
+    def train_dataloader(self) -> Loader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> Loader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> Loader:
+        return self._loader("test")
+
+    def teardown(self, stage: str | None = None) -> None:
+        for loader in self._loaders.values():
+            loader.close()
+        self._loaders.clear()
+
+    # -- public helpers -------------------------------------------------------------------------
+
+    def subset(self, split: str) -> Subset:
+        """The :class:`~dali_zarr.Subset` of one split ("train", "val" or "test")."""
+        if split not in SPLITS:
+            raise ConfigError(f"unknown split {split!r}; use one of {SPLITS}.")
+        self.setup()
+        rows = self.split_rows.get(split)
+        if rows is None or len(rows) == 0:
+            how = (
+                f"no observation has {self.split_column}={self.split_labels.get(split)!r}"
+                if self.splits is None
+                else "no rows were given for it in splits"
+            )
+            raise ConfigError(f"split {split!r} is empty: {how}.")
+        assert self.dataset is not None
+        return Subset(self.dataset, rows)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _find_split_rows(self, dataset: Dataset) -> dict[str, np.ndarray]:
+        if self.splits is not None:
+            rows = {name: Subset(dataset, value).parent_rows for name, value in self.splits.items()}
+            names = list(rows)
+            for i, a in enumerate(names):
+                for b in names[i + 1 :]:
+                    shared = np.intersect1d(rows[a], rows[b], assume_unique=True)
+                    if len(shared):
+                        raise ConfigError(
+                            f"splits {a!r} and {b!r} share {len(shared)} observations (e.g. row "
+                            f"{int(shared[0])}); splits must be disjoint."
+                        )
+            return rows
+        assert self.split_column is not None
+        column = dataset.obs_column(self.split_column)
+        rows = {}
+        for name, wanted in self.split_labels.items():
+            values = [wanted] if isinstance(wanted, str | int) else list(wanted)
+            if column.categories is not None:
+                codes = [column.categories.index(v) for v in values if v in column.categories]
+                rows[name] = np.flatnonzero(np.isin(column.values, codes))
+            else:
+                rows[name] = np.flatnonzero(np.isin(column.values, values))
+        return rows
+
+    def _rank_world(self) -> tuple[DistInfo, int, int]:
+        dist_info = self.dist_info
+        if dist_info is None:
+            trainer = self.trainer
+            if torch_dist_initialized():
+                dist_info = "torch"
+            elif trainer is not None:
+                rank, world = int(trainer.global_rank), int(trainer.world_size)
+                dist_info = lambda: (rank, world)  # noqa: E731
+            else:
+                dist_info = lambda: (0, 1)  # noqa: E731
+        rank, world = resolve_rank_world(dist_info)
+        return dist_info, rank, world
+
+    def _loader(self, split: str) -> Loader:
+        dist_info, rank, world = self._rank_world()
+        key = (split, rank, world)
+        if key in self._loaders:
+            return self._loaders[key]
+        subset = self.subset(split)
+        train = split == "train"
+        chunk_size = self.chunk_size
+        if not train:
+            if subset.n_obs < world:
+                raise ConfigError(
+                    f"split {split!r} has {subset.n_obs} observations for {world} ranks: every "
+                    "rank needs at least one (Lightning refuses an empty evaluation loader on "
+                    "a rank); use fewer devices or a larger split."
+                )
+            # every rank needs a chunk of its own; the split is read once, so smaller chunks
+            # only cost reads of the same bytes
+            chunk_size = min(chunk_size, max(1, subset.n_obs // world))
+        sampler = DistributedSampler(
+            ChunkSampler(
+                chunk_size=chunk_size,
+                preload_nchunks=self.preload_nchunks,
+                batch_size=self.batch_size if train else self.eval_batch_size,
+                shuffle=train,
+                drop_last=False,
+                seed=self.seed if train else 0,  # unshuffled: the seed is unused
+            ),
+            dist_info=dist_info,
+            enforce_equal_batches=train,
+            shard=self.shard if train else "chunks",
+        )
+        loader = (TrainLoader if train else EvalLoader)(
+            subset,
+            sampler,
+            obs=self.obs,
+            output=self.output,  # type: ignore[arg-type]
+            return_index=self.return_index,
+            dtype=self.dtype,
+            # val/test: ranks may differ by a batch; safe because evaluation steps hold no
+            # collective (the Loader refuses uneven counts under torch.distributed otherwise)
+            **({} if train else {"allow_uneven_batches": True}),
+            **self.loader_kwargs,
+        )
+        self._loaders[key] = loader
+        return loader
+
+    def __repr__(self) -> str:
+        sizes = {name: len(rows) for name, rows in self.split_rows.items()}
+        return f"{type(self).__name__}(data={self.data!r}, splits={sizes or 'not set up'})"

@@ -1,0 +1,487 @@
+"""The dali-zarr command line (convert, inspect, bench) on real stores on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import zarr
+
+import dali_zarr as dz
+from dali_zarr import synthetic
+from dali_zarr.cli import bench_summary, main, parse_size
+from dali_zarr.convert import _Appender, convert, output_permutation
+from tests.stores import csr_reference, write_anndata
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def run(*argv: object) -> int:
+    return main([str(a) for a in argv])
+
+
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "error:" in err
+    return err
+
+
+def write_h5ad(path: Path, *, n_obs: int, n_features: int, dense: bool = False, seed: int = 0):
+    """An .h5ad written by anndata itself: categorical, float, int and string obs columns."""
+    rng = np.random.default_rng(seed)
+    x = sp.random(n_obs, n_features, density=0.2, format="csr", dtype=np.float32, random_state=rng)
+    x.data[:] = rng.integers(1, 50, size=x.nnz)
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical(rng.choice(["B", "T", "NK"], size=n_obs)),
+            "depth": rng.random(n_obs),
+            "batch": rng.integers(0, 4, size=n_obs),
+            "donor": [f"d{i % 7}" for i in range(n_obs)],
+        },
+        index=[f"c{i}" for i in range(n_obs)],
+    )
+    var = pd.DataFrame(index=[f"g{j}" for j in range(n_features)])
+    adata = ad.AnnData(X=x.toarray() if dense else x, obs=obs, var=var)
+    adata.write_h5ad(path)
+    return adata
+
+
+def assert_same_obs(got: pd.DataFrame, want: pd.DataFrame) -> None:
+    for column in want.columns:
+        np.testing.assert_array_equal(np.asarray(got[column]), np.asarray(want[column]))
+    np.testing.assert_array_equal(np.asarray(got.index), np.asarray(want.index))
+
+
+def loader_rows(path: Path) -> np.ndarray:
+    """Every row of the store as our own dataset reads it (the direct path), dense."""
+    ds = dz.open_dataset(path)
+    rows = ds.read_rows(np.array([[0, ds.n_obs]]))
+    if ds.layout == "csr":
+        shape = (ds.n_obs, ds.feature_shape[0])
+        return sp.csr_matrix((rows.data, rows.indices, rows.indptr), shape=shape).toarray()
+    return rows.values
+
+
+def x_codecs(array: zarr.Array) -> list[str]:
+    codecs = array.metadata.to_dict()["codecs"]
+    if codecs[0]["name"] == "sharding_indexed":
+        codecs = codecs[0]["configuration"]["codecs"]
+    return [c["name"] for c in codecs]
+
+
+@pytest.fixture(scope="module")
+def h5ad_file(tmp_path_factory) -> tuple[Path, ad.AnnData]:
+    path = tmp_path_factory.mktemp("h5ad") / "cells.h5ad"
+    return path, write_h5ad(path, n_obs=700, n_features=40)
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def test_convert_h5ad_keeps_every_row_and_obs_value(tmp_path, h5ad_file):
+    src, adata = h5ad_file
+    dst = tmp_path / "out.zarr"
+    assert run("convert", src, dst, "--chunk-rows", 50, "--shard-size", "4KB", "-q") == 0
+    back = ad.read_zarr(dst)
+    np.testing.assert_array_equal(back.X.toarray(), adata.X.toarray())
+    assert_same_obs(back.obs, adata.obs)
+    np.testing.assert_array_equal(back.obs["original_index"], np.arange(700))
+    np.testing.assert_array_equal(back.var_names, adata.var_names)
+    np.testing.assert_array_equal(loader_rows(dst), adata.X.toarray())
+    ds = dz.open_dataset(dst)
+    assert ds.layout == "csr"
+    assert ds.categories("cell_type") == tuple(adata.obs["cell_type"].cat.categories)
+    np.testing.assert_array_equal(ds.obs_column("batch").values, adata.obs["batch"])
+    # chunks of ~50 rows: round(nnz / n_obs * 50) elements; shards of whole chunks <= 4 KB
+    x = zarr.open_group(dst, mode="r")["X"]
+    elements = round(adata.X.nnz / 700 * 50)
+    assert x["data"].chunks == (elements,)
+    assert x["data"].shards == (elements * (4000 // (elements * 4)),)
+    assert x_codecs(x["data"]) == ["bytes", "zstd"]
+    info = zarr.open_group(dst, mode="r").attrs["dali_zarr"]
+    assert info["chunk_rows"] == 50 and info["chunk_elements"] == elements
+    assert info["shuffle"] is None
+    assert not os.path.exists(f"{dst}.partial")
+
+
+def test_convert_dense_h5ad(tmp_path):
+    src = tmp_path / "dense.h5ad"
+    adata = write_h5ad(src, n_obs=300, n_features=24, dense=True)
+    dst = tmp_path / "dense.zarr"
+    assert run("convert", src, dst, "--chunk-rows", 32, "--shard-size", "10KB", "-q") == 0
+    x = zarr.open_group(dst, mode="r")["X"]
+    assert x.chunks == (32, 24)
+    assert x.shards == (96, 24)  # 3 chunks of 32 × 24 × 4 bytes fit in 10 KB
+    np.testing.assert_array_equal(loader_rows(dst), adata.X)
+    assert_same_obs(ad.read_zarr(dst).obs, adata.obs)
+    assert isinstance(dz.open_dataset(dst), dz.DenseDataset)
+
+
+@pytest.mark.parametrize(("zarr_format", "codec"), [(2, "lz4"), (3, "none"), (3, "zstd")])
+def test_convert_anndata_zarr(tmp_path, zarr_format, codec):
+    src = tmp_path / "in.zarr"
+    x = write_anndata(src, n_obs=500, n_features=30, zarr_format=zarr_format)
+    dst = tmp_path / "out.zarr"
+    assert run("convert", src, dst, "--codec", codec, "--chunk-rows", 64, "-q") == 0
+    np.testing.assert_array_equal(csr_reference(dst).toarray(), x.toarray())
+    np.testing.assert_array_equal(loader_rows(dst), x.toarray())
+    back, orig = ad.read_zarr(dst), ad.read_zarr(src)
+    assert_same_obs(back.obs, orig.obs)
+    data = zarr.open_group(dst, mode="r")["X"]["data"]
+    assert data.metadata.zarr_format == 3
+    want = {"lz4": ["bytes", "numcodecs.lz4"], "none": ["bytes"], "zstd": ["bytes", "zstd"]}
+    assert x_codecs(data) == want[codec]
+    assert dz.open_dataset(dst).read_paths() == {
+        "out.zarr/X/data": "direct",
+        "out.zarr/X/indices": "direct",
+    }
+
+
+def test_convert_plain_array(tmp_path):
+    src = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=333, shape=(3, 5), chunk_obs=16)
+    dst = tmp_path / "out.zarr"
+    assert run("convert", src, dst, "--chunk-rows", 40, "--shard-size", "5KB", "-q") == 0
+    out = zarr.open_array(dst, mode="r")
+    assert out.chunks == (40, 3, 5) and out.shards == (80, 3, 5)
+    np.testing.assert_array_equal(out[...], zarr.open_array(src, mode="r")[...])
+    assert dz.open_dataset(dst).feature_shape == (3, 5)
+
+
+def test_convert_concatenates_inputs(tmp_path):
+    a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=50, seed=1)
+    b = synthetic.make_single_cell(
+        tmp_path / "b.zarr", n_obs=200, n_features=50, n_types=5, zarr_format=2, seed=2
+    )
+    dst = tmp_path / "ab.zarr"
+    assert run("convert", a, b, dst, "--chunk-rows", 64, "-q") == 0
+    want = sp.vstack([csr_reference(a), csr_reference(b)]).toarray()
+    np.testing.assert_array_equal(loader_rows(dst), want)
+    back = ad.read_zarr(dst)
+    labels = np.concatenate([ad.read_zarr(p).obs["cell_type"].astype(str) for p in (a, b)])
+    np.testing.assert_array_equal(back.obs["cell_type"].astype(str), labels)
+    np.testing.assert_array_equal(back.obs["original_index"], np.arange(500))
+    assert list(back.obs["original_source"].value_counts(sort=False)) == [300, 200]
+    # categories merged: codes from the two stores mean the same label in dz
+    ds = dz.open_dataset(dst)
+    names = np.array(ds.categories("cell_type"))
+    np.testing.assert_array_equal(names[ds.obs_column("cell_type").values], labels)
+
+    c1 = synthetic.make_dense_cube(tmp_path / "c1.zarr", n_obs=50, shape=(4,), seed=1)
+    c2 = synthetic.make_dense_cube(tmp_path / "c2.zarr", n_obs=70, shape=(4,), seed=2)
+    assert run("convert", c1, c2, tmp_path / "c.zarr", "-q") == 0
+    want = np.concatenate([zarr.open_array(p)[...] for p in (c1, c2)])
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "c.zarr")[...], want)
+
+
+def test_shuffle_is_a_recorded_permutation(tmp_path, h5ad_file):
+    src, adata = h5ad_file
+    dst = tmp_path / "shuffled.zarr"
+    argv = ["convert", src, dst, "--shuffle", "--seed", 7, "--chunk-rows", 25]
+    assert run(*argv, "--block-rows", 100, "-q") == 0
+    back = ad.read_zarr(dst)
+    perm = back.obs["original_index"].to_numpy()
+    assert sorted(perm) == list(range(700)) and not np.array_equal(perm, np.arange(700))
+    info = zarr.open_group(dst, mode="r").attrs["dali_zarr"]
+    assert info["shuffle"] == {"seed": 7, "piece_rows": 25, "window_pieces": 4}
+    np.testing.assert_array_equal(perm, output_permutation(700, **info["shuffle"]))
+    np.testing.assert_array_equal(back.X.toarray(), adata.X.toarray()[perm])
+    np.testing.assert_array_equal(loader_rows(dst), adata.X.toarray()[perm])
+    assert_same_obs(back.obs, adata.obs.iloc[perm])
+    # the two levels: rows of one 25-row input piece land in one 100-row output block
+    pieces = perm // 25
+    for block in range(7):
+        assert len(set(pieces[block * 100 : (block + 1) * 100])) <= 4
+    # another seed, another order; a plain array records its permutation in its attributes
+    src2 = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=210, shape=(3,), chunk_obs=8)
+    result = convert(src2, tmp_path / "s.zarr", shuffle=True, seed=1, chunk_rows=10, block_rows=30)
+    out = zarr.open_array(tmp_path / "s.zarr", mode="r")
+    perm2 = output_permutation(210, **out.attrs["dali_zarr"]["shuffle"])
+    assert result.shuffle == out.attrs["dali_zarr"]["shuffle"]
+    np.testing.assert_array_equal(out[...], zarr.open_array(src2)[...][perm2])
+
+
+def test_convert_streams_in_bounded_blocks(tmp_path):
+    # 16 MB of float32 in, 64-row blocks (256 KB) and 512 KB shards: the converter never
+    # holds more than a few blocks + one shard, far from the input's size.
+    src = synthetic.make_dense_cube(
+        tmp_path / "big.zarr", n_obs=4096, shape=(1024,), chunk_obs=64, codec="none"
+    )
+    tracemalloc.start()
+    try:
+        result = convert(
+            src, tmp_path / "out.zarr", chunk_rows=64, shard_bytes=2**19, block_rows=64
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.n_blocks == 4096 // 64
+    assert result.shard_chunks == 2
+    assert peak < 4 * 2**20, f"peak {peak / 2**20:.1f} MiB for a 16 MiB input"
+    out = zarr.open_array(tmp_path / "out.zarr", mode="r")
+    np.testing.assert_array_equal(out[4000:], zarr.open_array(src)[4000:])
+
+
+def test_interrupted_convert_leaves_no_store_and_reruns(tmp_path, sc_store, monkeypatch, capsys):
+    dst = tmp_path / "out.zarr"
+    calls = []
+
+    def stop(done: int, total: int) -> None:
+        calls.append(done)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        convert(sc_store, dst, block_rows=500, progress=stop)
+    assert not dst.exists() and not Path(f"{dst}.partial").exists()
+
+    # Ctrl-C in the middle of the CLI: exit 130, nothing at DST
+    original = _Appender.append
+    count = {"n": 0}
+
+    def interrupt(self, values):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise KeyboardInterrupt
+        return original(self, values)
+
+    monkeypatch.setattr(_Appender, "append", interrupt)
+    assert run("convert", sc_store, dst, "--block-rows", 300, "-q") == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert not dst.exists() and not Path(f"{dst}.partial").exists()
+    monkeypatch.undo()
+    assert run("convert", sc_store, dst, "-q") == 0
+    np.testing.assert_array_equal(csr_reference(dst).toarray(), csr_reference(sc_store).toarray())
+
+
+def test_killed_convert_is_cleaned_up_by_a_rerun(tmp_path, sc_store):
+    dst = tmp_path / "out.zarr"
+    code = textwrap.dedent(
+        f"""
+        import os, signal
+        from dali_zarr.convert import convert
+
+        def die(done, total):
+            if done > 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        convert({str(sc_store)!r}, {str(dst)!r}, block_rows=1000, progress=die)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    partial = Path(f"{dst}.partial")
+    assert partial.is_dir() and not dst.exists()  # half-written, and not at DST
+    with pytest.raises(Exception):  # noqa: B017 - the partial store is not a valid dataset
+        dz.open_dataset(partial)
+    assert run("convert", sc_store, dst, "-q") == 0
+    assert not partial.exists()
+    np.testing.assert_array_equal(csr_reference(dst).toarray(), csr_reference(sc_store).toarray())
+
+
+def test_overwrite_and_foreign_partial(tmp_path, sc_store, capsys):
+    dst = tmp_path / "out.zarr"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    assert run("convert", sc_store, dst, "-q") == 2
+    assert "already exists" in one_line_error(capsys)
+    assert (dst / "keep.txt").exists()
+    assert run("convert", sc_store, dst, "--overwrite", "-q") == 0
+    assert not (dst / "keep.txt").exists() and dz.open_dataset(dst).n_obs == 3_001
+    other = tmp_path / "other.zarr"
+    Path(f"{other}.partial").mkdir()
+    assert run("convert", sc_store, other, "-q") == 2
+    assert "not left by an interrupted" in one_line_error(capsys)
+    assert Path(f"{other}.partial").is_dir()
+
+
+def test_convert_summary_and_json(tmp_path, sc_store, capsys):
+    assert run("convert", sc_store, tmp_path / "a.zarr", "--shuffle") == 0
+    out = capsys.readouterr().out
+    assert "wrote" in out and "shuffled: seed 0" in out and "dali-zarr inspect" in out
+    assert run("convert", sc_store, tmp_path / "b.zarr", "--json", "--codec", "lz4") == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["n_obs"] == 3_001 and result["codec"] == "lz4" and result["layout"] == "csr"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--codec", "foo"], "invalid choice: 'foo'"),
+        (["--chunk-rows", "0"], "must be at least 1"),
+        (["--shard-size", "12XB"], "invalid size '12XB'"),
+        (["--seed", "-1"], "must be 0 or more"),
+    ],
+)
+def test_convert_bad_options(tmp_path, sc_store, capsys, argv, message):
+    assert run("convert", sc_store, tmp_path / "out.zarr", *argv) == 2
+    assert message in one_line_error(capsys)
+    assert not (tmp_path / "out.zarr").exists()
+
+
+def test_convert_bad_inputs(tmp_path, sc_store, capsys):
+    assert run("convert", tmp_path / "missing.zarr", tmp_path / "o.zarr") == 2
+    assert "no such file or directory" in one_line_error(capsys)
+    (tmp_path / "notes.txt").write_text("hello")
+    assert run("convert", tmp_path / "notes.txt", tmp_path / "o.zarr") == 2
+    assert "not an HDF5" in one_line_error(capsys)
+    assert run("convert", sc_store) == 2
+    assert "SRC and a DST" in one_line_error(capsys)
+    assert run("convert", sc_store, sc_store / "X" / "inside.zarr") == 2
+    assert "inside the input" in one_line_error(capsys)
+    wide = synthetic.make_single_cell(tmp_path / "wide.zarr", n_obs=20, n_features=301)
+    assert run("convert", sc_store, wide, tmp_path / "o.zarr") == 2
+    assert "share the feature axis" in one_line_error(capsys)
+    cube = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=20, shape=(300,))
+    assert run("convert", sc_store, cube, tmp_path / "o.zarr") == 2
+    assert "separately" in one_line_error(capsys)
+    csc = tmp_path / "csc.h5ad"
+    ad.AnnData(X=sp.random(20, 10, density=0.3, format="csc", dtype=np.float32)).write_h5ad(csc)
+    assert run("convert", csc, tmp_path / "o.zarr") == 2
+    assert "CSC" in one_line_error(capsys)
+    renamed = tmp_path / "renamed.zarr"
+    shutil.copytree(sc_store, renamed)
+    var = zarr.open_group(renamed)["var"]["_index"]
+    var[0] = "not_a_gene"
+    assert run("convert", sc_store, renamed, tmp_path / "o.zarr") == 2
+    assert "var_names differ" in one_line_error(capsys)
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_parse_size():
+    assert parse_size("1GB") == 10**9
+    assert parse_size("256MiB") == 2**28
+    assert parse_size("1.5kb") == 1500
+    assert parse_size("4096") == 4096
+    assert parse_size("none") == parse_size("0") == 0
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size("lots")
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def inspect_json(path: Path, capsys) -> dict:
+    assert run("inspect", path, "--json") == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspect_v3_sharded_zstd(sc_store, capsys):
+    report = inspect_json(sc_store, capsys)
+    assert (report["kind"], report["layout"], report["n_obs"]) == ("anndata", "csr", 3_001)
+    data = {a["name"]: a for a in report["arrays"]}
+    assert data["X/data"]["path"] == "gpu-decode" and data["X/data"]["shards"] == [65_536]
+    assert data["X/data"]["chunks"] == [2_048] and data["X/data"]["zarr_format"] == 3
+    assert data["X/indptr"]["path"] == "read whole at open"
+    rows_per_chunk = data["X/data"]["rows_per_chunk"]
+    assert rows_per_chunk == pytest.approx(2_048 * 3_001 / report["nnz"])
+    s = report["suggestion"]
+    assert s["chunk_size"] % round(rows_per_chunk) == 0 and s["chunk_size"] >= 32
+    assert s["preload_nchunks"] * s["chunk_size"] >= 4 * 256
+    assert [o["name"] for o in report["obs"]] == ["cell_type"]
+    assert run("inspect", sc_store) == 0
+    text = capsys.readouterr().out
+    assert "gpu-decode" in text and "suggested: chunk_size=" in text and "rule:" in text
+
+
+def test_inspect_v2_blosc_and_fallback(tmp_path, capsys):
+    v2 = synthetic.make_single_cell(tmp_path / "v2.zarr", n_obs=400, n_features=60, zarr_format=2)
+    report = inspect_json(v2, capsys)
+    assert {a["name"]: a["path"] for a in report["arrays"]}["X/data"] == "gpu-decode"
+    assert report["arrays"][0]["zarr_format"] == 2 and report["arrays"][0]["shards"] is None
+
+    blosc = synthetic.make_single_cell(tmp_path / "b.zarr", n_obs=400, n_features=60, codec="blosc")
+    report = inspect_json(blosc, capsys)
+    data = report["arrays"][0]
+    assert data["path"] == "cpu-decode" and "blosc" in data["why"]
+    assert any(c.startswith("blosc") for c in data["codecs"])
+
+    from zarr.codecs import TransposeCodec
+
+    arr = zarr.create_array(
+        tmp_path / "t.zarr", shape=(100, 8), chunks=(10, 8), dtype="f4",
+        filters=[TransposeCodec(order=(1, 0))],
+    )  # fmt: skip
+    arr[...] = np.arange(800, dtype="f4").reshape(100, 8)
+    report = inspect_json(tmp_path / "t.zarr", capsys)
+    assert report["kind"] == "array" and report["arrays"][0]["path"] == "zarr-fallback"
+    assert "transpose" in report["arrays"][0]["why"]
+    assert report["suggestion"]["chunk_size"] == 40  # smallest multiple of 10 rows >= 32
+
+
+def test_inspect_converted_store(tmp_path, sc_store, capsys):
+    dst = tmp_path / "c.zarr"
+    assert run("convert", sc_store, dst, "--chunk-rows", 128, "--codec", "lz4", "-q") == 0
+    report = inspect_json(dst, capsys)
+    assert report["converted"]["chunk_rows"] == 128
+    data = report["arrays"][0]
+    assert data["path"] == "gpu-decode" and data["rows_per_chunk"] == pytest.approx(128, rel=0.01)
+    assert report["suggestion"]["chunk_size"] == 128
+    assert [o["name"] for o in report["obs"]] == ["cell_type", "original_index"]
+
+
+def test_inspect_errors(tmp_path, h5ad_file, capsys):
+    assert run("inspect", tmp_path / "nothing") == 2
+    assert "no such file" in one_line_error(capsys)
+    assert run("inspect", h5ad_file[0]) == 2
+    assert "dali-zarr convert" in one_line_error(capsys)
+    group = zarr.open_group(tmp_path / "g.zarr", mode="w")
+    group.create_array("a", shape=(4,), dtype="f4")
+    assert run("inspect", tmp_path / "g.zarr") == 2
+    assert "neither an AnnData store" in one_line_error(capsys)
+
+
+# ---------------------------------------------------------------------------- bench, help
+
+
+def test_bench_runs_a_few_batches(sc_store, capsys):
+    argv = ["bench", sc_store, "--batches", 3, "--batch-size", 128, "--output", "csr", "--json"]
+    assert run(*argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["batches"] == 3 and summary["rows"] == 3 * 128
+    assert summary["rows_per_s"] > 0 and summary["mb_per_s"] > 0 and summary["batches_per_s"] > 0
+    assert summary["chunk_size"] % 102 == 0  # inspect's suggestion: whole store chunks
+    assert set(summary["read_paths"].values()) == {"direct"}
+    text = bench_summary(summary)
+    assert "rows/s" in text and "MB/s" in text and "batches/s" in text and "sparse CSR" in text
+    cube = synthetic.make_dense_cube(sc_store.parent / "bench_cube.zarr", n_obs=64)
+    assert run("bench", cube, "--output", "csr") == 2
+    assert "needs a sparse X" in one_line_error(capsys)
+    assert run("bench", cube, "--batch-size", 100) == 2
+    assert "lower batch_size" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("command", [[], ["convert"], ["inspect"], ["bench"]])
+def test_help(command, capsys):
+    assert run(*command, "--help") == 0
+    assert "usage: dali-zarr" in capsys.readouterr().out
+
+
+def test_no_command_is_an_error(capsys):
+    assert run() == 2
+    one_line_error(capsys)
+
+
+def test_console_script(tmp_path, sc_store):
+    script = shutil.which("dali-zarr", path=os.path.dirname(sys.executable))
+    cmd = [script] if script else [sys.executable, "-m", "dali_zarr.cli"]
+    proc = subprocess.run([*cmd, "inspect", str(sc_store)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "X/data" in proc.stdout and "gpu-decode" in proc.stdout
+    assert proc.stderr == ""  # no warnings from zarr or anndata on a terminal

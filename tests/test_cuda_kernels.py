@@ -1,0 +1,353 @@
+"""The GPU kernels' indexing, checked without a GPU.
+
+1. Under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), in a child process: the
+   variable must be set before ``numba.cuda`` is first imported, and DALI's numba plugin
+   imports it, so it cannot be set in the pytest process. The child runs every kernel of
+   ``dali_zarr.graph.cuda_kernels`` on randomized windows (empty rows, duplicate column ids,
+   last partial batch, int32/int64 column ids, float32/float64/int data, several launch
+   shapes so that grid-stride loops wrap) and compares with the CPU kernels of
+   ``dali_zarr.graph.kernels`` (their Python functions compiled with ``numba.njit``) and with
+   scipy/numpy/torch. It prints one ``RESULT {json}`` line: per group, cases run and failures.
+2. In this process: every kernel compiles to PTX for the argument types DALI passes
+   (C-contiguous arrays of the op's dtypes), so typing errors the simulator cannot see
+   (it runs the kernels as plain Python) are caught too. Skipped where libNVVM is missing.
+3. ``gpu`` tests run the real ops in DALI GPU pipelines against the CPU ops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+GROUPS = ["densify", "gather_csr", "gather_dense", "bfloat16", "copy_segments"]
+
+
+# ---------------------------------------------------------------------------- the child
+
+
+def _random_csr(rng, n_rows: int, n_cols: int, data_dtype, index_dtype):
+    lengths = rng.integers(0, 9, n_rows)
+    lengths[rng.random(n_rows) < 0.3] = 0  # empty rows
+    lengths[0] = 0
+    indptr = np.zeros(n_rows + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    nnz = int(indptr[-1])
+    indices = rng.integers(0, n_cols, nnz)
+    for r in np.flatnonzero(lengths >= 2)[::3]:  # force duplicate column ids in some rows
+        a = indptr[r]
+        indices[a + 1] = indices[a]
+    if nnz:
+        indices[-1] = n_cols - 1  # the last column is hit
+    data = rng.integers(1, 20, nnz)  # integer values: float sums are exact in any order
+    return data.astype(data_dtype), indices.astype(index_dtype), indptr
+
+
+def _batches(rng, n_rows: int):
+    """Shuffled positions: full window, last partial batch, one row, no row."""
+    perm = rng.permutation(n_rows).astype(np.int64)
+    return [perm, perm[: n_rows // 3 + 1], perm[:1], perm[:0]]
+
+
+LAUNCHES = [(1, 1), (3, 4), (2, 32)]  # (blocks, threads): grid-stride wraps in each
+
+
+def _launches(case: int, batch: int):
+    """Every launch shape for the first case's full batch, one (rotating) for the others:
+    the simulator runs each thread as a Python thread, so every launch costs ~0.3 s."""
+    return LAUNCHES if case == batch == 0 else [LAUNCHES[(case + batch) % len(LAUNCHES)]]
+
+
+def _worker() -> dict:
+    import numba
+    import scipy.sparse as sp
+    import torch
+    from numba import cuda
+
+    assert numba.config.ENABLE_CUDASIM, "the worker must run under the CUDA simulator"
+    from dali_zarr.graph import cuda_kernels as K
+    from dali_zarr.graph import kernels
+    from dali_zarr.graph.gpu_pipeline import batch_indptr
+    from dali_zarr.io.gpu import copy_segments_cpu
+
+    cpu_densify = numba.njit(kernels._densify_csr_rows)
+    cpu_gather = numba.njit(kernels._gather_csr_rows)
+    cpu_dense = numba.njit(kernels._gather_dense_rows)
+    jitted: dict = {}
+    eq = np.testing.assert_array_equal
+
+    def run(fn, launch, *args):
+        kernel = jitted.get(fn) or jitted.setdefault(fn, cuda.jit(fn))
+        dev = [cuda.to_device(np.ascontiguousarray(a)) for a in args]
+        kernel[launch](*dev)
+        return [d.copy_to_host() for d in dev]
+
+    results = {g: {"cases": 0, "failures": []} for g in GROUPS}
+
+    def check(group, name, case, *args):
+        results[group]["cases"] += 1
+        try:
+            case(*args)
+        except Exception as e:  # collect every failure, not only the first
+            results[group]["failures"].append(f"{name}: {type(e).__name__}: {e}"[:2000])
+
+    def densify(fn, launch, pos, csr, n_cols, want, cpu):
+        out = np.full((len(pos), n_cols), np.nan, np.float32)  # garbage where not written
+        got = run(fn, launch, out, pos, *csr)[0]
+        eq(got, want)
+        eq(got, cpu)
+
+    def gather(launch, pos, csr, window):
+        data, indices, indptr = csr
+        bptr = batch_indptr(indptr, pos)
+        nnz = int(bptr[-1])
+        hint = np.empty((nnz, 0), np.uint8)
+        outs = [np.full(nnz, 99, data.dtype), np.full(nnz, 77, indices.dtype)]
+        outs.append(np.full(len(pos) + 1, -1, np.int64))
+        got = run(K.gather_csr_rows, launch, *outs, hint, bptr, pos, *csr)[:3]
+        ref = [np.empty(nnz, data.dtype), np.empty(nnz, indices.dtype)]
+        ref.append(np.empty(len(pos) + 1, np.int64))
+        cpu_gather(*ref, hint, pos, *csr)
+        for g, r in zip(got, ref, strict=True):
+            eq(g, r)
+            assert g.dtype == r.dtype
+        rows = sp.csr_matrix(tuple(got), shape=(len(pos), window.shape[1]))
+        eq(rows.toarray(), window[pos].toarray().astype(rows.dtype))
+
+    def dense(launch, pos, values, ref):
+        out = np.full((len(pos), values.shape[1]), np.nan, np.float32)
+        got = run(K.gather_dense_rows, launch, out, pos, values)[0]
+        eq(got, values[pos].astype(np.float32))
+        eq(got, ref.astype(np.float32))
+
+    def bf16(launch, x, want16):
+        out = np.zeros(x.shape, np.uint16)
+        got = run(K.float32_bits_to_bfloat16_bits, launch, out, x.view(np.uint32))[0]
+        nan = np.isnan(x)
+        eq(got[~nan], want16.view(np.uint16)[~nan])
+        back = torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()
+        assert np.isnan(back[nan]).all()
+
+    def segments(launch, src, seg):
+        want = np.zeros(int(seg[:, 2].sum()), np.float32)
+        copy_segments_cpu(want, src, seg)
+        out = np.full(len(want), -1, np.float32)
+        got = run(K.copy_segments, launch, out, src, seg[:, 0], seg[:, 1], seg[:, 2])[0]
+        eq(got, want)
+
+    rng = np.random.default_rng(1234)
+
+    # -- CSR: densify (both variants) and gather ----------------------------------------------
+    windows = [
+        (np.float32, np.int32, 23, 37),
+        (np.float64, np.int64, 17, 11),
+        (np.int32, np.int32, 19, 64),
+        (np.float32, np.int64, 9, 5),
+        (np.uint16, np.uint32, 12, 8),
+    ]
+    for wi, (ddt, idt, n_rows, n_cols) in enumerate(windows):
+        csr = _random_csr(rng, n_rows, n_cols, ddt, idt)
+        window = sp.csr_matrix((csr[0].astype(np.float64), csr[1], csr[2]), shape=(n_rows, n_cols))
+        variants = [
+            ("scatter", K.densify_csr_scatter),
+            ("shared", K.make_densify_csr_shared(n_cols)),
+        ]
+        for bi, pos in enumerate(_batches(rng, n_rows)):
+            want = np.asarray(window[pos].toarray(), dtype=np.float32)
+            cpu = np.empty((len(pos), n_cols), np.float32)
+            cpu_densify(cpu, pos, *csr)
+            for launch in _launches(wi, bi):
+                tag = f"window{wi} {np.dtype(ddt)}/{np.dtype(idt)} batch{bi} launch{launch}"
+                for variant, fn in variants:
+                    check("densify", f"{variant} {tag}", densify, fn, launch, pos, csr, n_cols,
+                          want, cpu)  # fmt: skip
+                check("gather_csr", tag, gather, launch, pos, csr, window)
+    check("densify", "variant choice", _variant_choice, K)
+
+    # -- dense gather (fused cast) ------------------------------------------------------------
+    for vi, vdt in enumerate((np.float32, np.float64, np.int16, np.uint8)):
+        values = (rng.standard_normal((21, 13)) * 50).astype(vdt)
+        for bi, pos in enumerate(_batches(rng, 21)):
+            ref = np.empty((len(pos), 13), vdt)
+            cpu_dense(ref, pos, values)
+            for launch in _launches(vi, bi):
+                tag = f"{np.dtype(vdt)} batch{bi} launch{launch}"
+                check("gather_dense", tag, dense, launch, pos, values, ref)
+
+    # -- float32 -> bfloat16 bits -------------------------------------------------------------
+    x = np.concatenate(
+        [
+            rng.standard_normal(200).astype(np.float32) * 1e3,
+            np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-40, -1e-42, 3.4e38], np.float32),
+            # exact ties between two bfloat16 values: round half to even
+            (np.arange(1, 33, dtype=np.uint32) << 16 | 0x8000).view(np.float32),
+            np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFFC00001], np.uint32).view(np.float32),
+        ]
+    )
+    x = x[: len(x) // 8 * 8].reshape(-1, 8).astype(np.float32)
+    want16 = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy()
+    for launch in LAUNCHES:
+        check("bfloat16", f"launch{launch}", bf16, launch, x, want16)
+
+    # -- segment copies (the GPU read path's window assembly) ---------------------------------
+    for trial in range(4):
+        src = rng.integers(0, 1000, 500).astype(np.float32)
+        lens = rng.integers(1, 30, 12)
+        seg = np.stack([rng.integers(0, 470, 12), np.cumsum(lens) - lens, lens], 1)
+        for launch in LAUNCHES:
+            check("copy_segments", f"trial{trial} launch{launch}", segments, launch, src,
+                  seg.astype(np.int64))  # fmt: skip
+    return results
+
+
+def _variant_choice(K) -> None:
+    assert K.densify_kernel(K.SHARED_COLS) is not K.densify_csr_scatter
+    assert K.densify_kernel(K.SHARED_COLS + 1) is K.densify_csr_scatter
+
+
+# ---------------------------------------------------------------------------- the tests
+
+
+@pytest.fixture(scope="module")
+def simulated():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :]), elapsed
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_kernels_under_cuda_simulator(simulated, group):
+    results, _ = simulated
+    got = results[group]
+    assert got["cases"] > 0
+    assert not got["failures"], "\n".join(got["failures"][:10])
+
+
+def test_simulator_run_is_quick(simulated):
+    _, elapsed = simulated
+    assert elapsed < 60, f"the simulator run took {elapsed:.0f} s"
+
+
+def _nvvm_available() -> bool:
+    try:
+        from numba import cuda, types
+
+        def k(a):
+            a[0] = 1
+
+        cuda.compile_ptx(k, (types.int32[::1],), cc=(8, 0))
+        return True
+    except Exception:
+        return False
+
+
+_GATHER_NDIMS = [1, 1, 1, 2, 1, 1, 1, 1, 1]
+PTX_CASES = [
+    ("densify_csr_scatter", ["f4", "i8", "f4", "i4", "i8"], [2, 1, 1, 1, 1]),
+    ("densify_csr_scatter", ["f4", "i8", "f8", "i8", "i8"], [2, 1, 1, 1, 1]),
+    ("shared", ["f4", "i8", "i4", "i4", "i8"], [2, 1, 1, 1, 1]),
+    ("shared", ["f4", "i8", "u2", "u4", "i8"], [2, 1, 1, 1, 1]),
+    ("gather_csr_rows", ["f4", "i4", "i8", "u1", "i8", "i8", "f4", "i4", "i8"], _GATHER_NDIMS),
+    ("gather_csr_rows", ["f8", "i8", "i8", "u1", "i8", "i8", "f8", "i8", "i8"], _GATHER_NDIMS),
+    ("gather_dense_rows", ["f4", "i8", "f8"], [2, 1, 2]),
+    ("gather_dense_rows", ["f4", "i8", "i2"], [2, 1, 2]),
+    ("gather_dense_rows", ["f4", "i8", "u1"], [2, 1, 2]),
+    ("float32_bits_to_bfloat16_bits", ["u2", "u4"], [2, 2]),
+    ("copy_segments", ["f4", "f4", "i8", "i8", "i8"], [1] * 5),
+    ("copy_segments", ["u1", "u1", "i8", "i8", "i8"], [1] * 5),
+]  # fmt: skip
+
+
+@pytest.mark.skipif(not _nvvm_available(), reason="libNVVM not found: cannot compile to PTX")
+@pytest.mark.parametrize(("kernel", "dtypes", "ndims"), PTX_CASES)
+def test_kernels_compile_for_dali_argument_types(kernel, dtypes, ndims):
+    from numba import cuda
+
+    from dali_zarr.graph import cuda_kernels as K
+
+    fn = K.make_densify_csr_shared(300) if kernel == "shared" else getattr(K, kernel)
+    ptx, _ = cuda.compile_ptx(fn, K.numba_signature(dtypes, ndims), cc=(8, 0))
+    assert ".entry" in ptx or ".visible" in ptx
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n_cols", [37, 9000])  # shared-memory and scatter variants
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_gpu_ops_match_cpu_ops(n_cols, index_dtype):
+    import torch
+    from nvidia.dali import fn, pipeline_def
+
+    from dali_zarr.graph import cuda_kernels as K
+    from dali_zarr.graph import kernels
+    from dali_zarr.graph.gpu_pipeline import batch_indptr
+
+    rng = np.random.default_rng(0)
+    data, indices, indptr = _random_csr(rng, 300, n_cols, np.float32, index_dtype)
+    batches = _batches(rng, 300)[:3]
+
+    def source(info):
+        pos = batches[info.iteration % len(batches)]
+        bptr = batch_indptr(indptr, pos)
+        hint = np.empty((int(bptr[-1]), 0), np.uint8)
+        return [[a] for a in (pos, data, indices, indptr, hint, bptr)]
+
+    def graph(device):
+        pos, d, i, p, hint, bptr = fn.external_source(
+            source=source, batch=True, batch_info=True, num_outputs=6
+        )
+        kw = dict(data_dtype=np.float32, index_dtype=index_dtype)
+        if device == "cpu":
+            x = kernels.densify_csr(pos, d, i, p, n_features=n_cols, **kw)
+            c = kernels.gather_csr(hint, pos, d, i, p, **kw)
+        else:
+            g = [n.gpu() for n in (pos, d, i, p, hint, bptr)]
+            x = K.densify_csr_gpu(g[0], g[1], g[2], g[3], n_features=n_cols, **kw)
+            c = K.gather_csr_gpu(g[4], g[5], g[0], g[1], g[2], g[3], **kw)
+        return x, *c
+
+    pipes = [
+        pipeline_def(graph, batch_size=1, num_threads=1, device_id=0)(dev) for dev in ("cpu", "gpu")
+    ]
+    for p in pipes:
+        p.build()
+    for _ in range(len(batches)):
+        cpu_out, gpu_out = (p.run() for p in pipes)
+        for a, b in zip(cpu_out, gpu_out, strict=True):
+            want = torch.from_dlpack(a[0])
+            got = torch.from_dlpack(b[0])
+            assert got.is_cuda
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    sys.stdout.write("RESULT " + json.dumps(_worker()) + "\n")

@@ -1,0 +1,318 @@
+"""Host-side logic of the GPU graph, run with the NumPy backend (no GPU needed).
+
+`GpuBatchSource` + `DeviceWindowReader` + `BufferRing` with `HostBackend` run the same
+window plans, slot layouts, twin callbacks and ring recycling as on a GPU, with host arrays
+in place of device buffers. The outputs are compared with the CPU path's `BatchSource`, and
+the ring is checked never to overwrite a slot DALI may still read. The graph itself
+(`build_gpu_pipeline`) is compared with the CPU pipeline by the ``gpu`` tests below.
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zarr
+
+import dali_zarr as dz
+from dali_zarr.graph import kernels
+from dali_zarr.graph.gpu_pipeline import (
+    BufferRing,
+    GpuBatchSource,
+    HostBackend,
+    batch_indptr,
+    gpu_source_names,
+    gpu_status,
+)
+from dali_zarr.graph.source import BatchSource
+from dali_zarr.synthetic import make_single_cell
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def _sampler(seed=0, chunk=32, preload=4, batch=48):
+    return dz.ChunkSampler(
+        chunk_size=chunk,
+        preload_nchunks=preload,
+        batch_size=batch,
+        shuffle=True,
+        drop_last=False,
+        seed=seed,
+    )
+
+
+def _info(epoch_idx: int, iteration: int):
+    return SimpleNamespace(epoch_idx=epoch_idx, iteration=iteration)
+
+
+@pytest.fixture(scope="module")
+def csr_store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu") / "sc.zarr"
+    make_single_cell(path, n_obs=701, n_features=97, chunk_elements=512, shard_chunks=4)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dense_store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu") / "cube.zarr"
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((403, 3, 5)).astype(np.float32)
+    data[40:80] = 0  # chunks equal to the fill value are not stored
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        arr = zarr.create_array(
+            str(path), shape=data.shape, dtype="float32", chunks=(20, 3, 5), compressors=None
+        )
+        arr[...] = data
+    return path
+
+
+def _run_epochs(ds, *, output, obs=(), return_index=True, epochs=2, cut=None, **kw):
+    """Serve every batch of ``epochs`` epochs from both sources; compare them as we go."""
+    cpu = BatchSource(ds, _sampler(), output=output, obs=list(obs), return_index=return_index)
+    gpu = GpuBatchSource(
+        ds,
+        _sampler(),
+        output=output,
+        obs=list(obs),
+        return_index=return_index,
+        backend=HostBackend(),
+        **kw,
+    )
+    history: list[tuple[int, list, list]] = []  # (serve count, live arrays, copies)
+    served = 0
+    for epoch in range(epochs):
+        cpu.bind_epoch(epoch, epoch)
+        gpu.bind_epoch(epoch, epoch)
+        if cut is not None and epoch == 0:
+            cpu.cut_epoch(0, cut)
+            gpu.cut_epoch(0, cut)
+        it = 0
+        while True:
+            try:
+                want = cpu(_info(epoch, it))
+            except StopIteration:
+                with pytest.raises(StopIteration):
+                    gpu.device_source(_info(epoch, it))
+                break
+            # DALI may call the two sources in either order
+            first, second = (
+                (gpu.host_source, gpu.device_source)
+                if it % 2
+                else (gpu.device_source, gpu.host_source)
+            )
+            a = first(_info(epoch, it))
+            b = second(_info(epoch, it))
+            host, dev = (b, a) if first == gpu.device_source else (a, b)
+            _compare(cpu, gpu, want, host, dev)
+            served += 1
+            history.append((served, [x[0] for x in dev], [x[0].copy() for x in dev]))
+            # nothing DALI may still hold was overwritten: with prefetch_queue_depth=2 that is
+            # the last 2 + 2 batches (the one being built, the queue, the one being consumed)
+            for when, live, copies in history[-(2 + 2) :]:
+                for x, c in zip(live, copies, strict=True):
+                    np.testing.assert_array_equal(x, c, err_msg=f"batch {when} overwritten")
+            it += 1
+    gpu.close()
+    cpu.close()
+    return gpu, served
+
+
+def _compare(cpu, gpu, want, host, dev):
+    ref = dict(zip(cpu.names, [w[0] for w in want], strict=True))
+    got = dict(zip(gpu.host_names, [h[0] for h in host], strict=True))
+    got.update(zip(gpu.device_names, [d[0] for d in dev], strict=True))
+    for name, value in ref.items():
+        if name == "nnz_hint":
+            assert got[name].shape == value.shape
+            continue
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    if "batch_indptr" in got:
+        np.testing.assert_array_equal(got["batch_indptr"], batch_indptr(got["indptr"], got["pos"]))
+        # the CPU gather kernel's indptr is the same prefix sum
+        pos, data, indices, indptr = got["pos"], got["data"], got["indices"], got["indptr"]
+        nnz = int(got["batch_indptr"][-1])
+        out = (np.empty(nnz, data.dtype), np.empty(nnz, indices.dtype), np.empty(len(pos) + 1))
+        out = (*out[:2], np.empty(len(pos) + 1, np.int64))
+        _gather(*out, np.empty((nnz, 0), np.uint8), pos, data, indices, indptr)
+        np.testing.assert_array_equal(out[2], got["batch_indptr"])
+
+
+_gather = None
+
+
+def setup_module(module):
+    import numba
+
+    module._gather = numba.njit(kernels._gather_csr_rows)
+
+
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_csr_source_matches_cpu_source(csr_store, output):
+    ds = dz.open_dataset(csr_store)
+    gpu, served = _run_epochs(ds, output=output, obs=["cell_type"])
+    assert served > 2 * gpu.ring.n_slots  # slots were recycled
+    assert gpu.ring.n_slots == 2 + 2 + 3
+    paths = gpu.read_paths()
+    assert set(paths) == {"sc.zarr/X/data", "sc.zarr/X/indices"}
+    assert all("zstd" in p for p in paths.values())
+
+
+def test_dense_source_matches_cpu_source(dense_store):
+    ds = dz.open_dataset(dense_store)
+    gpu, _ = _run_epochs(ds, output="dense")
+    assert next(iter(gpu.read_paths().values())) == "host-backend plan: none"  # uncompressed
+
+
+def test_collection_takes_the_host_read_path(csr_store, dense_store):
+    ds = dz.open_dataset([csr_store, csr_store])
+    gpu, _ = _run_epochs(ds, output="dense", epochs=1)
+    assert all("host read" in p for p in gpu.read_paths().values())
+
+
+def test_epoch_cut_short_frees_its_slots(csr_store):
+    ds = dz.open_dataset(csr_store)
+    gpu, _ = _run_epochs(ds, output="dense", epochs=3, cut=2, prefetch_windows=3)
+    assert gpu.ring.n_free >= 0  # got through three epochs without running out of slots
+
+
+def test_names_split():
+    host, dev = gpu_source_names("csr", "csr", ["a"], True)
+    assert host == ["pos", "nnz_hint", "batch_indptr", "a", "index"]
+    assert dev == ["data", "indices", "indptr"]
+    assert gpu_source_names("dense", "dense", [], False) == (["pos"], ["values"])
+
+
+def test_batch_indptr():
+    indptr = np.array([0, 2, 2, 5, 9])
+    assert batch_indptr(indptr, np.array([3, 1, 0, 2])).tolist() == [0, 4, 4, 6, 9]
+    assert batch_indptr(indptr, np.zeros(0, np.int64)).tolist() == [0]
+
+
+def test_ring_blocks_until_a_slot_is_released():
+    import threading
+
+    ring = BufferRing(2, HostBackend())
+    a, b = ring.acquire(10), ring.acquire(1000)
+    assert b.buf.size >= 1000
+    got = []
+    t = threading.Thread(target=lambda: got.append(ring.acquire(5)))
+    t.start()
+    t.join(0.2)
+    assert not got and ring.waits >= 1
+    ring.release(a)
+    t.join(5)
+    assert got and got[0].slot == a.slot
+
+
+def test_default_device_is_the_local_rank(monkeypatch):
+    from dali_zarr.graph.gpu_pipeline import default_device_id
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert default_device_id() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert default_device_id() == 3
+
+
+def test_gpu_status_says_why():
+    usable, line = gpu_status()
+    assert usable == _cuda() or not usable
+    assert line.startswith("dali_zarr: ")
+
+
+@pytest.mark.parametrize("store", ["csr_store", "dense_store"])
+@pytest.mark.parametrize("output", ["dense", "csr"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
+    """The GPU graph's wiring, declared without a device: the GPU ops are stand-ins that
+    check every input is on the GPU and types/ndims match the inputs."""
+    from nvidia.dali import fn
+
+    from dali_zarr.graph import cuda_kernels
+    from dali_zarr.graph.gpu_pipeline import build_gpu_pipeline
+
+    ds = dz.open_dataset(request.getfixturevalue(store))
+    if output == "csr" and ds.layout != "csr":
+        pytest.skip("csr output needs a sparse store")
+    calls = []
+
+    def numba_function(*inputs, run_fn, setup_fn, out_types, in_types, outs_ndim, ins_ndim,
+                       device, blocks, threads_per_block):  # fmt: skip
+        assert device == "gpu" and len(blocks) == 3 and len(threads_per_block) == 3
+        assert len(inputs) == len(in_types) == len(ins_ndim)
+        assert len(out_types) == len(outs_ndim)
+        assert all(node.device == "gpu" for node in inputs), run_fn.__name__
+        calls.append(run_fn.__name__)
+        outs = [fn.copy(inputs[0]) for _ in out_types]
+        return outs[0] if len(outs) == 1 else outs
+
+    monkeypatch.setattr(cuda_kernels, "numba_function", numba_function)
+    src = GpuBatchSource(
+        ds, _sampler(), output=output, obs=[], return_index=True, backend=HostBackend()
+    )
+    _, names, views = build_gpu_pipeline(src, device_id=0, dtype=dtype)
+    want = ["X_data", "X_indices", "X_indptr"] if output == "csr" else ["X"]
+    assert names == [*want, "index"]
+    assert views == ({"X": "bfloat16"} if dtype == "bfloat16" and output == "dense" else {})
+    op = {"csr": "gather_csr_rows", "dense": "gather_dense_rows"}[ds.layout]
+    if ds.layout == "csr" and output == "dense":
+        op = "densify_csr_shared"
+    assert calls[0] == op
+    src.close()
+
+
+def test_setup_functions_give_batch_shapes():
+    from dali_zarr.graph import cuda_kernels as K
+
+    outs = [[[0]], [[0]], [[0]]]
+    K._csr_batch_shapes_gpu(outs, [[[17, 0]], [[6]], [[5]]])  # nnz_hint, batch_indptr, pos
+    assert outs == [[[17]], [[17]], [[6]]]
+    out2 = [[[0, 0]]]
+    K._same_shape_2d(out2, [[[4, 9]]])
+    assert out2 == [[[4, 9]]]
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("output", ["dense", "csr"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
+    import torch
+
+    from dali_zarr.graph.gpu_pipeline import build_gpu_pipeline, to_torch
+    from dali_zarr.graph.iterator import DaliEpochIterator
+
+    ds = dz.open_dataset(csr_store)
+    cpu_src = BatchSource(ds, _sampler(), output=output, obs=["cell_type"], return_index=True)
+    cpu_src.bind_epoch(0, 0)
+    cpu_pipe, cpu_names = dz.build_pipeline(cpu_src)
+    gpu_src = GpuBatchSource(
+        ds, _sampler(), output=output, obs=["cell_type"], return_index=True, device_id=0
+    )
+    gpu_src.bind_epoch(0, 0)
+    gpu_pipe, gpu_names, views = build_gpu_pipeline(gpu_src, device_id=0, dtype=dtype)
+    assert sorted(cpu_names) == sorted(gpu_names)
+    for a, b in zip(
+        DaliEpochIterator(cpu_pipe, cpu_names), DaliEpochIterator(gpu_pipe, gpu_names), strict=True
+    ):
+        for name in cpu_names:
+            want = torch.from_dlpack(a[name])
+            got = to_torch(b[name], views.get(name))
+            assert got.is_cuda
+            if name == "X" and dtype == "bfloat16":
+                want = want.to(torch.bfloat16)
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=name)

@@ -1,0 +1,442 @@
+"""The GPU read backend's byte plan, run by its CPU executor, against DirectReader.read_rows.
+
+`plan_rows` + `execute_plan_cpu` do on the host exactly what the GPU executor does on the
+device (same byte ranges, same staging/chunk-buffer offsets, raw zstd frames and bare LZ4
+blocks, the same copy segments), so a wrong offset, a wrong lz4 header strip or a wrong
+segment shows up here without a GPU. Tests marked ``gpu`` run the real executor (kvikio +
+nvCOMP) and skip where CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+import zlib
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ZstdCodec
+from zarr.codecs import numcodecs as znc
+
+from dali_zarr.errors import ChunkReadError
+from dali_zarr.io import DirectReader, open_reader
+from dali_zarr.io.gpu import (
+    GPU_KINDS,
+    NotPlannable,
+    copy_segments_cpu,
+    execute_plan_cpu,
+    gpu_codec_kind,
+    plan_rows,
+    probe_gpu,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+
+
+def _compressors(codec: str, fmt: int):
+    if fmt == 2:
+        return {
+            "zstd": numcodecs.Zstd(level=1),
+            "lz4": numcodecs.LZ4(),
+            "blosc": numcodecs.Blosc(cname="lz4"),
+            "gzip": numcodecs.GZip(level=1),
+            "none": None,
+        }[codec]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "zstd": ZstdCodec(level=1),
+            "lz4": znc.LZ4(),
+            "blosc": BloscCodec(cname="lz4"),
+            "gzip": GzipCodec(level=1),
+            "none": None,
+            "zstd-crc32c": [ZstdCodec(level=1), Crc32cCodec()],
+        }[codec]
+
+
+KIND_OF = {"zstd": "zstd", "lz4": "lz4", "none": "none", "blosc": "host", "gzip": "host"}
+KIND_OF["zstd-crc32c"] = "host"
+
+SHAPES = {
+    # name: (shape, dtype, chunks, shards)
+    "1d-float32": ((1037,), "float32", (64,), (256,)),
+    "1d-int32": ((1001,), "int32", (50,), (200,)),  # 200-byte chunks: slots are padded
+    "1d-int64": ((777,), "int64", (32,), (128,)),
+    "3d-rowchunks": ((93, 4, 5), "float32", (8, 4, 5), (32, 4, 5)),
+}
+
+
+def _data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        data = rng.integers(-1000, 1000, size=shape).astype(dtype)
+    else:
+        data = (rng.standard_normal(shape) * 10).round(2).astype(dtype)
+    data[chunk0 : 2 * chunk0] = 0  # a chunk equal to the fill value: not stored
+    if shard0 is not None and shape[0] > 3 * shard0:
+        data[2 * shard0 : 3 * shard0] = 0  # a whole shard not stored
+    return data
+
+
+def _write(path, data, *, fmt=3, chunks, shards=None, compressors=None, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        arr = zarr.create_array(
+            str(path),
+            shape=data.shape,
+            dtype=data.dtype,
+            chunks=chunks,
+            shards=shards,
+            compressors=compressors,
+            zarr_format=fmt,
+            **kw,
+        )
+        arr[...] = data
+        return zarr.open_array(str(path), mode="r")
+
+
+def _ranges(rng, n: int, chunk: int, k: int = 30) -> np.ndarray:
+    starts = rng.integers(0, n + 1, k)
+    stops = np.minimum(starts + rng.integers(0, 3 * chunk, k), n)
+    extra = np.array([[0, n], [n - 1, n], [chunk, 2 * chunk], [0, 0], [starts[0], stops[0]]])
+    r = np.concatenate([np.stack([starts, stops], 1), extra]).astype(np.int64)
+    return r[rng.permutation(len(r))]
+
+
+CASES = [
+    (fmt, codec, shape, sharded)
+    for fmt in (2, 3)
+    for codec in ("zstd", "lz4", "blosc", "none", "gzip")
+    for shape in SHAPES
+    for sharded in ((False, True) if fmt == 3 else (False,))
+] + [(3, "zstd-crc32c", "1d-float32", s) for s in (False, True)]
+
+
+@pytest.mark.parametrize(("fmt", "codec", "shape", "sharded"), CASES)
+def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
+    shp, dtype, chunks, shards = SHAPES[shape]
+    data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
+    arr = _write(
+        tmp_path / "a.zarr",
+        data,
+        fmt=fmt,
+        chunks=chunks,
+        shards=shards if sharded else None,
+        compressors=_compressors(codec, fmt),
+    )
+    reader = open_reader(arr, name="a")
+    assert isinstance(reader, DirectReader)
+    rng = np.random.default_rng(zlib.crc32(repr((fmt, codec, shape, sharded)).encode()))
+    for _ in range(3):
+        ranges = _ranges(rng, shp[0], chunks[0])
+        plan = plan_rows(reader, ranges)
+        assert plan.kind == KIND_OF[codec]
+        assert (plan.reason == "") == (plan.kind in GPU_KINDS)
+        got = execute_plan_cpu(plan, reader)
+        want = reader.read_rows(ranges)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+        _check_plan_invariants(plan, reader)
+    # the fill-value chunk is not stored: the plan fills it instead of reading it
+    full = plan_rows(reader, np.array([[0, shp[0]]]))
+    assert len(full.fill_slots) >= 1
+    assert len(full.reads) + len(full.fill_slots) == len(full.chunks)
+    np.testing.assert_array_equal(execute_plan_cpu(full, reader), data)
+
+
+def _check_plan_invariants(plan, reader) -> None:
+    # every chunk read at most once, in increasing chunk order, to its own slot
+    chunks = [r.chunk for r in plan.reads]
+    assert chunks == sorted(set(chunks))
+    slots = {int(c): i for i, c in enumerate(plan.chunks)}
+    for r in plan.reads:
+        assert r.decoded_offset == slots[r.chunk] * plan.slot_nbytes
+        assert r.decoded_offset % 256 == 0
+        if plan.kind == "none":
+            assert r.staging_offset == -1 and r.nbytes == plan.chunk_nbytes
+        else:
+            assert r.staging_offset % 256 == 0
+            assert r.staging_offset + r.nbytes <= plan.staging_nbytes
+        assert r.file_offset + r.nbytes <= os.path.getsize(r.path)
+    # staging regions never overlap
+    regions = sorted((r.staging_offset, r.nbytes) for r in plan.reads if r.staging_offset >= 0)
+    for (a, n), (b, _) in itertools.pairwise(regions):
+        assert a + n <= b
+    # segments stay inside both buffers and cover the window exactly once
+    seg = plan.segments
+    if len(seg):
+        elems = plan.decoded_nbytes // plan.dtype.itemsize
+        assert (seg[:, 2] > 0).all() and (seg[:, 0] + seg[:, 2] <= elems).all()
+        covered = np.zeros(int(np.prod(plan.out_shape)), dtype=np.int64)
+        for _, d, k in seg:
+            covered[d : d + k] += 1
+        assert (covered == 1).all()
+
+
+def test_lz4_plan_reads_the_bare_block(tmp_path):
+    data = np.arange(4096, dtype=np.float32)
+    arr = _write(tmp_path / "a.zarr", data, chunks=(512,), compressors=_compressors("lz4", 3))
+    reader = open_reader(arr, name="a")
+    plan = plan_rows(reader, np.array([[0, 4096]]))
+    locations = reader.chunk_locations([(int(c),) for c in plan.chunks])
+    for rd, (path, offset, nbytes) in zip(plan.reads, locations, strict=True):
+        assert (rd.path, rd.file_offset, rd.nbytes) == (path, offset + 4, nbytes - 4)
+        with open(path, "rb") as f:  # the skipped header is numcodecs' decoded size
+            f.seek(offset)
+            assert int.from_bytes(f.read(4), "little") == plan.chunk_nbytes
+
+
+def test_contiguous_window_is_one_segment(tmp_path):
+    # 64 float32 = 256 bytes per chunk: slots are back to back, so a window of whole
+    # consecutive chunks is a single copy
+    data = np.arange(1024, dtype=np.float32)
+    arr = _write(tmp_path / "a.zarr", data, chunks=(64,), compressors=_compressors("zstd", 3))
+    reader = open_reader(arr, name="a")
+    plan = plan_rows(reader, np.array([[128, 640], [0, 64]]))
+    assert plan.segments.tolist() == [[64, 0, 512], [0, 512, 64]]
+    np.testing.assert_array_equal(execute_plan_cpu(plan, reader), np.r_[data[128:640], data[:64]])
+
+
+def test_host_kinds_say_why(tmp_path):
+    data = np.arange(300, dtype=np.float32)
+    big = _write(
+        tmp_path / "big.zarr",
+        data,
+        chunks=(64,),
+        compressors=_compressors("zstd", 3),
+        serializer=BytesCodec(endian="big"),
+    )
+    kind, why = gpu_codec_kind(open_reader(big, name="big").layout)
+    assert kind == "host" and "byte swap" in why
+    delta = _write(
+        tmp_path / "delta.zarr",
+        data.astype(np.int32),
+        fmt=2,
+        chunks=(64,),
+        compressors=_compressors("zstd", 2),
+        filters=[numcodecs.Delta(dtype="<i4")],
+    )
+    reader = open_reader(delta, name="delta")
+    kind, why = gpu_codec_kind(reader.layout)
+    assert kind == "host" and "delta" in why
+    ranges = np.array([[5, 250], [0, 3]])
+    np.testing.assert_array_equal(
+        execute_plan_cpu(plan_rows(reader, ranges), reader), reader.read_rows(ranges)
+    )
+
+
+def test_rows_split_across_chunks_are_not_plannable(tmp_path):
+    data = np.zeros((40, 7), dtype=np.float32)
+    arr = _write(tmp_path / "a.zarr", data, chunks=(8, 4))
+    with pytest.raises(NotPlannable, match="trailing axes"):
+        plan_rows(open_reader(arr, name="a"), np.array([[0, 8]]))
+
+
+def test_corrupted_chunk_names_array_and_chunk(tmp_path):
+    rng = np.random.default_rng(0)
+    data = rng.poisson(3, 4096).astype(np.float32)
+    arr = _write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=_compressors("zstd", 3))
+    path = tmp_path / "a.zarr" / "c" / "1"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 16] = b"\xff" * 16
+    path.write_bytes(bytes(raw))
+    reader = open_reader(arr, name="arr")
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/1'"):
+        execute_plan_cpu(plan_rows(reader, np.array([[0, 4096]])), reader)
+
+
+def test_truncated_uncompressed_chunk(tmp_path):
+    data = np.arange(256, dtype=np.int32)
+    arr = _write(tmp_path / "a.zarr", data, chunks=(64,))
+    path = tmp_path / "a.zarr" / "c" / "2"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ChunkReadError, match="expected 256"):
+        plan_rows(open_reader(arr, name="a"), np.array([[0, 256]]))
+
+
+def test_copy_segments_reference():
+    src = np.arange(20, dtype=np.int64)
+    out = np.full(9, -1, dtype=np.int64)
+    copy_segments_cpu(out, src, np.array([[10, 0, 3], [0, 3, 6]]))
+    assert out.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 5]
+
+
+def test_probe_reports_without_raising():
+    support = probe_gpu()
+    assert isinstance(support.usable, bool)
+    if not _cuda():
+        assert not support.usable and "CUDA" in support.reason
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    ("fmt", "codec", "sharded"),
+    [(3, c, s) for c in ("zstd", "lz4", "blosc", "none") for s in (False, True)]
+    + [(2, c, False) for c in ("zstd", "lz4", "blosc", "none")],
+)
+def test_gpu_executor_matches_direct_reader(tmp_path, fmt, codec, sharded):
+    import cupy
+
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
+    data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
+    arr = _write(
+        tmp_path / "a.zarr",
+        data,
+        fmt=fmt,
+        chunks=chunks,
+        shards=shards if sharded else None,
+        compressors=_compressors(codec, fmt),
+    )
+    reader = open_reader(arr, name="a")
+    executor = GpuPlanExecutor(0)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ranges = _ranges(rng, shp[0], chunks[0])
+        plan = plan_rows(reader, ranges)
+        out = cupy.empty(plan.out_shape, dtype=plan.dtype)
+        executor.run(plan, reader, out)
+        np.testing.assert_array_equal(cupy.asnumpy(out), reader.read_rows(ranges))
+    executor.close()
+
+
+# ------------------------------------------------- the GPU executor's control flow, faked CUDA
+
+
+class _Dev(np.ndarray):
+    """A host array standing in for a cupy array (what the executor calls on it)."""
+
+    def set(self, arr, stream=None):
+        self[...] = arr
+
+
+def _fake_cuda_modules(monkeypatch, log):
+    """cupy, kvikio and nvidia.nvcomp stand-ins backed by NumPy, os.pread and numcodecs."""
+    import contextlib
+    import sys
+    import types
+
+    class Ctx(contextlib.nullcontext):
+        ptr = 1234
+
+        def synchronize(self):
+            pass
+
+    cupy = types.ModuleType("cupy")
+    cupy.empty = lambda n, dtype: np.zeros(n, dtype).view(_Dev)
+    cupy.asarray = np.asarray
+    cupy.cuda = types.SimpleNamespace(
+        Device=lambda i: Ctx(),
+        Stream=lambda non_blocking: Ctx(),
+        alloc_pinned_memory=lambda n: bytearray(n),
+    )
+
+    class CuFile:
+        def __init__(self, path, mode):
+            self.fd = os.open(path, os.O_RDONLY)
+
+        def pread(self, buf, size, offset):
+            assert isinstance(buf, _Dev) and buf.size == size
+            got = os.preadv(self.fd, [buf], offset)
+            log.append(("pread", size))
+            return types.SimpleNamespace(get=lambda: got)
+
+        def close(self):
+            os.close(self.fd)
+
+    kvikio = types.ModuleType("kvikio")
+    kvikio.CuFile = CuFile
+
+    class Codec:
+        def __init__(self, *, algorithm, bitstream_kind, device_id, cuda_stream):
+            assert bitstream_kind == "RAW" and cuda_stream == 1234
+            self.algorithm = algorithm
+
+        def decode(self, srcs, data_type, out):
+            log.append(("decode", self.algorithm, len(srcs)))
+            sizes = []
+            for src, dst in zip(srcs, out, strict=True):
+                if self.algorithm == "Zstd":
+                    numcodecs.Zstd().decode(src, out=dst)
+                else:  # a bare LZ4 block: give numcodecs its size header back
+                    numcodecs.LZ4().decode(dst.size.to_bytes(4, "little") + src.tobytes(), out=dst)
+                sizes.append(types.SimpleNamespace(buffer_size=dst.size))
+            return sizes
+
+    nvcomp = types.ModuleType("nvidia.nvcomp")
+    nvcomp.Codec = Codec
+    nvcomp.as_arrays = lambda arrays, stream: list(arrays)
+    nvcomp.BitstreamKind = types.SimpleNamespace(RAW="RAW")
+    import nvidia
+
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    monkeypatch.setitem(sys.modules, "nvidia.nvcomp", nvcomp)
+    monkeypatch.setattr(nvidia, "nvcomp", nvcomp, raising=False)
+
+
+@pytest.mark.parametrize(("codec", "path"), [("zstd", "device"), ("lz4", "device"),
+                                             ("none", "device"), ("blosc", "host")])  # fmt: skip
+@pytest.mark.parametrize("sharded", [False, True])
+def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec, path, sharded):
+    """GpuPlanExecutor.run with cupy/kvikio/nvCOMP replaced by NumPy stand-ins: exercises its
+    buffers, offsets, path choice, fills and segment copies (not the libraries themselves)."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log)
+    monkeypatch.setattr(
+        GpuPlanExecutor,
+        "copy_segments",
+        lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
+    )
+    shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
+    data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
+    arr = _write(
+        tmp_path / "a.zarr",
+        data,
+        chunks=chunks,
+        shards=shards if sharded else None,
+        compressors=_compressors(codec, 3),
+    )
+    reader = open_reader(arr, name="a")
+    executor = GpuPlanExecutor(0, max_open_files=2)
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        ranges = _ranges(rng, shp[0], chunks[0])
+        plan = plan_rows(reader, ranges)
+        assert executor.path_of(plan) == path
+        out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
+        log.clear()
+        assert executor.run(plan, reader, out) is out
+        np.testing.assert_array_equal(out, reader.read_rows(ranges))
+        if path == "device":
+            assert [e for e in log if e[0] == "pread"] == [("pread", r.nbytes) for r in plan.reads]
+            decodes = [e for e in log if e[0] == "decode"]
+            assert decodes == ([("decode", {"zstd": "Zstd", "lz4": "LZ4"}[codec], len(plan.reads))]
+                               if codec != "none" and plan.reads else [])  # fmt: skip
+        else:
+            assert not log  # host decode: no kvikio, no nvCOMP
+    assert len(executor._files) <= 2
+    executor.close()

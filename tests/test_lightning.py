@@ -1,0 +1,219 @@
+"""ZarrDataModule: splits from an obs column or masks, epochs reshuffled by the Trainer, exact
+validation; and pipelines/lightning_train.py under Trainer(strategy="ddp", devices=2)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+import dali_zarr as dz
+from dali_zarr import synthetic
+
+L = pytest.importorskip("lightning")
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+from dali_zarr.lightning import ZarrDataModule  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "pipelines" / "lightning_train.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+example = load_example()
+
+
+@pytest.fixture(scope="module")
+def split_store(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("lightning") / "sc.zarr"
+    synthetic.make_single_cell(path, n_obs=1_200, n_features=32, chunk_elements=512)
+    example.write_split_column(str(path), n_val=151, n_test=100)
+    return str(path)
+
+
+def split_codes(path: str) -> np.ndarray:
+    return zarr.open_group(path)["obs/split/codes"][...]
+
+
+def test_splits_from_column_masks_and_ids(split_store: str) -> None:
+    codes = split_codes(split_store)
+    dm = ZarrDataModule(data=split_store)  # split_column defaults to "split"
+    dm.setup()
+    for code, name in enumerate(("train", "val", "test")):
+        np.testing.assert_array_equal(dm.split_rows[name], np.flatnonzero(codes == code))
+    assert dz.open_dataset(split_store).categories("split") == ("train", "val", "test")
+    sub = dm.subset("val")
+    assert isinstance(sub, dz.Subset) and sub.n_obs == 151
+    masks = ZarrDataModule(data=dz.open_dataset(split_store), splits={"train": codes == 0})
+    masks.setup()
+    np.testing.assert_array_equal(masks.split_rows["train"], dm.split_rows["train"])
+    with pytest.raises(dz.ConfigError, match="split 'val' is empty"):
+        masks.subset("val")
+    ids = ZarrDataModule(data=split_store, splits={"train": [5, 1, 2], "val": [3]})
+    ids.setup()
+    np.testing.assert_array_equal(ids.split_rows["train"], [1, 2, 5])
+    labels = ZarrDataModule(data=split_store, split_labels={"train": ["train", "test"]})
+    labels.setup()
+    assert len(labels.split_rows["train"]) == 1_200 - 151
+    with pytest.raises(dz.ConfigError, match="share 1 observations"):
+        ZarrDataModule(data=split_store, splits={"train": [1, 2], "val": [2]}).setup()
+    with pytest.raises(dz.ConfigError, match="not both"):
+        ZarrDataModule(data=split_store, split_column="split", splits={"train": [1]})
+    with pytest.raises(dz.ConfigError, match="unknown split"):
+        ZarrDataModule(data=split_store, splits={"valid": [1]})
+
+
+def test_too_small_eval_split_is_refused(split_store: str) -> None:
+    dm = ZarrDataModule(data=split_store, splits={"val": [1, 2, 3]}, dist_info=lambda: (1, 4))
+    with pytest.raises(dz.ConfigError, match="3 observations for 4 ranks"):
+        dm.val_dataloader()
+
+
+def make_dm(path: str) -> ZarrDataModule:
+    return ZarrDataModule(
+        data=path,
+        chunk_size=32,
+        preload_nchunks=4,
+        batch_size=64,
+        eval_batch_size=40,
+        obs=["cell_type"],
+        return_index=True,
+    )
+
+
+def trainer(**kwargs) -> L.Trainer:
+    settings = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**settings, **kwargs})
+
+
+def model():
+    L.seed_everything(0, verbose=False)
+    return example.Classifier(32, 8, hidden=16, lr=1e-2, label="cell_type")
+
+
+def test_trainer_reshuffles_validates_exactly_and_resumes(split_store: str, tmp_path) -> None:
+    codes = split_codes(split_store)
+    train_rows, val_rows = np.flatnonzero(codes == 0), np.flatnonzero(codes == 1)
+    dm = make_dm(split_store)
+    full = model()
+    # num_sanity_val_steps leaves the val loop after 2 batches: that must not cost rows
+    trainer(max_epochs=3, num_sanity_val_steps=2).fit(full, datamodule=dm)
+    orders = [full.ids[f"train{e}"] for e in range(3)]
+    for order in orders:  # one rank, drop_last=False: every train row once per epoch
+        np.testing.assert_array_equal(np.sort(order), train_rows)
+    assert not np.array_equal(orders[0], orders[1]), "the trainer's epoch reached set_epoch"
+    assert not np.array_equal(orders[1], orders[2])
+    for e in range(3):
+        np.testing.assert_array_equal(full.ids[f"val{e}"], val_rows)  # unshuffled, once
+    assert full.record["val_count"] == [151] * 3
+    assert full.record["val_steps"] == [-(-151 // 40)] * 3
+    assert all(np.isfinite(full.record["val_loss"]))
+    assert full.record["train_loss"][-1] < full.record["train_loss"][0]
+    assert not dm._loaders, "teardown closed the loaders"
+
+    # Lightning checkpoints the train loader's position mid-epoch and resumes from it: the
+    # resumed run continues the same stream (the model need not match; the data must)
+    steps = len(train_rows) // 64 // 2
+    fit = dict(max_epochs=2, limit_val_batches=0, num_sanity_val_steps=0)
+    first = model()
+    trainer(
+        max_steps=steps,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=steps, save_top_k=-1)],
+        enable_checkpointing=True,
+        **fit,
+    ).fit(first, datamodule=make_dm(split_store))
+    (path,) = tmp_path.glob("*.ckpt")
+    saved = torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]
+    assert saved["combined_loader"][0]["consumed"] == steps
+    rest = model()
+    trainer(**fit).fit(rest, datamodule=make_dm(split_store), ckpt_path=path)
+    np.testing.assert_array_equal(
+        np.concatenate([first.ids["train0"], rest.ids["train0"]]), orders[0]
+    )
+    np.testing.assert_array_equal(rest.ids["train1"], orders[1])
+
+
+def _run_example(args: list[str], timeout: int) -> str:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    # its own session: on a timeout the whole group (Lightning's rank-1 child too) is killed
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"lightning_train.py did not finish in {timeout}s:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.slow
+def test_ddp_example_two_ranks(tmp_path: Path) -> None:
+    data, record = tmp_path / "sc.zarr", tmp_path / "record"
+    n_val, n_test = 301, 200  # val: 150 + 151 rows, 3 + 4 batches of 50: uneven on purpose
+    _run_example(
+        [
+            *("--data", str(data), "--generate", "--n-obs", "3000", "--n-features", "32"),
+            *("--n-val", str(n_val), "--n-test", str(n_test), "--record", str(record)),
+            *("--batch-size", "64", "--eval-batch-size", "50", "--chunk-size", "32"),
+            *("--preload-nchunks", "4", "--epochs", "2", "--devices", "2"),
+        ],
+        timeout=420,
+    )
+    codes = split_codes(str(data))
+    ids = [dict(np.load(record / f"rank{r}.npz")) for r in range(2)]
+    logs = [json.loads((record / f"rank{r}.json").read_text()) for r in range(2)]
+    for split, code, keys in (("val", 1, ["val0", "val1"]), ("test", 2, ["test"])):
+        expected = np.flatnonzero(codes == code)
+        for key in keys:
+            a, b = ids[0][key], ids[1][key]
+            both = np.concatenate([a, b])
+            assert len(both) == len(expected), f"{key}: rows padded, repeated or lost"
+            np.testing.assert_array_equal(np.sort(both), expected)  # each exactly once
+        assert logs[0][f"{split}_count"][0] == len(expected)
+    assert [log["val_steps"][0] for log in logs] == [3, 4], "ranks ran uneven val loops"
+    train = np.flatnonzero(codes == 0)
+    per_rank = (len(train) // 2) // 64 * 64
+    for epoch in range(2):
+        a, b = ids[0][f"train{epoch}"], ids[1][f"train{epoch}"]
+        assert len(a) == len(b) == per_rank and not set(a.tolist()) & set(b.tolist())
+        assert set(a.tolist()) | set(b.tolist()) <= set(train.tolist())
+    assert not np.array_equal(ids[0]["train0"], ids[0]["train1"]), "epochs reshuffled"
+    for log in logs:  # the reduced metrics are the same on every rank
+        assert log["val_loss"] == logs[0]["val_loss"]
+    assert all(np.isfinite(logs[0]["val_loss"])) and all(np.isfinite(logs[0]["test_loss"]))
+    assert logs[0]["train_loss"][1] < logs[0]["train_loss"][0], "loss falls"

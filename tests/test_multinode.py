@@ -1,0 +1,278 @@
+"""Real torchrun jobs on loopback (gloo, CPU DALI pipelines, DDP training).
+
+- Two torchrun launchers as two "nodes" (c10d rendezvous on 127.0.0.1): every rank's ids
+  equal its planned shard exactly (so shards are disjoint and cover the expected rows),
+  batch counts are equal, and DDP training finishes with the same weights on every rank.
+- ``enforce_equal_batches=False`` with uneven counts: every rank gets a ConfigError at the
+  first epoch instead of a hung job; with ``allow_uneven_batches=True`` and torch's Join the
+  uneven epoch trains to the end.
+- Resume: a 2-rank job saves ``Loader.state_dict()`` mid-epoch and stops; a 3-rank job loads
+  those states and finishes that epoch exactly once across its ranks, then the next epoch
+  follows the normal 3-rank plan.
+
+Every subprocess wait has a timeout, so a hang fails the test instead of blocking it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dali_zarr as dz
+from dali_zarr import synthetic
+from dali_zarr.planning import iter_batches
+
+WORKER = Path(__file__).with_name("ddp_worker.py")
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240  # seconds for one job; a hang fails instead of blocking
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return env
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """Wait for every launcher; on a timeout kill them all (their whole process groups)."""
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        logs = [proc.communicate()[0][-3000:] for proc in procs]
+        pytest.fail(f"torchrun job did not finish within {timeout}s (hang?):\n" + "\n".join(logs))
+    return results
+
+
+def launch(
+    cases: list[dict],
+    out: Path,
+    *,
+    nnodes: int,
+    nproc: int,
+) -> list[list[dict]]:
+    """Run the worker on ``nnodes`` launchers of ``nproc`` processes; per case, per rank."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "cases.json"
+    spec.write_text(json.dumps(cases))
+    worker = [str(WORKER), "--cases", str(spec), "--out", str(out)]
+    if nnodes == 1:
+        launchers = [["--standalone", f"--nproc_per_node={nproc}"]]
+    else:
+        port, run_id = free_port(), uuid.uuid4().hex[:8]
+        launchers = [
+            [
+                f"--nnodes={nnodes}",
+                f"--nproc_per_node={nproc}",
+                f"--node_rank={node}",
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{port}",
+                f"--rdzv_id={run_id}",
+                f"--rdzv_conf=is_host={int(node == 0)},join_timeout=60",
+                "--local_addr=127.0.0.1",
+                "--max_restarts=0",
+            ]
+            for node in range(nnodes)
+        ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *args, *worker],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for args in launchers
+    ]
+    for code, log in _wait_all(procs, TIMEOUT):
+        assert code == 0, log[-4000:]
+    world = nnodes * nproc
+    return [
+        [dict(np.load(out / f"c{k}_rank{r}.npz")) for r in range(world)] for k in range(len(cases))
+    ]
+
+
+def _sampler(case: dict, rank: int, world: int) -> dz.DistributedSampler:
+    return dz.DistributedSampler(
+        dz.ChunkSampler(
+            chunk_size=case["chunk_size"],
+            preload_nchunks=case["preload_nchunks"],
+            batch_size=case["batch_size"],
+            drop_last=case.get("drop_last", False),
+            seed=case.get("seed", 0),
+        ),
+        dist_info=lambda: (rank, world),
+        enforce_equal_batches=case.get("enforce", True),
+        shard=case.get("shard", "chunks"),
+    )
+
+
+def planned_ids(case: dict, n_obs: int, epoch: int, rank: int, world: int) -> np.ndarray:
+    plan = _sampler(case, rank, world).plan_epoch(n_obs, epoch)
+    return np.concatenate([np.zeros(0, np.int64), *iter_batches(plan)])
+
+
+def store(tmp_path: Path, n_obs: int) -> str:
+    return synthetic.make_single_cell(
+        tmp_path / f"sc{n_obs}.zarr", n_obs=n_obs, n_features=32, chunk_elements=512
+    )
+
+
+def check_equal_disjoint_expected(case: dict, n_obs: int, ranks: list[dict]) -> None:
+    world = len(ranks)
+    per_rank = (n_obs // world) // case["batch_size"]
+    for epoch in range(case["epochs"]):
+        assert [int(r[f"steps{epoch}"]) for r in ranks] == [per_rank] * world
+        assert [int(r[f"len{epoch}"]) for r in ranks] == [per_rank] * world
+        seen = [r[f"epoch{epoch}"] for r in ranks]
+        for rank, ids in enumerate(seen):
+            np.testing.assert_array_equal(ids, planned_ids(case, n_obs, epoch, rank, world))
+        union = np.concatenate(seen)
+        assert len(np.unique(union)) == len(union) == world * per_rank * case["batch_size"]
+        assert union.max() < n_obs
+    for r in ranks[1:]:  # DDP kept every replica identical: all steps ran everywhere
+        np.testing.assert_array_equal(r["weights"], ranks[0]["weights"])
+
+
+# (n_obs, chunk_size, preload_nchunks, batch_size, shard): n_obs prime or odd; few chunks per
+# rank (fewer than preload_nchunks); chunk sizes not dividing anything; contiguous shards.
+FOUR_RANKS = [  # 2 nodes x 2 processes
+    dict(n_obs=997, chunk_size=50, preload_nchunks=8, batch_size=24, shard="chunks"),
+    dict(n_obs=613, chunk_size=17, preload_nchunks=3, batch_size=16, shard="contiguous"),
+]
+TWO_RANKS = [  # 2 nodes x 1 process
+    dict(n_obs=509, chunk_size=100, preload_nchunks=4, batch_size=40, shard="chunks"),
+    dict(n_obs=777, chunk_size=33, preload_nchunks=2, batch_size=60, shard="contiguous"),
+]
+
+
+def loopback_cases(tmp: Path, settings: list[dict]) -> list[dict]:
+    cases = []
+    for k, setting in enumerate(settings):
+        case = {key: v for key, v in setting.items() if key != "n_obs"}
+        case.update(data=store(tmp, setting["n_obs"]), seed=100 + k, epochs=2)
+        cases.append(case)
+    return cases
+
+
+def test_four_ranks_on_two_nodes(tmp_path: Path) -> None:
+    cases = loopback_cases(tmp_path, FOUR_RANKS)
+    results = launch(cases, tmp_path / "out", nnodes=2, nproc=2)
+    for setting, case, ranks in zip(FOUR_RANKS, cases, results, strict=True):
+        assert [int(r["world_size"]) for r in ranks] == [4] * 4
+        check_equal_disjoint_expected(case, setting["n_obs"], ranks)
+
+
+# One job of 2 nodes x 1 process runs the 2-rank loopback cases and the cases of the
+# uneven-batches and resume tests (fewer launches: each costs seconds of imports and JIT).
+W2_EVEN, W2_UNEVEN = 1_003, 1_001  # shares 501/502 rows (11/11 batches of 50); 500/501 (10/11)
+W2_RESUME = 1_201  # 600 rows a rank, 18 batches of 32, windows of 3 batches
+
+
+@pytest.fixture(scope="module")
+def w2_job(tmp_path_factory) -> tuple[list[dict], list[list[dict]], Path]:
+    tmp = tmp_path_factory.mktemp("w2")
+    even = dict(
+        data=store(tmp, W2_EVEN),
+        chunk_size=64,
+        preload_nchunks=4,
+        batch_size=50,
+        enforce=False,
+        seed=5,
+        epochs=2,
+    )
+    uneven = dict(even, data=store(tmp, W2_UNEVEN), probe_uneven=True, allow_uneven=True)
+    uneven["join"] = True
+    resume = dict(
+        data=store(tmp, W2_RESUME),
+        chunk_size=40,
+        preload_nchunks=3,
+        batch_size=32,
+        seed=9,
+        epochs=3,
+        name="resume",
+        stop_epoch=1,
+        stop_after=7,  # inside window 2 of 6
+    )
+    cases = [even, uneven, resume, *loopback_cases(tmp, TWO_RANKS)]
+    return cases, launch(cases, tmp / "out", nnodes=2, nproc=1), tmp / "out"
+
+
+def test_two_ranks_on_two_nodes(w2_job) -> None:
+    cases, results, _ = w2_job
+    for setting, case, ranks in zip(TWO_RANKS, cases[3:], results[3:], strict=True):
+        assert [int(r["world_size"]) for r in ranks] == [2, 2]
+        check_equal_disjoint_expected(case, setting["n_obs"], ranks)
+
+
+def test_uneven_batches_refused_then_join(w2_job) -> None:
+    _, (even, ranks, *_), _ = w2_job
+    # even counts with enforce_equal_batches=False are fine: every row exactly once
+    for epoch in range(2):
+        assert [int(r[f"steps{epoch}"]) for r in even] == [11, 11]
+        union = np.concatenate([r[f"epoch{epoch}"] for r in even])
+        assert np.array_equal(np.sort(union), np.arange(W2_EVEN))
+    # uneven: both ranks refused the epoch (clear error, nobody entered a collective) ...
+    for r in ranks:
+        message = str(r["probe_error"])
+        assert "different numbers of batches [10, 11]" in message
+        assert "allow_uneven_batches=True" in message and "Join" in message
+    # ... and with the opt-in and Join the job trains through the uneven ends
+    for epoch in range(2):
+        assert [int(r[f"steps{epoch}"]) for r in ranks] == [10, 11]
+        union = np.concatenate([r[f"epoch{epoch}"] for r in ranks])
+        assert np.array_equal(np.sort(union), np.arange(W2_UNEVEN)), "every row exactly once"
+    np.testing.assert_array_equal(ranks[0]["weights"], ranks[1]["weights"])
+
+
+def test_resume_two_ranks_on_three(w2_job, tmp_path: Path) -> None:
+    cases, (_, _, old, *_), saved = w2_job
+    case = {k: v for k, v in cases[2].items() if k not in ("stop_epoch", "stop_after")}
+    assert [int(r["steps1"]) for r in old] == [7, 7]
+    assert not any("epoch2" in r for r in old)
+    # the new job resumes from the states the old one saved (resume_rank*.pt)
+    (new,) = launch([dict(case, resume=str(saved))], tmp_path, nnodes=1, nproc=3)
+    assert [int(r["resumed_epoch"]) for r in new] == [1, 1, 1]
+    assert not any("epoch0" in r for r in new)
+    # epoch 1: what the old ranks delivered plus what the new ranks delivered, exactly once
+    done = np.concatenate([r["epoch1"] for r in old])
+    rest = [r["epoch1"] for r in new]
+    steps = [int(r["steps1"]) for r in new]
+    assert len(set(steps)) == 1, "equal batch counts on the new ranks"
+    delivered = np.concatenate([done, *rest])
+    assert len(np.unique(delivered)) == len(delivered), "no row delivered twice"
+    old_plan = _sampler(case, 0, 2).plan_epoch(W2_RESUME, 1)
+    remaining = 2 * (old_plan.n_rows - 7 * 32)  # rows the old run still owed
+    assert len(done) == 2 * 7 * 32
+    # the new ranks deliver the remainder but for fewer than 3 x 32 rows (equal batches)
+    assert 0 <= remaining - sum(len(r) for r in rest) < 3 * 32
+    assert steps[0] == (remaining // 3) // 32
+    # epoch 2 follows the normal plan for 3 ranks
+    for rank, r in enumerate(new):
+        np.testing.assert_array_equal(r["epoch2"], planned_ids(case, W2_RESUME, 2, rank, 3))
+    for r in new[1:]:
+        np.testing.assert_array_equal(r["weights"], new[0]["weights"])

@@ -1,0 +1,468 @@
+"""Resuming: Loader.state_dict / load_state_dict and the pure remainder planning.
+
+Same world size: the continued stream is the uninterrupted one, batch for batch, and windows
+before the resume point are never read. Another world size (4 -> 2, 2 -> 3, 3 -> 1, and
+twice in one epoch): the rest of the epoch is delivered exactly once across the new ranks,
+with exact accounting of the rows an equal-batch split leaves out, and later epochs follow
+the normal plan. States of another dataset or other settings are refused. DALI's own
+checkpoint carries the state of random ops in a user transform.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import dali_zarr as dz
+from dali_zarr import synthetic
+from dali_zarr.errors import ConfigError
+from dali_zarr.planning import (
+    PlanSettings,
+    Segment,
+    batch_counts,
+    iter_batches,
+    plan_epoch,
+    plan_resumed_epoch,
+)
+from dali_zarr.planning.resume import make_state, resume_point
+from tests.stores import csr_reference
+
+N_OBS = 997
+CFG = dict(chunk_size=32, preload_nchunks=4, batch_size=30)  # windows of 4 batches (120 rows)
+BPW = 4
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("resume") / "sc.zarr"
+    return synthetic.make_single_cell(path, n_obs=N_OBS, n_features=32, chunk_elements=512)
+
+
+@pytest.fixture(scope="module")
+def reference(store: str) -> np.ndarray:
+    return csr_reference(store).toarray().astype(np.float32)
+
+
+def sampler(world: int | None = None, rank: int = 0, **over) -> dz.ChunkSampler:
+    """A ChunkSampler (world None) or rank ``rank`` of a DistributedSampler of ``world``."""
+    enforce = over.pop("enforce", True)
+    shard = over.pop("shard", "chunks")
+    base = dz.ChunkSampler(**{**CFG, "seed": 3, **over})
+    if world is None:
+        return base
+    return dz.DistributedSampler(
+        base, dist_info=lambda: (rank, world), enforce_equal_batches=enforce, shard=shard
+    )
+
+
+def loader(store: str, s, **kwargs) -> dz.Loader:
+    return dz.Loader(dz.open_dataset(store), s, return_index=True, num_threads=1, **kwargs)
+
+
+def take(
+    ld: dz.Loader, epoch: int, stop: int | None = None, saves: dict[int, dict] | None = None
+) -> list[dict[str, np.ndarray]]:
+    """Batches of ``epoch`` (the first ``stop`` only, then leave the loop); with ``saves``,
+    ``saves[k]`` is the state after ``k`` batches, taken while the loop goes on."""
+    ld.set_epoch(epoch)
+    out = []
+    for batch in ld:
+        out.append({k: v.numpy() for k, v in batch.items()})
+        if saves is not None:
+            saves[len(out)] = ld.state_dict()
+        if stop is not None and len(out) == stop:
+            break
+    return out
+
+
+def roundtrip(state):
+    """Through torch.save / torch.load, as a job saves it with its model."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def plan_ids(plan, start: int = 0, stop: int | None = None) -> list[np.ndarray]:
+    return list(iter_batches(plan, start))[: None if stop is None else stop - start]
+
+
+def cat(batches) -> np.ndarray:
+    return np.concatenate([np.zeros(0, np.int64), *batches])
+
+
+# --------------------------------------------------------------------------- same world size
+
+
+@pytest.mark.parametrize(
+    "world,rank,stop,over",
+    [
+        pytest.param(None, 0, 5, {}, id="1rank-mid-window"),
+        pytest.param(2, 1, 8, {}, id="2ranks-window-border"),
+        pytest.param(
+            3, 2, None, dict(enforce=False, drop_last=True, shard="contiguous"), id="3ranks-at-end"
+        ),
+    ],
+)
+def test_same_world_resume_is_identical(store, reference, world, rank, stop, over) -> None:
+    s = sampler(world, rank, **over)
+    plan1, plan2 = s.plan_epoch(N_OBS, 1), s.plan_epoch(N_OBS, 2)
+    first = loader(store, s, prefetch_queue_depth=4)
+    calls: list[int] = []
+    batch_fn = first._source._batch
+    first._source._batch = lambda e, i: (calls.append(i), batch_fn(e, i))[1]
+    got = take(first, 1, stop)
+    stop = plan1.n_batches if stop is None else stop
+    assert len(got) == stop
+    if stop < plan1.n_batches:
+        time.sleep(0.3)  # let DALI run ahead: the state must count what the user consumed
+        assert max(calls) >= stop, "DALI prefetched past the consumed batches"
+    state = roundtrip(first.state_dict())
+    assert (state["epoch"], state["consumed"], state["rank"]) == (1, stop, rank)
+    assert state["n_batches"] == plan1.n_batches and state["dali"] is None
+    if world is None:  # the uninterrupted stream, from the same loader
+        rest_ref = take(first, 1)
+        assert len(rest_ref) == plan1.n_batches
+        rest_ref = rest_ref[stop:]
+    first.close()
+
+    second = loader(store, s)
+    reads: list[np.ndarray] = []
+    read_rows = second.dataset.read_rows
+    second.dataset.read_rows = lambda r: (reads.append(np.array(r)), read_rows(r))[1]
+    second.load_state_dict(state)
+    assert second.epoch == 1 and len(second) == plan1.n_batches - stop
+    rest = take(second, 1)
+    assert [b["index"].tolist() for b in rest] == [b.tolist() for b in plan_ids(plan1, stop)]
+    if world is None:
+        for a, b in zip(rest, rest_ref, strict=True):
+            np.testing.assert_array_equal(a["index"], b["index"])
+            np.testing.assert_array_equal(a["X"], b["X"])
+    for b in rest:
+        np.testing.assert_array_equal(b["X"], reference[b["index"]])
+    # windows before the resume point were never read (none at all after the last batch)
+    w0 = stop // BPW if stop < plan1.n_batches else plan1.n_windows
+    expected = cat(plan1.window(w).global_rows() for w in range(w0, plan1.n_windows))
+    read = cat(r for ranges in reads for r in (np.arange(a, b) for a, b in ranges))
+    assert np.array_equal(np.sort(read), np.sort(expected))
+    # later epochs as usual
+    assert [b["index"].tolist() for b in take(second, 2)] == [b.tolist() for b in plan_ids(plan2)]
+    with pytest.raises(ConfigError, match="fresh Loader"):
+        second.load_state_dict(state)
+    second.close()
+
+
+# --------------------------------------------------------------------------- elastic restarts
+
+
+def delivered_by(plans, consumed) -> np.ndarray:
+    return cat(b for p, c in zip(plans, consumed, strict=True) for b in plan_ids(p, 0, c))
+
+
+@pytest.mark.parametrize(
+    "old_world,new_world,stop,as_list,over",
+    [
+        pytest.param(4, 2, 3, False, {}, id="4to2-one-state"),
+        pytest.param(2, 3, 6, True, dict(shard="contiguous"), id="2to3-all-states"),
+    ],
+)
+def test_elastic_resume(store, reference, old_world, new_world, stop, as_list, over) -> None:
+    epoch = 2
+    old_plans = [sampler(old_world, r, **over).plan_epoch(N_OBS, epoch) for r in range(old_world)]
+    # the old job: with as_list every old rank runs and saves; else only rank 0's state is used
+    states = []
+    for r in range(old_world if as_list else 1):
+        ld = loader(store, sampler(old_world, r, **over))
+        got = take(ld, epoch, stop)
+        assert [b["index"].tolist() for b in got] == [
+            b.tolist() for b in plan_ids(old_plans[r], 0, stop)
+        ]
+        states.append(roundtrip(ld.state_dict()))
+        ld.close()
+    done = delivered_by(old_plans, [stop] * old_world)
+
+    new_plans = [
+        sampler(new_world, r, **over).plan_epoch(N_OBS, epoch + 1) for r in range(new_world)
+    ]
+    rest, lens, mid_states, skipped = [], [], [], []
+    for r in range(new_world):
+        ld = loader(store, sampler(new_world, r, **over))
+        ld.load_state_dict(states if as_list else states[0])
+        assert ld.epoch == epoch
+        lens.append(len(ld))
+        skipped.append((ld.plan().rows_done, ld.plan().rows_skipped))
+        saves: dict[int, dict] = {}
+        got = take(ld, epoch, saves=saves)
+        for b in got:
+            np.testing.assert_array_equal(b["X"], reference[b["index"]])
+        rest.append(cat(b["index"] for b in got))
+        if 1 in saves:  # a state saved in the remainder epoch
+            mid_states.append(saves[1])
+        # later epochs: the normal plan of the new world
+        assert [b["index"].tolist() for b in take(ld, epoch + 1)] == [
+            b.tolist() for b in plan_ids(new_plans[r])
+        ]
+        ld.close()
+
+    plan = plan_resumed_epoch(
+        PlanSettings.of(sampler(new_world, 0, **over)),
+        n_obs=N_OBS,
+        epoch=epoch,
+        history=(Segment(old_world, (stop,) * old_world),),
+        rank=0,
+        world_size=new_world,
+    )
+    everything = np.concatenate([done, *rest])
+    assert len(np.unique(everything)) == len(everything), "a row was delivered twice"
+    assert len(set(lens)) == 1 and lens[0] == plan.n_batches, "equal batch counts"
+    assert plan.rows_done == len(done) == old_world * stop * CFG["batch_size"]
+    assert N_OBS - len(everything) == plan.rows_skipped, "exact accounting of skipped rows"
+    assert set(skipped) == {(plan.rows_done, plan.rows_skipped)}, "Loader.plan() tells"
+    owed = sum(p.n_rows for p in old_plans) - len(done)
+    assert 0 <= owed - sum(len(r) for r in rest) < new_world * CFG["batch_size"]
+    # a state saved in the remainder epoch carries the interrupted run as history; loading
+    # it on yet another world size finishes the epoch (pure planning, checked at length in
+    # test_remainder_plans_deliver_every_owed_row_exactly_once)
+    assert mid_states and mid_states[0]["history"] == [
+        {"world_size": old_world, "consumed": [stop] * old_world}
+    ]
+    assert mid_states[0]["consumed"] == 1 and mid_states[0]["world_size"] == new_world
+    third = sampler(1, 0, **over)
+    point = _point(mid_states[0], third, fingerprint=mid_states[0]["dataset"])
+    assert point.history == (
+        Segment(old_world, (stop,) * old_world),
+        Segment(new_world, (1,) * new_world),
+    )
+
+
+# --------------------------------------------------------------------------- DALI checkpoints
+
+
+def test_dali_checkpoint_restores_random_ops(store) -> None:
+    from nvidia.dali import fn
+
+    def noisy(outputs: dict) -> dict:
+        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
+        return outputs
+
+    def make() -> dz.Loader:
+        return loader(store, sampler(), transform=noisy, enable_checkpointing=True)
+
+    run = make()
+    run.set_epoch(0)
+    full0, mid = [], None
+    for batch in run:
+        full0.append({k: v.numpy() for k, v in batch.items()})
+        if len(full0) == 6:
+            mid = run.state_dict()  # mid-epoch, while the loop goes on
+    run.set_epoch(1)
+    between = run.state_dict()  # after the epoch, before the next one started
+    full1 = take(run, 1)
+    run.close()
+    assert mid["dali"]["iteration"] == 6 and isinstance(mid["dali"]["checkpoint"], bytes)
+    assert between["epoch"] == 1 and between["consumed"] == 0
+
+    resumed = make()
+    resumed.load_state_dict(roundtrip(mid))
+    rest0, rest1 = take(resumed, 0), take(resumed, 1)
+    resumed.close()
+    resumed2 = make()
+    resumed2.load_state_dict(roundtrip(between))
+    again1 = take(resumed2, 1)
+    resumed2.close()
+    for got, want in ((rest0, full0[6:]), (rest1, full1), (again1, full1)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a["index"], b["index"])
+            np.testing.assert_array_equal(a["noise"], b["noise"])  # DALI's RNG state restored
+            np.testing.assert_array_equal(a["X"], b["X"])
+
+
+# --------------------------------------------------------------------------- refused states
+
+
+def _state(s, epoch=1, consumed=2, **over) -> dict:
+    fingerprint = dict(name="sc.zarr", n_obs=N_OBS, feature_shape=[32], dtype="float32")
+    fingerprint["layout"] = "csr"
+    state = make_state(
+        settings=PlanSettings.of(s),
+        dataset=fingerprint,
+        epoch=epoch,
+        consumed=consumed,
+        n_batches=s.num_batches(N_OBS),
+        rank=s.rank,
+        world_size=s.world_size,
+    )
+    state.update(over)
+    return state
+
+
+def _point(state, s, n_obs=N_OBS, name="sc.zarr", fingerprint=None):
+    if fingerprint is None:
+        fingerprint = dict(name=name, n_obs=n_obs, feature_shape=[32], dtype="float32")
+        fingerprint["layout"] = "csr"
+    return resume_point(
+        state,
+        settings=PlanSettings.of(s),
+        dataset=fingerprint,
+        rank=s.rank,
+        world_size=s.world_size,
+    )
+
+
+def test_refuses_other_dataset_or_settings(store, tmp_path: Path) -> None:
+    s = sampler(2, 0)
+    state = _state(s)
+    assert _point(state, s).start == 2
+    with pytest.raises(ConfigError, match=r"dataset n_obs: saved 997, now 998"):
+        _point(state, s, n_obs=998)
+    with pytest.raises(ConfigError, match=r"dataset name: saved 'sc.zarr', now 'other.zarr'"):
+        _point(state, s, name="other.zarr")
+    with pytest.raises(ConfigError, match=r"sampler batch_size: saved 30, now 31"):
+        _point(state, sampler(2, 0, batch_size=31))
+    with pytest.raises(ConfigError, match=r"sampler seed: saved 3, now 4.*seed=state"):
+        _point(state, sampler(2, 0, seed=4))
+    with pytest.raises(ConfigError, match=r"enforce_equal_batches: saved True, now False"):
+        _point(state, sampler(2, 0, enforce=False))
+    with pytest.raises(ConfigError, match="not a dali_zarr loader state"):
+        _point({"epoch": 1}, s)
+    with pytest.raises(ConfigError, match="version 99"):
+        _point({**state, "version": 99}, s)
+    with pytest.raises(ConfigError, match="consumed 99 batches"):
+        _point({**state, "consumed": 99}, s)
+    with pytest.raises(ConfigError, match="one state per rank"):
+        _point([state, state], sampler(3, 0))
+    with pytest.raises(ConfigError, match="do not belong to one run"):
+        _point([state, {**_state(sampler(2, 1)), "epoch": 2}], s)
+    # through the Loader: a store of another size (and name) is refused at load time
+    other = synthetic.make_single_cell(tmp_path / "other.zarr", n_obs=998, n_features=32)
+    ld = loader(store, s)
+    real_state = ld.state_dict()
+    ld.close()
+    with pytest.raises(
+        ConfigError, match=r"name: saved 'sc.zarr/X', now 'other.zarr/X'; dataset n_obs: saved 997"
+    ):
+        loader(other, s).load_state_dict(real_state)
+
+
+def test_one_state_of_uneven_ranks() -> None:
+    """enforce_equal_batches=False, n_obs 997 over 2 ranks in batches of 83: shares of 498 and
+    499 rows give 6 and 7 batches. A single state is read as "all ranks ran in lockstep"."""
+    old = [sampler(2, r, enforce=False, batch_size=83, preload_nchunks=3) for r in range(2)]
+    assert [o.num_batches(N_OBS) for o in old] == [6, 7]
+    new = sampler(3, 0, enforce=False, batch_size=83, preload_nchunks=3)
+    # rank 0 still running: all ranks did 4 steps in lockstep
+    point = _point(_state(old[0], consumed=4), new)
+    assert point.history == (Segment(2, (4, 4)),)
+    # rank 0 finished (6 of 6) while rank 1 has 7: one state cannot tell, the list can
+    with pytest.raises(ConfigError, match="pass the list of all ranks' states"):
+        _point(_state(old[0], consumed=6), new)
+    states = [_state(old[0], consumed=6), _state(old[1], consumed=7)]
+    assert _point(states, new).history == (Segment(2, (6, 7)),)
+    # rank 1's state with 6 steps: rank 0 had finished its 6 too
+    assert _point(_state(old[1], consumed=6), new).history == (Segment(2, (6, 6)),)
+    # the same world: this rank's own count
+    assert _point(states, old[1]).start == 7 and _point(states, old[0]).start == 6
+
+
+# --------------------------------------------------------------------------- pure planning
+
+
+@st.composite
+def elastic_cases(draw) -> dict:
+    chunk = draw(st.integers(1, 60))
+    pre = draw(st.integers(1, 6))
+    return dict(
+        n_obs=draw(st.integers(20, 2_500)),
+        settings=PlanSettings(
+            seed=draw(st.integers(0, 2**32)),
+            chunk_size=chunk,
+            preload_nchunks=pre,
+            batch_size=draw(st.integers(1, chunk * pre)),
+            shuffle=draw(st.booleans()),
+            drop_last=draw(st.booleans()),
+            enforce_equal_batches=draw(st.booleans()),
+            shard=draw(st.sampled_from(["chunks", "contiguous"])),
+        ),
+        epoch=draw(st.integers(0, 5)),
+        worlds=draw(st.lists(st.integers(1, 6), min_size=2, max_size=3)),
+        fractions=draw(st.lists(st.floats(0, 1), min_size=12, max_size=12)),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(elastic_cases())
+def test_remainder_plans_deliver_every_owed_row_exactly_once(case: dict) -> None:
+    """Hop from world to world (2 or 3 runs of one epoch): every row delivered at most once,
+    only rows the first plan owed, rows_done + delivered + rows_skipped == n_obs, and each
+    hop leaves out fewer than world x batch_size rows (none without enforce/drop_last)."""
+    s, n_obs, epoch, worlds = case["settings"], case["n_obs"], case["epoch"], case["worlds"]
+    try:
+        first = [
+            s.plan(n_obs=n_obs, epoch=epoch, rank=r, world_size=worlds[0]) for r in range(worlds[0])
+        ]
+    except ConfigError:
+        assume(False)
+    owed = cat(cat(plan_ids(p)) for p in first)
+    history: tuple[Segment, ...] = ()
+    delivered: list[np.ndarray] = []
+    fractions = iter(case["fractions"])
+    skipped = n_obs - len(owed)
+    for k, world in enumerate(worlds):
+        plans = [
+            plan_resumed_epoch(
+                s, n_obs=n_obs, epoch=epoch, history=history, rank=r, world_size=world
+            )
+            for r in range(world)
+        ]
+        counts = [p.n_batches for p in plans]
+        got = batch_counts(s, n_obs=n_obs, epoch=epoch, world_size=world, history=history)
+        assert got.tolist() == counts
+        if s.enforce_equal_batches:
+            assert len(set(counts)) == 1
+        assert {p.rows_skipped for p in plans} == {plans[0].rows_skipped}
+        assert plans[0].rows_done == sum(len(d) for d in delivered)
+        assert plans[0].rows_done + sum(p.n_rows for p in plans) + plans[0].rows_skipped == n_obs
+        extra, skipped = plans[0].rows_skipped - skipped, plans[0].rows_skipped
+        if k > 0:  # rows this hop's split left out
+            if (s.enforce_equal_batches and world > 1) or s.drop_last:
+                assert 0 <= extra < world * s.batch_size
+            else:
+                assert extra == 0
+        for p in plans:  # batches of batch_size (the last may be short), ranges inside chunks
+            sizes = [len(b) for b in plan_ids(p)]
+            assert all(n == s.batch_size for n in sizes[:-1]) and sum(sizes) == p.n_rows
+            for w in p.windows():
+                cs = s.chunk_size
+                assert (w.row_ranges[:, 0] // cs == (w.row_ranges[:, 1] - 1) // cs).all()
+        if k == len(worlds) - 1:
+            delivered += [cat(plan_ids(p)) for p in plans]
+            break
+        if s.enforce_equal_batches:  # a DDP job stops every rank at the same step
+            consumed = (min(int(next(fractions) * (counts[0] + 1)), counts[0]),) * world
+        else:
+            consumed = tuple(min(int(next(fractions) * (n + 1)), n) for n in counts)
+        delivered += [cat(plan_ids(p, 0, c)) for p, c in zip(plans, consumed, strict=True)]
+        history = (*history, Segment(world, consumed))
+    everything = cat(delivered)
+    assert len(np.unique(everything)) == len(everything), "a row was delivered twice"
+    assert np.isin(everything, owed).all(), "a row the epoch skipped anyway was delivered"
+    assert n_obs - len(everything) == skipped, "exact accounting"
+
+
+def test_resume_same_world_is_the_plan_tail() -> None:
+    s = sampler(3, 1)
+    plan = s.plan_epoch(N_OBS, 4)
+    point = _point(_state(s, epoch=4, consumed=5), s)
+    assert (point.epoch, point.history, point.start) == (4, (), 5)
+    again = plan_resumed_epoch(
+        PlanSettings.of(s), n_obs=N_OBS, epoch=4, history=(), rank=1, world_size=3
+    )
+    assert again == plan == plan_epoch(n_obs=N_OBS, epoch=4, rank=1, world_size=3, seed=3, **CFG)

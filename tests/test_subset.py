@@ -1,0 +1,113 @@
+"""Subset: a dataset view on chosen observations, read as runs of parent rows; batches report
+the parent's observation ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import zarr
+
+import dali_zarr as dz
+from dali_zarr import synthetic
+from dali_zarr.data.dataset import CsrRows, DenseRows
+from dali_zarr.data.subset import _runs
+from tests.stores import csr_reference
+
+
+@pytest.fixture(scope="module")
+def csr_store(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("subset") / "sc.zarr"
+    return synthetic.make_single_cell(path, n_obs=1_000, n_features=32, chunk_elements=512)
+
+
+def as_dense(rows, n_features: int) -> np.ndarray:
+    if isinstance(rows, CsrRows):
+        return sp.csr_matrix(
+            (rows.data, rows.indices, rows.indptr), shape=(rows.n_rows, n_features)
+        ).toarray()
+    assert isinstance(rows, DenseRows)
+    return rows.values
+
+
+def test_runs_are_vectorized_consecutive_spans() -> None:
+    np.testing.assert_array_equal(
+        _runs(np.array([3, 4, 5, 9, 10, 2, 7])), [[3, 6], [9, 11], [2, 3], [7, 8]]
+    )
+    assert _runs(np.zeros(0, dtype=np.int64)).shape == (0, 2)
+
+
+def test_csr_subset_reads_parent_rows(csr_store: str) -> None:
+    parent = dz.open_dataset(csr_store)
+    reference = csr_reference(csr_store).toarray()
+    rng = np.random.default_rng(0)
+    rows = np.sort(rng.choice(1_000, size=321, replace=False))
+    rows[:40] = np.arange(100, 140)  # a contiguous stretch too
+    rows = np.unique(rows)
+    sub = dz.Subset(parent, rows)
+    assert sub.n_obs == len(rows) and sub.layout == "csr" and sub.feature_shape == (32,)
+    ranges = np.array([[5, 30], [0, 3], [len(rows) - 7, len(rows)], [50, 50]])
+    local = np.concatenate([np.arange(a, b) for a, b in ranges])
+    np.testing.assert_array_equal(as_dense(sub.read_rows(ranges), 32), reference[rows[local]])
+    np.testing.assert_array_equal(sub.global_ids(local), rows[local])
+    codes = zarr.open_group(csr_store)["obs/cell_type/codes"][...]
+    column = sub.obs_column("cell_type")
+    np.testing.assert_array_equal(column.values, codes[rows])
+    assert sub.categories("cell_type") == parent.categories("cell_type")
+    assert sub.read_paths() == parent.read_paths()
+
+
+def test_masks_unsorted_ids_nesting_and_errors(csr_store: str) -> None:
+    parent = dz.open_dataset(csr_store)
+    mask = np.zeros(1_000, dtype=bool)
+    mask[[7, 3, 500, 999]] = True
+    np.testing.assert_array_equal(dz.Subset(parent, mask).parent_rows, [3, 7, 500, 999])
+    np.testing.assert_array_equal(dz.Subset(parent, [999, 3, 7]).parent_rows, [3, 7, 999])
+    outer = dz.Subset(parent, np.arange(100, 200))
+    inner = dz.Subset(outer, np.array([0, 5, 99]))
+    assert inner.parent is parent  # flattened onto the stored rows
+    np.testing.assert_array_equal(inner.global_ids(np.arange(3)), [100, 105, 199])
+    with pytest.raises(dz.DatasetError, match="more than once"):
+        dz.Subset(parent, [4, 2, 4])
+    with pytest.raises(dz.DatasetError, match=r"outside \[0, 1000\)"):
+        dz.Subset(parent, [0, 1_000])
+    with pytest.raises(dz.DatasetError, match="one entry per observation"):
+        dz.Subset(parent, np.ones(10, dtype=bool))
+    with pytest.raises(dz.DatasetError, match="integer observation ids"):
+        dz.Subset(parent, np.array([0.5, 1.5]))
+
+
+def test_dense_and_collection_subsets(tmp_path: Path) -> None:
+    cube = synthetic.make_dense_cube(tmp_path / "c.zarr", n_obs=300, shape=(3, 4), chunk_obs=16)
+    reference = zarr.open_array(cube)[...]
+    sub = dz.Subset(dz.open_dataset(cube), np.arange(1, 300, 7))
+    got = as_dense(sub.read_rows(np.array([[0, sub.n_obs]])), 12)
+    np.testing.assert_array_equal(got, reference[np.arange(1, 300, 7)])
+    a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=120, n_features=32, seed=1)
+    b = synthetic.make_single_cell(tmp_path / "b.zarr", n_obs=90, n_features=32, seed=2)
+    both = sp.vstack([csr_reference(a), csr_reference(b)]).toarray()
+    rows = np.array([0, 1, 2, 118, 119, 120, 121, 200, 209])  # runs across the store boundary
+    sub = dz.Subset(dz.open_dataset([a, b]), rows)
+    np.testing.assert_array_equal(as_dense(sub.read_rows(np.array([[0, 9]])), 32), both[rows])
+
+
+def test_loader_over_subset_reports_parent_ids(csr_store: str) -> None:
+    reference = csr_reference(csr_store).toarray()
+    codes = zarr.open_group(csr_store)["obs/cell_type/codes"][...]
+    rows = np.flatnonzero(np.random.default_rng(3).random(1_000) < 0.4)
+    sampler = dz.ChunkSampler(chunk_size=16, preload_nchunks=4, batch_size=40, seed=1)
+    loader = dz.Loader(
+        dz.Subset(dz.open_dataset(csr_store), rows),
+        sampler,
+        obs=["cell_type"],
+        return_index=True,
+    )
+    assert len(loader) == -(-len(rows) // 40)
+    parts = [{k: v.numpy() for k, v in batch.items()} for batch in loader]
+    index = np.concatenate([p["index"] for p in parts])
+    np.testing.assert_array_equal(np.sort(index), rows)  # every chosen row once, parent ids
+    np.testing.assert_array_equal(np.concatenate([p["X"] for p in parts]), reference[index])
+    np.testing.assert_array_equal(np.concatenate([p["cell_type"] for p in parts]), codes[index])
+    loader.close()
