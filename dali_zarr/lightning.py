@@ -13,11 +13,15 @@ Splits come from a categorical obs column (``split_column="split"`` with values 
   that forwards to :meth:`Loader.set_epoch`, so every epoch is reshuffled.
 - **val / test**: unshuffled, ``drop_last=False``, ``enforce_equal_batches=False``: each rank
   reads its contiguous share of the split exactly once; nothing is padded or repeated, so
-  metrics summed over ranks are exact. Ranks may run different numbers of batches (at most
-  one apart in rows' worth), which is safe as long as the evaluation steps hold no
-  collective: log sums and counts and reduce them once at the end of the epoch (e.g.
+  metrics summed over ranks are exact. The ranks' shares differ by at most one row, so their
+  batch counts by at most one; that is safe as long as the evaluation steps hold no
+  collective. Accumulate sums and counts and reduce them once at the end of the epoch (e.g.
   ``self.trainer.strategy.reduce(t, reduce_op="sum")`` in ``on_validation_epoch_end``, or a
-  torchmetrics ``Metric``), not ``self.log(..., sync_dist=True)`` on every step.
+  torchmetrics ``Metric``); never ``self.log(..., on_step=True, sync_dist=True)`` in an
+  evaluation step. (Lightning's epoch-level ``sync_dist=True`` averages the ranks' means,
+  which is not exact when the ranks hold different counts.)
+- An eval split needs at least one observation per rank (Lightning refuses a rank with an
+  empty evaluation loader); a smaller one raises a ConfigError.
 """
 
 from __future__ import annotations

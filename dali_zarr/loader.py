@@ -18,6 +18,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator
 from dali_zarr.data.dataset import Dataset
 from dali_zarr.distributed import torch_dist_initialized
 from dali_zarr.errors import ConfigError
+from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline
 from dali_zarr.graph.source import BatchSource, Output, Planner
 from dali_zarr.planning import EpochPlan
@@ -116,7 +117,7 @@ class Loader:
             prefetch_windows=prefetch_windows,
             keep_alive=prefetch_queue_depth + 2,
         )
-        self._iterator: DALIGenericIterator | None = None
+        self._iterator: Any = None  # DaliEpochIterator or a framework's DALI iterator
         self._pipe = None
         self._names: list[str] = []
         self._dali_epoch = -1  # DALI's epoch counter of the epoch now bound
@@ -299,7 +300,7 @@ class Loader:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _start_epoch(self) -> DALIGenericIterator:
+    def _start_epoch(self) -> Any:
         pending = self._pending
         history, start = self._resume_for(self.epoch)
         # validate settings (and the ranks' batch counts) before DALI starts calling back
@@ -367,8 +368,15 @@ class Loader:
         return self._iterator
 
     def _make_iterator(self, pipe, names: list[str]):
-        """The framework's DALI iterator (an adapter for another framework overrides this)."""
-        return DALIGenericIterator([pipe], names, auto_reset=False, prepare_first_batch=False)
+        """The framework's DALI iterator (an adapter for another framework overrides this).
+
+        Batches leave DALI without a copy (:class:`DaliEpochIterator`), except with
+        ``enable_checkpointing``: DALI's own iterator then tracks the checkpoint of the batch
+        the user consumed while the pipeline runs ahead, at the price of one copy per batch.
+        """
+        if self.enable_checkpointing:
+            return DALIGenericIterator([pipe], names, auto_reset=False, prepare_first_batch=False)
+        return DaliEpochIterator(pipe, names)
 
     def _original_error(self, exc: Exception) -> BaseException:
         """DALI wraps callback errors in its own; surface ours (they name store and chunk)."""
@@ -377,7 +385,7 @@ class Loader:
 
     def _to_batch(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One iterator output → the user's batch dict (adapters override this too)."""
-        batch = {name: tensor[0] for name, tensor in outputs.items()}  # drop DALI's batch dim
+        batch = {name: _as_torch(value) for name, value in outputs.items()}
         if "X_data" in batch:
             indptr = batch.pop("X_indptr")
             batch["X"] = torch.sparse_csr_tensor(
@@ -388,6 +396,11 @@ class Loader:
                 check_invariants=False,  # built by our gather op from validated column ids
             )
         return batch
+
+
+def _as_torch(value: Any) -> torch.Tensor:
+    """A DALI sample, shared through DLPack, or a DALI iterator's ``[1, ...]`` copy."""
+    return value[0] if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
 
 
 def _numpy_dtype(dtype: torch.dtype | np.dtype | str) -> np.dtype:

@@ -84,6 +84,20 @@ def test_too_small_eval_split_is_refused(split_store: str) -> None:
         dm.val_dataloader()
 
 
+def test_loader_stopped_at_exactly_len_then_next_epoch(split_store: str) -> None:
+    """Lightning takes len(loader) batches and never asks for one more (no StopIteration):
+    the next epoch must still be complete."""
+    sampler = dz.ChunkSampler(chunk_size=32, preload_nchunks=4, batch_size=100, seed=2)
+    loader = dz.Loader(dz.open_dataset(split_store), sampler, return_index=True)
+    it = iter(loader)
+    first = [next(it)["index"].numpy() for _ in range(len(loader))]
+    loader.set_epoch(1)
+    second = [b["index"].numpy() for b in loader]
+    assert len(second) == len(first) == len(loader)
+    np.testing.assert_array_equal(np.sort(np.concatenate(second)), np.arange(1_200))
+    loader.close()
+
+
 def make_dm(path: str) -> ZarrDataModule:
     return ZarrDataModule(
         data=path,

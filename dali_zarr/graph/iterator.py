@@ -15,8 +15,11 @@ from collections.abc import Iterator
 from nvidia.dali.pipeline import Pipeline
 
 
-class DaliEpochIterator(Iterator[dict]):
-    """Yields ``{name: DALI tensor}`` (one sample = one minibatch) until the epoch ends.
+class DaliEpochIterator(Iterator[list[dict]]):
+    """Yields ``[{name: DALI tensor}]`` (one sample = one minibatch) until the epoch ends.
+
+    The list has one entry per pipeline, like DALI's framework iterators, so adapters can
+    take either.
 
     Call :meth:`reset` to start the next epoch; DALI then advances its ``epoch_idx``, which
     the external_source callback receives in ``BatchInfo``.
@@ -31,7 +34,7 @@ class DaliEpochIterator(Iterator[dict]):
     def __iter__(self) -> DaliEpochIterator:
         return self
 
-    def __next__(self) -> dict:
+    def __next__(self) -> list[dict]:
         if self._exhausted:
             raise StopIteration
         if not self._built:
@@ -42,7 +45,7 @@ class DaliEpochIterator(Iterator[dict]):
         except StopIteration:
             self._exhausted = True
             raise
-        return {name: out[0] for name, out in zip(self.names, outputs, strict=True)}
+        return [{name: out[0] for name, out in zip(self.names, outputs, strict=True)}]
 
     def reset(self) -> None:
         """Start the next epoch (after this one raised StopIteration)."""
