@@ -63,6 +63,10 @@ class Loader:
     rank of the same world size loads it, so such ops continue their random streams exactly.
     """
 
+    #: Lightning looks for ``batch_sampler`` on any loader that has a ``sampler``; we batch
+    #: inside DALI, so there is none.
+    batch_sampler = None
+
     def __init__(
         self,
         dataset: Dataset,
@@ -306,7 +310,11 @@ class Loader:
         # validate settings (and the ranks' batch counts) before DALI starts calling back
         self._source.plan(self.epoch, history)
         self._check_even(history)
-        if pending is not None and pending.epoch != self.epoch and (pending.start or history):
+        if (
+            pending is not None
+            and pending.epoch != self.epoch
+            and pending.start < self._source.plan(pending.epoch, pending.history).n_batches
+        ):
             log.warning(
                 "dali_zarr: the loaded state resumes epoch %d but epoch %d was started; the "
                 "rest of epoch %d is not delivered",

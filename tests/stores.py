@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
+import zarr
 
 
 def csr_reference(path: str | Path) -> sp.csr_matrix:
     """The store's X as scipy CSR, read with plain zarr (the oracle for our loader)."""
-    import zarr
-
     x = zarr.open_group(str(path), mode="r")["X"]
     return sp.csr_matrix(
         (x["data"][...], x["indices"][...], x["indptr"][...]), shape=tuple(x.attrs["shape"])
@@ -44,3 +44,32 @@ def write_anndata(
         if previous[1] is not None:
             ad.settings.auto_shard_zarr_v3 = previous[1]
     return x
+
+
+def write(path, data, *, fmt=3, chunks, shards=None, compressors=None, **kw) -> zarr.Array:
+    """Write ``data`` as a zarr array with the given layout; returns it opened read-only."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        arr = zarr.create_array(
+            str(path),
+            shape=data.shape,
+            dtype=data.dtype,
+            chunks=chunks,
+            shards=shards,
+            compressors=compressors,
+            zarr_format=fmt,
+            **kw,
+        )
+        arr[...] = data
+        return zarr.open_array(str(path), mode="r")
+
+
+def random_ranges(rng, n: int, chunk: int, k: int = 40) -> np.ndarray:
+    """Unsorted, overlapping, empty and edge ``[start, stop)`` ranges over ``n`` rows."""
+    starts = rng.integers(0, n + 1, k)
+    stops = np.minimum(starts + rng.integers(0, 3 * chunk, k), n)
+    extra = np.array(
+        [[0, n], [n - 1, n], [min(chunk, n), min(2 * chunk, n)], [0, 0], [starts[0], stops[0]]]
+    )
+    r = np.concatenate([np.stack([starts, stops], 1), extra]).astype(np.int64)
+    return r[rng.permutation(len(r))]

@@ -17,7 +17,6 @@ import zlib
 import numcodecs
 import numpy as np
 import pytest
-import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ZstdCodec
 from zarr.codecs import numcodecs as znc
 
@@ -32,6 +31,7 @@ from dali_zarr.io.gpu import (
     plan_rows,
     probe_gpu,
 )
+from tests.stores import random_ranges, write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -94,31 +94,6 @@ def _data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> np.nd
     return data
 
 
-def _write(path, data, *, fmt=3, chunks, shards=None, compressors=None, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        arr = zarr.create_array(
-            str(path),
-            shape=data.shape,
-            dtype=data.dtype,
-            chunks=chunks,
-            shards=shards,
-            compressors=compressors,
-            zarr_format=fmt,
-            **kw,
-        )
-        arr[...] = data
-        return zarr.open_array(str(path), mode="r")
-
-
-def _ranges(rng, n: int, chunk: int, k: int = 30) -> np.ndarray:
-    starts = rng.integers(0, n + 1, k)
-    stops = np.minimum(starts + rng.integers(0, 3 * chunk, k), n)
-    extra = np.array([[0, n], [n - 1, n], [chunk, 2 * chunk], [0, 0], [starts[0], stops[0]]])
-    r = np.concatenate([np.stack([starts, stops], 1), extra]).astype(np.int64)
-    return r[rng.permutation(len(r))]
-
-
 CASES = [
     (fmt, codec, shape, sharded)
     for fmt in (2, 3)
@@ -132,7 +107,7 @@ CASES = [
 def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
     shp, dtype, chunks, shards = SHAPES[shape]
     data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
-    arr = _write(
+    arr = write(
         tmp_path / "a.zarr",
         data,
         fmt=fmt,
@@ -144,7 +119,7 @@ def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
     assert isinstance(reader, DirectReader)
     rng = np.random.default_rng(zlib.crc32(repr((fmt, codec, shape, sharded)).encode()))
     for _ in range(3):
-        ranges = _ranges(rng, shp[0], chunks[0])
+        ranges = random_ranges(rng, shp[0], chunks[0])
         plan = plan_rows(reader, ranges)
         assert plan.kind == KIND_OF[codec]
         assert (plan.reason == "") == (plan.kind in GPU_KINDS)
@@ -191,7 +166,7 @@ def _check_plan_invariants(plan, reader) -> None:
 
 def test_lz4_plan_reads_the_bare_block(tmp_path):
     data = np.arange(4096, dtype=np.float32)
-    arr = _write(tmp_path / "a.zarr", data, chunks=(512,), compressors=_compressors("lz4", 3))
+    arr = write(tmp_path / "a.zarr", data, chunks=(512,), compressors=_compressors("lz4", 3))
     reader = open_reader(arr, name="a")
     plan = plan_rows(reader, np.array([[0, 4096]]))
     locations = reader.chunk_locations([(int(c),) for c in plan.chunks])
@@ -206,7 +181,7 @@ def test_contiguous_window_is_one_segment(tmp_path):
     # 64 float32 = 256 bytes per chunk: slots are back to back, so a window of whole
     # consecutive chunks is a single copy
     data = np.arange(1024, dtype=np.float32)
-    arr = _write(tmp_path / "a.zarr", data, chunks=(64,), compressors=_compressors("zstd", 3))
+    arr = write(tmp_path / "a.zarr", data, chunks=(64,), compressors=_compressors("zstd", 3))
     reader = open_reader(arr, name="a")
     plan = plan_rows(reader, np.array([[128, 640], [0, 64]]))
     assert plan.segments.tolist() == [[64, 0, 512], [0, 512, 64]]
@@ -215,7 +190,7 @@ def test_contiguous_window_is_one_segment(tmp_path):
 
 def test_host_kinds_say_why(tmp_path):
     data = np.arange(300, dtype=np.float32)
-    big = _write(
+    big = write(
         tmp_path / "big.zarr",
         data,
         chunks=(64,),
@@ -224,7 +199,7 @@ def test_host_kinds_say_why(tmp_path):
     )
     kind, why = gpu_codec_kind(open_reader(big, name="big").layout)
     assert kind == "host" and "byte swap" in why
-    delta = _write(
+    delta = write(
         tmp_path / "delta.zarr",
         data.astype(np.int32),
         fmt=2,
@@ -243,7 +218,7 @@ def test_host_kinds_say_why(tmp_path):
 
 def test_rows_split_across_chunks_are_not_plannable(tmp_path):
     data = np.zeros((40, 7), dtype=np.float32)
-    arr = _write(tmp_path / "a.zarr", data, chunks=(8, 4))
+    arr = write(tmp_path / "a.zarr", data, chunks=(8, 4))
     with pytest.raises(NotPlannable, match="trailing axes"):
         plan_rows(open_reader(arr, name="a"), np.array([[0, 8]]))
 
@@ -251,7 +226,7 @@ def test_rows_split_across_chunks_are_not_plannable(tmp_path):
 def test_corrupted_chunk_names_array_and_chunk(tmp_path):
     rng = np.random.default_rng(0)
     data = rng.poisson(3, 4096).astype(np.float32)
-    arr = _write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=_compressors("zstd", 3))
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=_compressors("zstd", 3))
     path = tmp_path / "a.zarr" / "c" / "1"
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 16] = b"\xff" * 16
@@ -263,7 +238,7 @@ def test_corrupted_chunk_names_array_and_chunk(tmp_path):
 
 def test_truncated_uncompressed_chunk(tmp_path):
     data = np.arange(256, dtype=np.int32)
-    arr = _write(tmp_path / "a.zarr", data, chunks=(64,))
+    arr = write(tmp_path / "a.zarr", data, chunks=(64,))
     path = tmp_path / "a.zarr" / "c" / "2"
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(ChunkReadError, match="expected 256"):
@@ -301,7 +276,7 @@ def test_gpu_executor_matches_direct_reader(tmp_path, fmt, codec, sharded):
 
     shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
     data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
-    arr = _write(
+    arr = write(
         tmp_path / "a.zarr",
         data,
         fmt=fmt,
@@ -313,7 +288,7 @@ def test_gpu_executor_matches_direct_reader(tmp_path, fmt, codec, sharded):
     executor = GpuPlanExecutor(0)
     rng = np.random.default_rng(0)
     for _ in range(3):
-        ranges = _ranges(rng, shp[0], chunks[0])
+        ranges = random_ranges(rng, shp[0], chunks[0])
         plan = plan_rows(reader, ranges)
         out = cupy.empty(plan.out_shape, dtype=plan.dtype)
         executor.run(plan, reader, out)
@@ -413,7 +388,7 @@ def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec,
     )
     shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
     data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
-    arr = _write(
+    arr = write(
         tmp_path / "a.zarr",
         data,
         chunks=chunks,
@@ -424,7 +399,7 @@ def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec,
     executor = GpuPlanExecutor(0, max_open_files=2)
     rng = np.random.default_rng(3)
     for _ in range(3):
-        ranges = _ranges(rng, shp[0], chunks[0])
+        ranges = random_ranges(rng, shp[0], chunks[0])
         plan = plan_rows(reader, ranges)
         assert executor.path_of(plan) == path
         out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)

@@ -33,6 +33,7 @@ from zarr.codecs import numcodecs as znc
 from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
 from dali_zarr.io import readers as readers_mod
+from tests.stores import random_ranges, write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # zarr's numcodecs-in-v3 notes
 
@@ -88,33 +89,6 @@ def make_data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> n
     if shard0 is not None and shape[0] > 2 * shard0:
         data[2 * shard0 : 3 * shard0] = 0  # a whole missing shard
     return data
-
-
-def write(path, data, *, fmt=3, chunks, shards=None, compressors=None, **kw) -> zarr.Array:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        arr = zarr.create_array(
-            str(path),
-            shape=data.shape,
-            dtype=data.dtype,
-            chunks=chunks,
-            shards=shards,
-            compressors=compressors,
-            zarr_format=fmt,
-            **kw,
-        )
-        arr[...] = data
-        return zarr.open_array(str(path), mode="r")
-
-
-def random_ranges(rng, n: int, chunk: int, k: int = 40) -> np.ndarray:
-    starts = rng.integers(0, n + 1, k)
-    stops = np.minimum(starts + rng.integers(0, 3 * chunk, k), n)
-    extra = np.array(
-        [[0, n], [n - 1, n], [min(chunk, n), min(2 * chunk, n)], [0, 0], [starts[0], stops[0]]]
-    )
-    r = np.concatenate([np.stack([starts, stops], 1), extra]).astype(np.int64)
-    return r[rng.permutation(len(r))]
 
 
 def expected(data: np.ndarray, ranges: np.ndarray) -> np.ndarray:
