@@ -32,6 +32,7 @@ from zarr.codecs import numcodecs as znc
 
 from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
+from dali_zarr.io import codecs as codecs_mod
 from dali_zarr.io import readers as readers_mod
 from tests.stores import random_ranges, write
 
@@ -447,6 +448,102 @@ def test_fallback_wraps_zarr_errors(tmp_path):
     reader = open_reader(arr, name="a.zarr/X", force_zarr=True)
     with pytest.raises(ChunkReadError, match=r"a\.zarr/X.*rows \[1000, 1100\)"):
         reader.read_rows(np.array([[1000, 1100]]))
+
+
+# ---------------------------------------------------------------------------- zstd prefix decode
+
+PREFIX_C = 40_000  # rows per chunk: 160 KB of 4-byte items, more than one zstd block
+PREFIX_CASES = {
+    # name: (fmt, shape, dtype, chunks, shards, compressors)
+    "v3-sharded-f4": (3, (130_000,), "float32", (PREFIX_C,), (2 * PREFIX_C,), "zstd"),
+    "v3-i4": (3, (130_000,), "int32", (PREFIX_C,), None, "zstd"),
+    "v3-numcodecs-zstd": (3, (130_000,), "float32", (PREFIX_C,), None, "numcodecs-zstd"),
+    "v2-f4": (2, (130_000,), "float32", (PREFIX_C,), None, "zstd"),
+    "v2-bigendian-i4": (2, (130_000,), ">i4", (PREFIX_C,), None, "zstd"),
+    "v3-sharded-crc32c": (3, (130_000,), "int32", (PREFIX_C,), (2 * PREFIX_C,), "zstd-crc32c"),
+    # 2-D C order: an axis-0 prefix is a byte prefix; whole rows per chunk, then split rows
+    "v3-2d-rowchunks": (3, (13_000, 10), "float32", (4000, 10), None, "zstd"),
+    "v3-2d-sharded-split": (3, (13_000, 10), "float32", (4000, 4), (8000, 8), "zstd"),
+}
+
+
+def _prefix_store(tmp_path, case):
+    fmt, shape, dtype, chunks, shards, codec = PREFIX_CASES[case]
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 50, size=shape).astype(dtype)  # compressible, not trivially
+    if codec == "numcodecs-zstd":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compressors = znc.Zstd(level=1)
+    else:
+        compressors = _compressors(codec, fmt)
+    arr = write(
+        tmp_path / "p.zarr", data, fmt=fmt, chunks=chunks, shards=shards, compressors=compressors
+    )
+    reader = open_reader(arr, name="p")
+    assert reader.path == "direct", reader.reason
+    return reader, data
+
+
+@pytest.mark.parametrize("case", sorted(PREFIX_CASES))
+def test_prefix_decode_matches_slicing(tmp_path, case):
+    reader, data = _prefix_store(tmp_path, case)
+    assert reader._decoder.prefix_decodable
+    C, n = reader.rows_per_chunk, data.shape[0]
+    calls = [
+        # (ranges, chunks decoded only up to a row short of their end)
+        ([[0, 10]], 1),  # ends mid-chunk
+        ([[C + 3, C + 20]], 1),  # inside one chunk: rows [0, 20) of it are decoded
+        ([[C // 2, C + C // 3]], 1),  # starts mid-chunk, ends mid-next-chunk
+        ([[C - 1, 2 * C + 1], [5, 7]], 1),  # chunk 0 from C - 1, 1 whole, 2 a prefix
+        ([[3 * C + 5, n - 3]], 1),  # the last (short) chunk, short of the array's end
+        ([[3 * C, n]], 1),  # the whole last chunk: still shorter than a full chunk
+        # the union of the ranges decides: chunk 0 is needed to its end by the second range
+        ([[0, 10], [C - 5, C + 7]], 1),
+        ([[0, C]], 0),
+    ]
+    for ranges, n_prefix in calls:
+        ranges = np.array(ranges, dtype=np.int64)
+        before = reader.chunks_prefix_decoded
+        np.testing.assert_array_equal(reader.read_rows(ranges), expected(data, ranges))
+        n_pieces = 3 if case.endswith("split") else 1  # chunks per chunk row
+        assert reader.chunks_prefix_decoded - before == n_prefix * n_pieces, ranges.tolist()
+    check_reader(reader, data, rounds=2)
+    assert reader.chunks_prefix_decoded > 0
+
+
+def test_prefix_decode_falls_back_without_zstandard(tmp_path, monkeypatch):
+    monkeypatch.setattr(codecs_mod, "_zstandard", None)
+    reader, data = _prefix_store(tmp_path, "v3-sharded-f4")
+    assert not reader._decoder.prefix_decodable
+    ranges = np.array([[5, 100], [PREFIX_C // 2, PREFIX_C + 77]])
+    np.testing.assert_array_equal(reader.read_rows(ranges), expected(data, ranges))
+    assert reader.chunks_prefix_decoded == 0 and reader.chunks_read == 2
+
+
+def test_prefix_decode_not_for_other_codecs(tmp_path):
+    data = np.arange(4096, dtype=np.float32)
+    for i, codec in enumerate(["blosc-zstd", "gzip", "none"]):
+        arr = write(
+            tmp_path / f"{i}.zarr", data, chunks=(1024,), compressors=_compressors(codec, 3)
+        )
+        reader = open_reader(arr, name="a")
+        assert not reader._decoder.prefix_decodable
+        np.testing.assert_array_equal(reader.read_rows(np.array([[1030, 1040]])), data[1030:1040])
+        assert reader.chunks_prefix_decoded == 0
+
+
+def test_corrupted_zstd_chunk_prefix(tmp_path):
+    reader, _ = _prefix_store(tmp_path, "v3-i4")
+    p = tmp_path / "p.zarr/c/1"
+    raw = bytearray(p.read_bytes())
+    raw[20:52] = bytes(range(200, 232))  # early in the frame: inside the first block
+    p.write_bytes(bytes(raw))
+    # raised by the prefix decode (zstandard), not by a full numcodecs decode
+    match = r"p: chunk 'c/1'.*zstd decoding failed \(ZstdError.*re-write"
+    with pytest.raises(ChunkReadError, match=match):
+        reader.read_rows(np.array([[PREFIX_C + 1, PREFIX_C + 10]]))
+    assert reader.chunks_prefix_decoded == 0
 
 
 # ---------------------------------------------------------------------------- corruption

@@ -6,6 +6,12 @@ decodes chunks on many threads at once (it holds no per-call state). The hot pat
 the reader's (native-endian) dtype, and the last decompressor writes straight into it when
 the codec can (zstd, blosc, lz4); a big-endian chunk is then byte-swapped in place.
 
+``decode_prefix_into(raw, dest, rows)`` decodes only rows ``[0, rows)`` (along axis 0) of a
+chunk whose last bytes codec is zstd and whose decoded bytes are the chunk in C order: an
+axis-0 prefix is then a byte prefix of the decompressed frame, and the `zstandard` package's
+streaming decompressor stops once it has produced that many bytes (numcodecs can only decode
+whole frames). Without `zstandard` it falls back to the full decode.
+
 Every failure (bad checksum, decompression error, wrong decoded size, truncated input)
 raises `DecodeError` saying what went wrong; the reader adds the array name and chunk key
 and turns it into a `ChunkReadError`.
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from typing import Any
 
 import crc32c as _crc32c
@@ -23,9 +30,15 @@ import numpy as np
 
 from .layout import ChunkCodecs
 
+try:  # optional: decoding a prefix of a zstd frame (numcodecs decodes whole frames only)
+    import zstandard as _zstandard
+except ImportError:  # pragma: no cover - a dependency, but the full decode still works
+    _zstandard = None
+
 __all__ = ["ChunkDecoder", "DecodeError", "verify_crc32c"]
 
 _U1 = np.dtype(np.uint8)
+_tls = threading.local()
 
 
 class DecodeError(Exception):
@@ -129,6 +142,26 @@ class _Zstd(_Stage):
 _BLOSC_HEADER = struct.Struct("<BBBBIII")
 
 
+def _zstd_prefix_into(buf: np.ndarray, target: np.ndarray) -> int:
+    """Decompress the first ``target.size`` bytes of the zstd frame in ``buf`` into ``target``.
+
+    Returns how many bytes were written: less than ``target.size`` only when the (first)
+    frame ends before that. Decoding stops after the block that fills ``target``.
+    """
+    dctx = getattr(_tls, "zstd", None)
+    if dctx is None:  # a ZstdDecompressor must not be used by two threads at once
+        dctx = _tls.zstd = _zstandard.ZstdDecompressor()
+    reader = dctx.stream_reader(buf, read_across_frames=False)
+    view = memoryview(target)
+    got = 0
+    while got < target.size:
+        n = reader.readinto(view[got:])
+        if n <= 0:
+            break
+        got += n
+    return got
+
+
 class _Blosc(_Stage):
     name = "blosc"
 
@@ -227,6 +260,13 @@ class ChunkDecoder:
         self._swap = self._simple and swapped
         self.passthrough = self._simple and not self._swap and not self.stages
         """True when the stored bytes are the chunk itself: read them straight into place."""
+        self.prefix_decodable = (
+            _zstandard is not None
+            and self._simple
+            and bool(self.stages)
+            and isinstance(self.stages[-1], _Zstd)
+        )
+        """True when `decode_prefix_into` can stop early (zstd last, chunk in C order)."""
 
     def decode_into(self, raw: np.ndarray, dest: np.ndarray) -> None:
         """Decode ``raw`` (flat uint8) into ``dest`` (C-contiguous, chunk shape, dtype)."""
@@ -238,8 +278,43 @@ class ChunkDecoder:
         except DecodeError:
             raise
         except Exception as e:  # numcodecs raises RuntimeError/ValueError/zlib.error/...
-            names = "+".join(s.name for s in reversed(self.stages)) or "bytes"
-            raise DecodeError(f"{names} decoding failed ({type(e).__name__}: {e})") from e
+            raise self._failed(e) from e
+
+    def decode_prefix_into(self, raw: np.ndarray, dest: np.ndarray, rows: int) -> bool:
+        """Decode at least rows ``[0, rows)`` (axis 0) of ``raw`` into ``dest`` (as in
+        `decode_into`); the other rows of ``dest`` may be left unwritten.
+
+        Returns True when only that prefix was decoded (`prefix_decodable`, ``rows`` short of
+        the chunk, one zstd frame holding the rows), False after a full `decode_into`.
+        A prefix decode checks the frame only as far as it decodes: corruption past that
+        point, a wrong decoded size without a frame content size, or a zstd content checksum
+        mismatch go unnoticed, but the rows returned are exactly those a full decode gives.
+        """
+        if not self.prefix_decodable or rows >= self.chunk_shape[0]:
+            self.decode_into(raw, dest)
+            return False
+        try:
+            buf: Any = raw
+            for stage in self.stages[:-1]:
+                buf = _as_u1(stage.decode(buf))
+            size = _zstd_content_size(buf)
+            if size is None or size == self.nbytes:  # else the full decode reports it
+                nbytes = rows * (self.nbytes // self.chunk_shape[0])
+                target = dest.reshape(-1).view(_U1)[:nbytes]
+                if _zstd_prefix_into(buf, target) == nbytes:
+                    if self._swap:
+                        dest[:rows].byteswap(inplace=True)
+                    return True
+        except DecodeError:
+            raise
+        except Exception as e:  # zstandard.ZstdError for a corrupted frame
+            raise self._failed(e) from e
+        self.decode_into(raw, dest)  # frame too short or not the chunk's size: full decode
+        return False
+
+    def _failed(self, e: Exception) -> DecodeError:
+        names = "+".join(s.name for s in reversed(self.stages)) or "bytes"
+        return DecodeError(f"{names} decoding failed ({type(e).__name__}: {e})")
 
     def decode(self, raw: np.ndarray) -> np.ndarray:
         """Decode ``raw`` into a new array of the chunk's shape and dtype."""

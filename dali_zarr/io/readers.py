@@ -36,6 +36,11 @@ missing shard, or an empty inner chunk of a shard reads as the fill value.
 
 The direct reader caches each shard's index (a few KiB) the first time it reads that shard
 and assumes the store is not rewritten while the reader is in use.
+
+Each chunk a ``read_rows`` call touches is read and decoded once. When the call's ranges
+need a chunk only up to some row short of its end and the chunk is zstd-compressed in C
+order, only that prefix of the zstd frame is decoded (see `ChunkDecoder.decode_prefix_into`;
+corruption past the prefix then goes unnoticed, the rows returned are still exact).
 """
 
 from __future__ import annotations
@@ -234,12 +239,19 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
 class _Piece:
     """One stored chunk (or inner chunk) to read, and where its rows go."""
 
-    __slots__ = ("coords", "crop", "dst")
+    __slots__ = ("coords", "crop", "dst", "rows")
 
-    def __init__(self, coords: tuple[int, ...], dst: np.ndarray, crop: tuple[slice, ...] | None):
+    def __init__(
+        self,
+        coords: tuple[int, ...],
+        dst: np.ndarray,
+        crop: tuple[slice, ...] | None,
+        rows: int,
+    ):
         self.coords = coords  # chunk coords (inner-chunk coords when sharded)
         self.dst = dst  # where the (cropped) decoded chunk goes
         self.crop = crop  # None: decode straight into dst (full chunk shape, contiguous)
+        self.rows = rows  # rows [0, rows) of the chunk (axis 0) are needed
 
 
 class DirectReader:
@@ -270,6 +282,8 @@ class DirectReader:
         self._other_coords = list(product(*(range(g) for g in grid[1:])))
         self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
         self.chunks_read = 0  # pieces (chunks / inner chunks) read so far, over all calls
+        self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
+        self._count_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"DirectReader({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -307,10 +321,14 @@ class DirectReader:
                     bufs[c] = out[o + lo - s : o + min(lo + C, n) - s]
                     owner[c] = j
         counts = last - first + 1
-        needed = np.unique(
-            np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        touched = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(
+            int(counts.sum())
         )
-        pieces = self._plan(needed, bufs)
+        needed, which = np.unique(touched, return_inverse=True)
+        # rows [0, rows_needed) of each needed chunk cover every range touching it
+        rows_needed = np.zeros(len(needed), dtype=np.int64)
+        np.maximum.at(rows_needed, which, np.repeat(stops, counts) - touched * C)
+        pieces = self._plan(needed, np.minimum(rows_needed, C), bufs)
         self.chunks_read += len(pieces)
         if self.layout.shard is not None:
             self._load_shard_indexes(pieces)
@@ -327,13 +345,15 @@ class DirectReader:
                 out[o + lo - s : o + hi - s] = bufs[c][lo - c * C : hi - c * C]
         return out
 
-    def _plan(self, needed: np.ndarray, bufs: dict[int, np.ndarray]) -> list[_Piece]:
+    def _plan(
+        self, needed: np.ndarray, rows_needed: np.ndarray, bufs: dict[int, np.ndarray]
+    ) -> list[_Piece]:
         shape, chunk = self.shape, self.layout.chunk_shape
         n, C = shape[0], chunk[0]
         single = len(self._other_coords) == 1
         full_other = all(s == c for s, c in zip(shape[1:], chunk[1:], strict=True))
         pieces: list[_Piece] = []
-        for c in needed.tolist():
+        for c, hi in zip(needed.tolist(), rows_needed.tolist(), strict=True):
             rows = min(C, n - c * C)
             buf = bufs.get(c)
             if buf is None:
@@ -341,7 +361,7 @@ class DirectReader:
                     # edge chunk: decode into a full-size chunk and use the valid part
                     full = np.empty(chunk, dtype=self.dtype)
                     bufs[c] = full[(slice(0, rows), *(slice(0, s) for s in shape[1:]))]
-                    pieces.append(_Piece((c, *self._other_coords[0]), full, None))
+                    pieces.append(_Piece((c, *self._other_coords[0]), full, None, hi))
                     continue
                 buf = bufs[c] = np.empty((rows, *shape[1:]), dtype=self.dtype)
             for oc in self._other_coords:
@@ -351,10 +371,10 @@ class DirectReader:
                 )
                 dst = buf[(slice(None), *region)] if region else buf
                 if dst.shape == chunk and dst.flags.c_contiguous:
-                    pieces.append(_Piece((c, *oc), dst, None))
+                    pieces.append(_Piece((c, *oc), dst, None, hi))
                 else:
                     crop = tuple(slice(0, s) for s in dst.shape)
-                    pieces.append(_Piece((c, *oc), dst, crop))
+                    pieces.append(_Piece((c, *oc), dst, crop, hi))
         return pieces
 
     # -- byte locations (public: planned reads such as dali_zarr.io.gpu use them) -----------
@@ -445,6 +465,8 @@ class DirectReader:
                 piece.dst[...] = self.layout.fill_value
             elif raw is piece.dst:
                 pass  # stored bytes were read straight into place
+            elif dec.prefix_decodable and piece.rows < self.rows_per_chunk:
+                self._decode_prefix(raw, piece)
             elif direct:
                 dec.decode_into(raw, piece.dst)
             else:
@@ -455,6 +477,19 @@ class DirectReader:
             raise
         except OSError as e:
             raise self._error(piece.coords, f"reading failed ({e})") from e
+
+    def _decode_prefix(self, raw: np.ndarray, piece: _Piece) -> None:
+        """Decode rows [0, piece.rows) of the chunk into piece.dst (other rows are unused)."""
+        rows, crop = piece.rows, piece.crop
+        if crop is None:
+            prefix = self._decoder.decode_prefix_into(raw, piece.dst, rows)
+        else:
+            full = np.empty(self.layout.chunk_shape, dtype=self.dtype)
+            prefix = self._decoder.decode_prefix_into(raw, full, rows)
+            piece.dst[:rows] = full[(slice(0, rows), *crop[1:])]
+        if prefix:
+            with self._count_lock:
+                self.chunks_prefix_decoded += 1
 
     def _read_chunk(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
         path = self._file(self.layout.key(piece.coords))
