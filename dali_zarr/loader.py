@@ -98,7 +98,12 @@ class Loader:
                 "(device='auto' falls back to it)."
             )
         if device == "auto":
-            log.info("dali_zarr: device='auto' picked the CPU path")
+            from dali_zarr.graph.gpu_pipeline import gpu_status
+
+            usable, found = gpu_status()
+            if usable:
+                found = f"dali_zarr: CPU path (a GPU is usable, {found}, but not wired yet)"
+            log.warning("%s for device='auto'", found)
         self.device = "cpu"
         self.dataset = dataset
         self.sampler = sampler

@@ -311,3 +311,12 @@ def test_force_zarr_path_gives_same_batches(sc_store: Path, tmp_path: Path) -> N
     b = run_epoch(dz.Loader(fallback, sampler(), return_index=True), 2)
     np.testing.assert_array_equal(a["index"], b["index"])
     np.testing.assert_array_equal(a["X"], b["X"])
+
+
+def test_device_auto_says_which_path(sc_store: Path, caplog) -> None:
+    with caplog.at_level("WARNING", logger="dali_zarr.loader"):
+        loader = dz.Loader(dz.open_dataset(sc_store), sampler(), device="auto")
+    assert loader.device == "cpu"
+    assert "CPU path" in caplog.text and "device='auto'" in caplog.text
+    with pytest.raises(dz.ConfigError, match="device='gpu'"):
+        dz.Loader(dz.open_dataset(sc_store), sampler(), device="gpu")
