@@ -5,9 +5,13 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import numcodecs
 import numpy as np
+import pytest
 import scipy.sparse as sp
 import zarr
+from zarr.codecs import BloscCodec, Crc32cCodec, GzipCodec, ZstdCodec
+from zarr.codecs import numcodecs as znc
 
 
 def csr_reference(path: str | Path) -> sp.csr_matrix:
@@ -73,3 +77,43 @@ def random_ranges(rng, n: int, chunk: int, k: int = 40) -> np.ndarray:
     )
     r = np.concatenate([np.stack([starts, stops], 1), extra]).astype(np.int64)
     return r[rng.permutation(len(r))]
+
+
+def has_cuda() -> bool:
+    """Whether torch sees a CUDA device (GPU tests skip themselves otherwise)."""
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+needs_cuda = pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
+
+
+def compressors(codec: str, fmt: int):
+    """zarr v2 (numcodecs) or v3 compressor(s) by short name, for layout matrices."""
+    if fmt == 2:
+        return {
+            "zstd": numcodecs.Zstd(level=1),
+            "blosc-lz4": numcodecs.Blosc(cname="lz4"),
+            "blosc": numcodecs.Blosc(cname="lz4"),
+            "blosc-zstd": numcodecs.Blosc(cname="zstd", shuffle=numcodecs.Blosc.BITSHUFFLE),
+            "lz4": numcodecs.LZ4(),
+            "gzip": numcodecs.GZip(level=1),
+            "none": None,
+        }[codec]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {
+            "zstd": ZstdCodec(level=1),
+            "blosc-lz4": BloscCodec(cname="lz4"),
+            "blosc": BloscCodec(cname="lz4"),
+            "blosc-zstd": BloscCodec(cname="zstd", shuffle="bitshuffle"),
+            "lz4": znc.LZ4(),
+            "gzip": GzipCodec(level=1),
+            "none": None,
+            "zstd-crc32c": [ZstdCodec(level=1), Crc32cCodec()],
+            "numcodecs-zstd-crc32c": [znc.Zstd(level=1), znc.CRC32C()],
+        }[codec]

@@ -28,17 +28,9 @@ from dali_zarr.graph.gpu_pipeline import (
 )
 from dali_zarr.graph.source import BatchSource
 from dali_zarr.synthetic import make_single_cell
+from tests.stores import has_cuda
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
 
 
 def _sampler(seed=0, chunk=32, preload=4, batch=48):
@@ -227,7 +219,7 @@ def test_default_device_is_the_local_rank(monkeypatch):
 
 def test_gpu_status_says_why():
     usable, line = gpu_status()
-    assert usable == _cuda() or not usable
+    assert usable == has_cuda() or not usable
     assert line.startswith("dali_zarr: ")
 
 
@@ -287,7 +279,7 @@ def test_setup_functions_give_batch_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not has_cuda(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("output", ["dense", "csr"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import warnings
 import zlib
 
 import numcodecs
 import numpy as np
 import pytest
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, GzipCodec, ZstdCodec
-from zarr.codecs import numcodecs as znc
+from zarr.codecs import BytesCodec
 
 from dali_zarr.errors import ChunkReadError
 from dali_zarr.io import DirectReader, open_reader
@@ -31,42 +29,9 @@ from dali_zarr.io.gpu import (
     plan_rows,
     probe_gpu,
 )
-from tests.stores import random_ranges, write
+from tests.stores import compressors, has_cuda, needs_cuda, random_ranges, write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:
-        return False
-
-
-needs_cuda = pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
-
-
-def _compressors(codec: str, fmt: int):
-    if fmt == 2:
-        return {
-            "zstd": numcodecs.Zstd(level=1),
-            "lz4": numcodecs.LZ4(),
-            "blosc": numcodecs.Blosc(cname="lz4"),
-            "gzip": numcodecs.GZip(level=1),
-            "none": None,
-        }[codec]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {
-            "zstd": ZstdCodec(level=1),
-            "lz4": znc.LZ4(),
-            "blosc": BloscCodec(cname="lz4"),
-            "gzip": GzipCodec(level=1),
-            "none": None,
-            "zstd-crc32c": [ZstdCodec(level=1), Crc32cCodec()],
-        }[codec]
 
 
 KIND_OF = {"zstd": "zstd", "lz4": "lz4", "none": "none", "blosc": "host", "gzip": "host"}
@@ -113,7 +78,7 @@ def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
         fmt=fmt,
         chunks=chunks,
         shards=shards if sharded else None,
-        compressors=_compressors(codec, fmt),
+        compressors=compressors(codec, fmt),
     )
     reader = open_reader(arr, name="a")
     assert isinstance(reader, DirectReader)
@@ -166,7 +131,7 @@ def _check_plan_invariants(plan, reader) -> None:
 
 def test_lz4_plan_reads_the_bare_block(tmp_path):
     data = np.arange(4096, dtype=np.float32)
-    arr = write(tmp_path / "a.zarr", data, chunks=(512,), compressors=_compressors("lz4", 3))
+    arr = write(tmp_path / "a.zarr", data, chunks=(512,), compressors=compressors("lz4", 3))
     reader = open_reader(arr, name="a")
     plan = plan_rows(reader, np.array([[0, 4096]]))
     locations = reader.chunk_locations([(int(c),) for c in plan.chunks])
@@ -181,7 +146,7 @@ def test_contiguous_window_is_one_segment(tmp_path):
     # 64 float32 = 256 bytes per chunk: slots are back to back, so a window of whole
     # consecutive chunks is a single copy
     data = np.arange(1024, dtype=np.float32)
-    arr = write(tmp_path / "a.zarr", data, chunks=(64,), compressors=_compressors("zstd", 3))
+    arr = write(tmp_path / "a.zarr", data, chunks=(64,), compressors=compressors("zstd", 3))
     reader = open_reader(arr, name="a")
     plan = plan_rows(reader, np.array([[128, 640], [0, 64]]))
     assert plan.segments.tolist() == [[64, 0, 512], [0, 512, 64]]
@@ -194,7 +159,7 @@ def test_host_kinds_say_why(tmp_path):
         tmp_path / "big.zarr",
         data,
         chunks=(64,),
-        compressors=_compressors("zstd", 3),
+        compressors=compressors("zstd", 3),
         serializer=BytesCodec(endian="big"),
     )
     kind, why = gpu_codec_kind(open_reader(big, name="big").layout)
@@ -204,7 +169,7 @@ def test_host_kinds_say_why(tmp_path):
         data.astype(np.int32),
         fmt=2,
         chunks=(64,),
-        compressors=_compressors("zstd", 2),
+        compressors=compressors("zstd", 2),
         filters=[numcodecs.Delta(dtype="<i4")],
     )
     reader = open_reader(delta, name="delta")
@@ -226,7 +191,7 @@ def test_rows_split_across_chunks_are_not_plannable(tmp_path):
 def test_corrupted_chunk_names_array_and_chunk(tmp_path):
     rng = np.random.default_rng(0)
     data = rng.poisson(3, 4096).astype(np.float32)
-    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=_compressors("zstd", 3))
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
     path = tmp_path / "a.zarr" / "c" / "1"
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 16] = b"\xff" * 16
@@ -255,7 +220,7 @@ def test_copy_segments_reference():
 def test_probe_reports_without_raising():
     support = probe_gpu()
     assert isinstance(support.usable, bool)
-    if not _cuda():
+    if not has_cuda():
         assert not support.usable and "CUDA" in support.reason
 
 
@@ -282,7 +247,7 @@ def test_gpu_executor_matches_direct_reader(tmp_path, fmt, codec, sharded):
         fmt=fmt,
         chunks=chunks,
         shards=shards if sharded else None,
-        compressors=_compressors(codec, fmt),
+        compressors=compressors(codec, fmt),
     )
     reader = open_reader(arr, name="a")
     executor = GpuPlanExecutor(0)
@@ -393,7 +358,7 @@ def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec,
         data,
         chunks=chunks,
         shards=shards if sharded else None,
-        compressors=_compressors(codec, 3),
+        compressors=compressors(codec, 3),
     )
     reader = open_reader(arr, name="a")
     executor = GpuPlanExecutor(0, max_open_files=2)

@@ -23,7 +23,6 @@ from zarr.codecs import (
     BloscCodec,
     BytesCodec,
     Crc32cCodec,
-    GzipCodec,
     ShardingCodec,
     TransposeCodec,
     ZstdCodec,
@@ -34,36 +33,12 @@ from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
 from dali_zarr.io import codecs as codecs_mod
 from dali_zarr.io import readers as readers_mod
-from tests.stores import random_ranges, write
+from tests.stores import compressors, random_ranges, write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # zarr's numcodecs-in-v3 notes
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _compressors(codec: str, fmt: int):
-    if fmt == 2:
-        return {
-            "zstd": numcodecs.Zstd(level=1),
-            "blosc-lz4": numcodecs.Blosc(cname="lz4"),
-            "blosc-zstd": numcodecs.Blosc(cname="zstd", shuffle=numcodecs.Blosc.BITSHUFFLE),
-            "lz4": numcodecs.LZ4(),
-            "gzip": numcodecs.GZip(level=1),
-            "none": None,
-        }[codec]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return {
-            "zstd": ZstdCodec(level=1),
-            "blosc-lz4": BloscCodec(cname="lz4"),
-            "blosc-zstd": BloscCodec(cname="zstd", shuffle="bitshuffle"),
-            "lz4": znc.LZ4(),
-            "gzip": GzipCodec(level=1),
-            "none": None,
-            "zstd-crc32c": [ZstdCodec(level=1), Crc32cCodec()],
-            "numcodecs-zstd-crc32c": [znc.Zstd(level=1), znc.CRC32C()],
-        }[codec]
 
 
 KINDS = {
@@ -146,7 +121,7 @@ def test_direct_matches_numpy(tmp_path, fmt, codec, kind, sharded):
         fmt=fmt,
         chunks=chunks,
         shards=shards,
-        compressors=_compressors(codec, fmt),
+        compressors=compressors(codec, fmt),
     )
     reader = open_reader(arr, name="a")
     assert isinstance(reader, DirectReader)
@@ -201,7 +176,7 @@ def test_direct_layout_variants(tmp_path, case):
         fmt=fmt,
         chunks=chunks,
         shards=shards,
-        compressors=_compressors(codec, fmt),
+        compressors=compressors(codec, fmt),
         **opts,
     )
     reader = open_reader(arr, name="a")
@@ -474,11 +449,11 @@ def _prefix_store(tmp_path, case):
     if codec == "numcodecs-zstd":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            compressors = znc.Zstd(level=1)
+            chosen = znc.Zstd(level=1)
     else:
-        compressors = _compressors(codec, fmt)
+        chosen = compressors(codec, fmt)
     arr = write(
-        tmp_path / "p.zarr", data, fmt=fmt, chunks=chunks, shards=shards, compressors=compressors
+        tmp_path / "p.zarr", data, fmt=fmt, chunks=chunks, shards=shards, compressors=chosen
     )
     reader = open_reader(arr, name="p")
     assert reader.path == "direct", reader.reason
@@ -524,9 +499,7 @@ def test_prefix_decode_falls_back_without_zstandard(tmp_path, monkeypatch):
 def test_prefix_decode_not_for_other_codecs(tmp_path):
     data = np.arange(4096, dtype=np.float32)
     for i, codec in enumerate(["blosc-zstd", "gzip", "none"]):
-        arr = write(
-            tmp_path / f"{i}.zarr", data, chunks=(1024,), compressors=_compressors(codec, 3)
-        )
+        arr = write(tmp_path / f"{i}.zarr", data, chunks=(1024,), compressors=compressors(codec, 3))
         reader = open_reader(arr, name="a")
         assert not reader._decoder.prefix_decodable
         np.testing.assert_array_equal(reader.read_rows(np.array([[1030, 1040]])), data[1030:1040])
@@ -581,7 +554,7 @@ def test_corrupted_zstd_chunk(tmp_path):
 @pytest.mark.parametrize("codec", ["zstd", "blosc-lz4", "lz4", "gzip", "none", "zstd-crc32c"])
 def test_truncated_chunk(tmp_path, codec):
     data = _compressible(4096)
-    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=_compressors(codec, 3))
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors(codec, 3))
     _truncate(tmp_path / "a.zarr/c/2")
     reader = open_reader(arr, name="arr")
     assert reader.path == "direct"
