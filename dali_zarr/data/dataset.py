@@ -21,6 +21,7 @@ import zarr
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader, open_reader
+from dali_zarr.planning.partition import ranges_to_rows
 
 Layout = Literal["csr", "dense"]
 
@@ -50,16 +51,6 @@ class DenseRows:
 
 
 Rows = CsrRows | DenseRows
-
-
-def _ranges_rows(ranges: np.ndarray) -> np.ndarray:
-    """Global row ids of ``[start, stop)`` ranges, concatenated (vectorized arange-concat)."""
-    lengths = ranges[:, 1] - ranges[:, 0]
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    starts = np.repeat(ranges[:, 0] - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return starts + np.arange(total, dtype=np.int64)
 
 
 class Dataset(ABC):
@@ -219,7 +210,7 @@ class CsrDataset(_StoreDataset):
     def read_rows(self, ranges: np.ndarray) -> CsrRows:
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
-        rows = _ranges_rows(ranges)
+        rows = ranges_to_rows(ranges)
         indptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(self.indptr[rows + 1] - self.indptr[rows], out=indptr[1:])
         data = self._data.read_rows(element_ranges)

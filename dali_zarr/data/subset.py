@@ -14,9 +14,10 @@ import zlib
 
 import numpy as np
 
-from dali_zarr.data.dataset import Dataset, Rows, _ranges_rows
+from dali_zarr.data.dataset import Dataset, Rows
 from dali_zarr.data.obs import ObsColumn
 from dali_zarr.errors import DatasetError
+from dali_zarr.planning.partition import ranges_to_rows
 
 
 def _runs(parent_rows: np.ndarray) -> np.ndarray:
@@ -95,7 +96,7 @@ class Subset(Dataset):
     def read_rows(self, ranges: np.ndarray) -> Rows:
         """Rows of local ``[start, stop)`` ranges, read as runs of consecutive parent rows."""
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        local = _ranges_rows(ranges)
+        local = ranges_to_rows(ranges)
         if len(local) and (local.min() < 0 or local.max() >= self.n_obs):
             raise DatasetError(f"{self.name}: row ranges reach outside [0, {self.n_obs}).")
         return self.parent.read_rows(_runs(self.parent_rows[local]))
