@@ -54,6 +54,7 @@ from dali_zarr.io.gpu import (
     plan_rows,
     probe_gpu,
 )
+from dali_zarr.planning.partition import ranges_to_rows
 
 Transform = Callable[[dict], dict]
 ALIGN = 256
@@ -88,7 +89,30 @@ def gpu_source_names(
 # ---------------------------------------------------------------------------- backends
 
 
-class HostBackend:
+class _Backend:
+    """What the host and CUDA backends share: typed views of a byte buffer, and reading an
+    array's rows through its byte plan (or, when it has none, a host read plus one upload)."""
+
+    def view(self, buf: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        return buf[offset : offset + n].view(dtype).reshape(shape)
+
+    def read_array(self, reader: Any, ranges: np.ndarray, out: Any) -> None:
+        try:
+            plan = plan_rows(reader, ranges)
+        except NotPlannable:
+            self.upload(np.ascontiguousarray(reader.read_rows(ranges)), out)
+            return
+        self.run_plan(plan, reader, out.reshape(plan.out_shape))
+
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        raise NotImplementedError
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        raise NotImplementedError
+
+
+class HostBackend(_Backend):
     """NumPy stand-in for the device: runs the same window reader and ring logic on the CPU.
 
     Used by the tests (and usable for debugging): "device" buffers are host arrays and the
@@ -100,17 +124,8 @@ class HostBackend:
     def alloc(self, nbytes: int) -> np.ndarray:
         return np.empty(max(nbytes, 1), dtype=np.uint8)
 
-    def view(self, buf: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        n = math.prod(shape) * np.dtype(dtype).itemsize
-        return buf[offset : offset + n].view(dtype).reshape(shape)
-
-    def read_array(self, reader: Any, ranges: np.ndarray, out: Any) -> None:
-        try:
-            plan = plan_rows(reader, ranges)
-        except NotPlannable:
-            out[...] = reader.read_rows(ranges).reshape(out.shape)
-            return
-        execute_plan_cpu(plan, reader, out=out.reshape(plan.out_shape))
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        execute_plan_cpu(plan, reader, out=out)
 
     def upload(self, host: np.ndarray, out: Any) -> None:
         out[...] = host.reshape(out.shape)
@@ -128,7 +143,7 @@ class HostBackend:
         return _plan_path(reader, "host")
 
 
-class CudaBackend:
+class CudaBackend(_Backend):
     """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only)."""
 
     name = "cuda"
@@ -147,17 +162,8 @@ class CudaBackend:
         with self.cp.cuda.Device(self.device_id):
             return self.cp.empty(max(nbytes, 1), dtype=self.cp.uint8)
 
-    def view(self, buf: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        n = math.prod(shape) * np.dtype(dtype).itemsize
-        return buf[offset : offset + n].view(dtype).reshape(shape)
-
-    def read_array(self, reader: Any, ranges: np.ndarray, out: Any) -> None:
-        try:
-            plan = plan_rows(reader, ranges)
-        except NotPlannable:
-            self.upload(np.ascontiguousarray(reader.read_rows(ranges)), out)
-            return
-        self.executor.run(plan, reader, out.reshape(plan.out_shape))
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        self.executor.run(plan, reader, out)
 
     def upload(self, host: np.ndarray, out: Any) -> None:
         with self.cp.cuda.Device(self.device_id):
@@ -279,11 +285,7 @@ def _dense_reader(dataset: Dataset):
 
 
 def _row_lengths(indptr: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-    lengths = ranges[:, 1] - ranges[:, 0]
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    rows = np.repeat(ranges[:, 0] - (np.cumsum(lengths) - lengths), lengths) + np.arange(total)
+    rows = ranges_to_rows(ranges)
     return indptr[rows + 1] - indptr[rows]
 
 
