@@ -190,86 +190,75 @@ def array_meta(path: Path) -> dict[str, Any]:
     return out
 
 
-def ensure_sparse_store(args, writer_python: str) -> tuple[Path, dict]:
-    name = f"sparse_n{args.n_obs}_g{args.n_genes}_k{args.nnz_per_cell:g}_s{args.seed}.zarr"
+def _cached_store(
+    args, name: str, what: str, python: str, writer_args: list[str], describe
+) -> tuple[Path, dict]:
+    """Write a store once with ``stores.py`` (in ``python``) and cache it with a JSON sidecar.
+
+    ``describe(path, made)`` adds the layout figures the report needs to the writer's output.
+    """
     path = Path(args.out) / "stores" / name
     sidecar = path.with_suffix(".json")
     if sidecar.exists() and path.exists():
         return path, json.loads(sidecar.read_text())
     shutil.rmtree(path, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"writing the sparse store {path} (once; cached) ...")
+    log(f"writing the {what} {path} (once; cached) ...")
     t = time.perf_counter()
     made = run_script(
-        writer_python,
-        "stores.py",
-        [
-            "sparse",
-            "--path",
-            str(path),
-            "--n-obs",
-            str(args.n_obs),
-            "--n-genes",
-            str(args.n_genes),
-            "--nnz-per-cell",
-            str(args.nnz_per_cell),
-            "--seed",
-            str(args.seed),
-        ],
-        timeout=3600,
+        python, "stores.py", [*writer_args[:1], "--path", str(path), *writer_args[1:]], timeout=3600
     )
     if "error" in made:
-        raise SystemExit(f"could not write the sparse store: {made['error']}")
-    x = path / "X"
-    info = {
-        **made,
-        "seconds_to_write": round(time.perf_counter() - t, 1),
-        "data": array_meta(x / "data"),
-        "indices": array_meta(x / "indices"),
-        "stored_bytes": du(x / "data") + du(x / "indices"),
-        "decoded_bytes": made["nnz"] * 8,  # float32 data + int32 indices
-    }
+        raise SystemExit(f"could not write the {what}: {made['error']}")
+    info = {**made, "seconds_to_write": round(time.perf_counter() - t, 1), **describe(path, made)}
     sidecar.write_text(json.dumps(info, indent=1))
     return path, info
+
+
+def ensure_sparse_store(args, writer_python: str) -> tuple[Path, dict]:
+    def describe(path: Path, made: dict) -> dict:
+        x = path / "X"
+        return {
+            "data": array_meta(x / "data"),
+            "indices": array_meta(x / "indices"),
+            "stored_bytes": du(x / "data") + du(x / "indices"),
+            "decoded_bytes": made["nnz"] * 8,  # float32 data + int32 indices
+        }
+
+    name = f"sparse_n{args.n_obs}_g{args.n_genes}_k{args.nnz_per_cell:g}_s{args.seed}.zarr"
+    writer_args = [
+        "sparse",
+        "--n-obs",
+        str(args.n_obs),
+        "--n-genes",
+        str(args.n_genes),
+        "--nnz-per-cell",
+        str(args.nnz_per_cell),
+        "--seed",
+        str(args.seed),
+    ]
+    return _cached_store(args, name, "sparse store", writer_python, writer_args, describe)
 
 
 def ensure_cube_store(args) -> tuple[Path, dict]:
+    def describe(path: Path, made: dict) -> dict:
+        return {
+            "array": array_meta(path),
+            "stored_bytes": du(path) - (path / "zarr.json").stat().st_size,
+            "decoded_bytes": args.cube_n * math.prod(CUBE_SHAPE) * 4,
+        }
+
     name = f"cube_n{args.cube_n}_c{args.cube_chunk}_s{args.seed}.zarr"
-    path = Path(args.out) / "stores" / name
-    sidecar = path.with_suffix(".json")
-    if sidecar.exists() and path.exists():
-        return path, json.loads(sidecar.read_text())
-    shutil.rmtree(path, ignore_errors=True)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"writing the dense cube {path} (once; cached) ...")
-    t = time.perf_counter()
-    made = run_script(
-        sys.executable,
-        "stores.py",
-        [
-            "cube",
-            "--path",
-            str(path),
-            "--n",
-            str(args.cube_n),
-            "--chunk",
-            str(args.cube_chunk),
-            "--seed",
-            str(args.seed),
-        ],
-        timeout=3600,
-    )
-    if "error" in made:
-        raise SystemExit(f"could not write the dense cube: {made['error']}")
-    info = {
-        **made,
-        "seconds_to_write": round(time.perf_counter() - t, 1),
-        "array": array_meta(path),
-        "stored_bytes": du(path) - (path / "zarr.json").stat().st_size,
-        "decoded_bytes": args.cube_n * math.prod(CUBE_SHAPE) * 4,
-    }
-    sidecar.write_text(json.dumps(info, indent=1))
-    return path, info
+    writer_args = [
+        "cube",
+        "--n",
+        str(args.cube_n),
+        "--chunk",
+        str(args.cube_chunk),
+        "--seed",
+        str(args.seed),
+    ]
+    return _cached_store(args, name, "dense cube", sys.executable, writer_args, describe)
 
 
 def warm_page_cache(path: Path) -> None:
