@@ -117,3 +117,17 @@ def compressors(codec: str, fmt: int):
             "zstd-crc32c": [ZstdCodec(level=1), Crc32cCodec()],
             "numcodecs-zstd-crc32c": [znc.Zstd(level=1), znc.CRC32C()],
         }[codec]
+
+
+def make_data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> np.ndarray:
+    """Random data with zero (= fill value) blocks so that zarr skips writing some chunks."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        data = rng.integers(-1000, 1000, size=shape).astype(dtype)
+    else:
+        data = (rng.standard_normal(shape) * 10).round(2).astype(dtype)
+    data[chunk0 : 2 * chunk0] = 0  # one missing chunk (or empty inner chunk of a shard)
+    if shard0 is not None and shape[0] > 2 * shard0:
+        data[2 * shard0 : 3 * shard0] = 0  # a whole missing shard
+    return data

@@ -219,8 +219,12 @@ def test_default_device_is_the_local_rank(monkeypatch):
 
 def test_gpu_status_says_why():
     usable, line = gpu_status()
-    assert usable == has_cuda() or not usable
-    assert line.startswith("dali_zarr: ")
+    assert not usable or has_cuda(), "the GPU path cannot be usable without CUDA"
+    if usable:
+        assert line.startswith("dali_zarr: GPU path (reads: ") and "decode: " in line
+    else:
+        assert line.startswith("dali_zarr: CPU path (") and line.endswith(")")
+        assert len(line) > len("dali_zarr: CPU path ()"), "no reason given"
 
 
 @pytest.mark.parametrize("store", ["csr_store", "dense_store"])

@@ -29,7 +29,7 @@ from dali_zarr.io.gpu import (
     plan_rows,
     probe_gpu,
 )
-from tests.stores import compressors, has_cuda, needs_cuda, random_ranges, write
+from tests.stores import compressors, has_cuda, make_data, needs_cuda, random_ranges, write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -46,19 +46,6 @@ SHAPES = {
 }
 
 
-def _data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    dtype = np.dtype(dtype)
-    if dtype.kind in "iu":
-        data = rng.integers(-1000, 1000, size=shape).astype(dtype)
-    else:
-        data = (rng.standard_normal(shape) * 10).round(2).astype(dtype)
-    data[chunk0 : 2 * chunk0] = 0  # a chunk equal to the fill value: not stored
-    if shard0 is not None and shape[0] > 3 * shard0:
-        data[2 * shard0 : 3 * shard0] = 0  # a whole shard not stored
-    return data
-
-
 CASES = [
     (fmt, codec, shape, sharded)
     for fmt in (2, 3)
@@ -71,7 +58,7 @@ CASES = [
 @pytest.mark.parametrize(("fmt", "codec", "shape", "sharded"), CASES)
 def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
     shp, dtype, chunks, shards = SHAPES[shape]
-    data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
+    data = make_data(shp, dtype, chunks[0], shards[0] if sharded else None)
     arr = write(
         tmp_path / "a.zarr",
         data,
@@ -240,7 +227,7 @@ def test_gpu_executor_matches_direct_reader(tmp_path, fmt, codec, sharded):
     from dali_zarr.io.gpu import GpuPlanExecutor
 
     shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
-    data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
+    data = make_data(shp, dtype, chunks[0], shards[0] if sharded else None)
     arr = write(
         tmp_path / "a.zarr",
         data,
@@ -352,7 +339,7 @@ def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec,
         lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
     )
     shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
-    data = _data(shp, dtype, chunks[0], shards[0] if sharded else None)
+    data = make_data(shp, dtype, chunks[0], shards[0] if sharded else None)
     arr = write(
         tmp_path / "a.zarr",
         data,

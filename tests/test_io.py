@@ -33,7 +33,7 @@ from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
 from dali_zarr.io import codecs as codecs_mod
 from dali_zarr.io import readers as readers_mod
-from tests.stores import compressors, random_ranges, write
+from tests.stores import compressors, make_data, random_ranges, write
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # zarr's numcodecs-in-v3 notes
 
@@ -51,20 +51,6 @@ KINDS = {
     "2d-rowchunks": ((203, 7), "float32", (16, 7), (64, 7)),
     "2d-overhang": ((203, 7), "int32", (16, 8), (64, 8)),
 }
-
-
-def make_data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> np.ndarray:
-    """Random data with zero (= fill value) blocks so that zarr skips writing some chunks."""
-    rng = np.random.default_rng(seed)
-    dtype = np.dtype(dtype)
-    if dtype.kind in "iu":
-        data = rng.integers(-1000, 1000, size=shape).astype(dtype)
-    else:
-        data = (rng.standard_normal(shape) * 10).round(2).astype(dtype)
-    data[chunk0 : 2 * chunk0] = 0  # one missing chunk (or empty inner chunk of a shard)
-    if shard0 is not None and shape[0] > 2 * shard0:
-        data[2 * shard0 : 3 * shard0] = 0  # a whole missing shard
-    return data
 
 
 def expected(data: np.ndarray, ranges: np.ndarray) -> np.ndarray:
