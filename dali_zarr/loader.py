@@ -19,7 +19,7 @@ from dali_zarr.data.dataset import Dataset
 from dali_zarr.distributed import torch_dist_initialized
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
-from dali_zarr.graph.pipeline import Transform, build_pipeline
+from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
 from dali_zarr.graph.source import BatchSource, Output, Planner
 from dali_zarr.planning import EpochPlan
 from dali_zarr.planning.resume import (
@@ -45,6 +45,13 @@ class Loader:
     (categorical codes as int64, numeric columns in their dtype); ``return_index=True`` adds
     ``batch["index"]``, the global observation ids. Call :meth:`set_epoch` before each epoch
     to reshuffle, as with torch's ``DistributedSampler``.
+
+    **Device.** ``device="cpu"`` runs a DALI CPU pipeline; ``"gpu"`` reads, decodes, shuffles
+    and densifies on GPU ``device_id`` (default: torchrun's ``LOCAL_RANK``) and yields CUDA
+    tensors there (see :mod:`dali_zarr.graph.gpu_pipeline`); ``"auto"`` takes the GPU when
+    it is usable. :attr:`device` and :attr:`device_reason` say which path runs and why.
+    ``gpu_backend=HostBackend()`` runs the GPU path's source and graph on the host (for
+    debugging and CI; no GPU needed). ``dtype``: float32, float16, float64 or bfloat16.
 
     **Uneven batch counts.** Under an initialized ``torch.distributed`` with several ranks,
     iterating an epoch in which the ranks would yield different numbers of batches (only
@@ -73,6 +80,7 @@ class Loader:
         sampler: Planner,
         *,
         device: Device = "cpu",
+        device_id: int | None = None,
         output: Output = "dense",
         obs: Sequence[str] = (),
         return_index: bool = False,
@@ -83,6 +91,7 @@ class Loader:
         transform: Transform | None = None,
         allow_uneven_batches: bool = False,
         enable_checkpointing: bool = False,
+        gpu_backend: Any = None,
     ) -> None:
         if output not in ("dense", "csr"):
             raise ConfigError(f"output={output!r}: use 'dense' or 'csr'.")
@@ -90,42 +99,47 @@ class Loader:
             raise ConfigError(
                 f"output='csr' needs a sparse X, but {dataset.name} is dense; use output='dense'."
             )
-        if device not in ("cpu", "gpu", "auto"):
-            raise ConfigError(f"device={device!r}: use 'cpu', 'gpu' or 'auto'.")
-        if device == "gpu":
-            raise ConfigError(
-                "device='gpu' is not available in this build yet; use device='cpu' "
-                "(device='auto' falls back to it)."
-            )
-        if device == "auto":
-            from dali_zarr.graph.gpu_pipeline import gpu_status
-
-            usable, found = gpu_status()
-            if usable:
-                found = f"dali_zarr: CPU path (a GPU is usable, {found}, but not wired yet)"
-            log.warning("%s for device='auto'", found)
-        self.device = "cpu"
+        self.device, self.device_reason = _choose_device(device, gpu_backend)
         self.dataset = dataset
         self.sampler = sampler
         self.output: Output = output
         self.obs = list(obs)
         self.return_index = return_index
-        self.dtype = _numpy_dtype(dtype)
+        try:
+            self.dtype = output_dtype_name(dtype)
+        except TypeError as exc:
+            raise ConfigError(str(exc)) from None
         self.num_threads = num_threads
         self.prefetch_queue_depth = prefetch_queue_depth
         self.transform = transform
         self.allow_uneven_batches = bool(allow_uneven_batches)
         self.enable_checkpointing = bool(enable_checkpointing)
         self.epoch = 0
-        self._source = BatchSource(
-            dataset,
-            sampler,
-            output=output,
-            obs=self.obs,
-            return_index=return_index,
-            prefetch_windows=prefetch_windows,
-            keep_alive=prefetch_queue_depth + 2,
-        )
+        source_args = {
+            "output": output,
+            "obs": self.obs,
+            "return_index": return_index,
+            "prefetch_windows": prefetch_windows,
+        }
+        self.device_id: int | None = None
+        self._source: BatchSource
+        if self.device == "gpu":
+            from dali_zarr.graph.gpu_pipeline import GpuBatchSource, default_device_id
+
+            self.device_id = default_device_id() if device_id is None else int(device_id)
+            self._source = GpuBatchSource(
+                dataset,
+                sampler,
+                **source_args,
+                prefetch_queue_depth=prefetch_queue_depth,
+                backend=gpu_backend,
+                device_id=self.device_id,
+            )
+        else:
+            self._source = BatchSource(
+                dataset, sampler, **source_args, keep_alive=prefetch_queue_depth + 2
+            )
+        log.info("%s; read paths: %s", self.device_reason, self.read_paths())
         self._iterator: Any = None  # DaliEpochIterator or a framework's DALI iterator
         self._pipe = None
         self._names: list[str] = []
@@ -167,8 +181,9 @@ class Loader:
         return self.dataset.categories(column)
 
     def read_paths(self) -> dict[str, str]:
-        """Which read path serves each array of the dataset."""
-        return self.dataset.read_paths()
+        """Which read path serves each array of the dataset (on the GPU path: how each
+        array's windows reach the device: GDS or compat reads, nvCOMP or host decode)."""
+        return self._source.read_paths() if self.device == "gpu" else self.dataset.read_paths()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         iterator = self._start_epoch()
@@ -331,16 +346,7 @@ class Loader:
         self._run = (self.epoch, history, start)
         if self._iterator is None:
             restore, self._restore = self._restore, None
-            pipe, self._names = build_pipeline(
-                self._source,
-                dtype=self.dtype,
-                device_id=None,
-                num_threads=self.num_threads,
-                prefetch_queue_depth=self.prefetch_queue_depth,
-                transform=self.transform,
-                enable_checkpointing=self.enable_checkpointing,
-                checkpoint=restore["checkpoint"] if restore else None,
-            )
+            pipe, self._names = self._build_pipeline(restore["checkpoint"] if restore else None)
             self._pipe = pipe
             if restore is None:
                 self._dali_epoch = 0
@@ -380,6 +386,22 @@ class Loader:
         self._iter0 = 0
         return self._iterator
 
+    def _build_pipeline(self, checkpoint: bytes | str | None):
+        """This loader's DALI pipeline on its device, and the pipeline's output names."""
+        kwargs = {
+            "dtype": self.dtype,
+            "num_threads": self.num_threads,
+            "prefetch_queue_depth": self.prefetch_queue_depth,
+            "transform": self.transform,
+            "enable_checkpointing": self.enable_checkpointing,
+            "checkpoint": checkpoint,
+        }
+        if self.device == "gpu":
+            from dali_zarr.graph.gpu_pipeline import build_gpu_pipeline
+
+            return build_gpu_pipeline(self._source, device_id=self.device_id, **kwargs)
+        return build_pipeline(self._source, device_id=None, **kwargs)
+
     def _make_iterator(self, pipe, names: list[str]):
         """The framework's DALI iterator (an adapter for another framework overrides this).
 
@@ -399,6 +421,8 @@ class Loader:
     def _to_batch(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One iterator output → the user's batch dict (adapters override this too)."""
         batch = {name: _as_torch(value) for name, value in outputs.items()}
+        if self.dtype == "bfloat16" and "X" in batch:  # DALI hands out bfloat16's uint16 bits
+            batch["X"] = batch["X"].view(torch.bfloat16)
         if "X_data" in batch:
             indptr = batch.pop("X_indptr")
             batch["X"] = torch.sparse_csr_tensor(
@@ -416,7 +440,23 @@ def _as_torch(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
 
 
-def _numpy_dtype(dtype: torch.dtype | np.dtype | str) -> np.dtype:
-    if isinstance(dtype, torch.dtype):
-        return torch.empty(0, dtype=dtype).numpy().dtype
-    return np.dtype(dtype)
+def _choose_device(device: str, gpu_backend: Any) -> tuple[str, str]:
+    """("cpu" | "gpu", a sentence saying why) for ``Loader(device=...)``."""
+    if device not in ("cpu", "gpu", "auto"):
+        raise ConfigError(f"device={device!r}: use 'cpu', 'gpu' or 'auto'.")
+    if device == "cpu":
+        return "cpu", "dali_zarr: CPU path (device='cpu')"
+    if gpu_backend is not None:
+        name = getattr(gpu_backend, "name", type(gpu_backend).__name__)
+        return "gpu", f"dali_zarr: GPU path on the {name} backend (gpu_backend given)"
+    from dali_zarr.graph.gpu_pipeline import gpu_status
+
+    usable, found = gpu_status()
+    if device == "gpu" and not usable:
+        raise ConfigError(
+            f"device='gpu' but the GPU path is not usable here: {found}. Use device='auto' "
+            "(falls back to the CPU path) or device='cpu'."
+        )
+    if device == "auto":
+        (log.info if usable else log.warning)("%s for device='auto'", found)
+    return ("gpu" if usable else "cpu"), found

@@ -44,6 +44,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        choices=["auto", "gpu", "cpu"],
+        default="auto",
+        help="where dali_zarr decodes and densifies (auto: the GPU path when usable)",
+    )
     p.add_argument("--log-json", default="", help="append one JSON line per rank and epoch here")
     return p.parse_args(argv)
 
@@ -74,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         ),
         dist_info="torch",
     )
-    loader = dz.Loader(dataset, sampler, obs=[args.label])
+    loader = dz.Loader(dataset, sampler, device=args.device, device_id=local_rank, obs=[args.label])
     n_classes = len(loader.categories(args.label) or ()) or 2
     if rank == 0:
         print(
             f"[rank 0] {dataset}; {world} ranks x {len(loader)} batches/epoch; "
-            f"read paths {loader.read_paths()}"
+            f"{loader.device_reason}; read paths {loader.read_paths()}"
         )
 
     torch.manual_seed(args.seed)

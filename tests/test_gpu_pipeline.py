@@ -227,13 +227,24 @@ def test_gpu_status_says_why():
         assert len(line) > len("dali_zarr: CPU path ()"), "no reason given"
 
 
-@pytest.mark.parametrize("store", ["csr_store", "dense_store"])
+@pytest.fixture(scope="module")
+def half_store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gpu") / "half.zarr"
+    data = np.random.default_rng(0).standard_normal((100, 6)).astype(np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        arr = zarr.create_array(str(path), shape=data.shape, dtype="float16", chunks=(20, 6))
+        arr[...] = data
+    return path
+
+
+@pytest.mark.parametrize("store", ["csr_store", "dense_store", "half_store"])
 @pytest.mark.parametrize("output", ["dense", "csr"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
     """The GPU graph's wiring, declared without a device: the GPU ops are stand-ins that
     check every input is on the GPU and types/ndims match the inputs."""
-    from nvidia.dali import fn
+    from nvidia.dali import fn, types
 
     from dali_zarr.graph import cuda_kernels
     from dali_zarr.graph.gpu_pipeline import build_gpu_pipeline
@@ -241,7 +252,7 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
     ds = dz.open_dataset(request.getfixturevalue(store))
     if output == "csr" and ds.layout != "csr":
         pytest.skip("csr output needs a sparse store")
-    calls = []
+    calls, out_dtypes = [], []
 
     def numba_function(*inputs, run_fn, setup_fn, out_types, in_types, outs_ndim, ins_ndim,
                        device, blocks, threads_per_block):  # fmt: skip
@@ -250,21 +261,31 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
         assert len(out_types) == len(outs_ndim)
         assert all(node.device == "gpu" for node in inputs), run_fn.__name__
         calls.append(run_fn.__name__)
+        out_dtypes.append(out_types)
         outs = [fn.copy(inputs[0]) for _ in out_types]
         return outs[0] if len(outs) == 1 else outs
 
     monkeypatch.setattr(cuda_kernels, "numba_function", numba_function)
+
+    class DeclaredOnDevice(HostBackend):
+        on_device = True  # declare the CUDA graph; nothing runs
+
     src = GpuBatchSource(
-        ds, _sampler(), output=output, obs=[], return_index=True, backend=HostBackend()
+        ds, _sampler(), output=output, obs=[], return_index=True, backend=DeclaredOnDevice()
     )
-    _, names, views = build_gpu_pipeline(src, device_id=0, dtype=dtype)
+    _, names = build_gpu_pipeline(src, device_id=0, dtype=dtype)
     want = ["X_data", "X_indices", "X_indptr"] if output == "csr" else ["X"]
     assert names == [*want, "index"]
-    assert views == ({"X": "bfloat16"} if dtype == "bfloat16" and output == "dense" else {})
     op = {"csr": "gather_csr_rows", "dense": "gather_dense_rows"}[ds.layout]
     if ds.layout == "csr" and output == "dense":
         op = "densify_csr_shared"
     assert calls[0] == op
+    if ds.dtype == np.float16:  # float16 rows are gathered as their bits, cast after
+        assert out_dtypes[0] == [types.UINT16]
+    elif ds.layout == "dense":
+        assert out_dtypes[0] == [types.FLOAT]
+    bf16 = dtype == "bfloat16" and output == "dense"
+    assert ("float32_bits_to_bfloat16_bits" in calls) == bf16
     src.close()
 
 
@@ -300,14 +321,14 @@ def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
         ds, _sampler(), output=output, obs=["cell_type"], return_index=True, device_id=0
     )
     gpu_src.bind_epoch(0, 0)
-    gpu_pipe, gpu_names, views = build_gpu_pipeline(gpu_src, device_id=0, dtype=dtype)
+    gpu_pipe, gpu_names = build_gpu_pipeline(gpu_src, device_id=0, dtype=dtype)
     assert sorted(cpu_names) == sorted(gpu_names)
     for a, b in zip(
         DaliEpochIterator(cpu_pipe, cpu_names), DaliEpochIterator(gpu_pipe, gpu_names), strict=True
     ):
         for name in cpu_names:
             want = torch.from_dlpack(a[name])
-            got = to_torch(b[name], views.get(name))
+            got = to_torch(b[name], "bfloat16" if name == "X" and dtype == "bfloat16" else None)
             assert got.is_cuda
             if name == "X" and dtype == "bfloat16":
                 want = want.to(torch.bfloat16)

@@ -314,9 +314,14 @@ def test_force_zarr_path_gives_same_batches(sc_store: Path, tmp_path: Path) -> N
 
 
 def test_device_auto_says_which_path(sc_store: Path, caplog) -> None:
-    with caplog.at_level("WARNING", logger="dali_zarr.loader"):
+    from dali_zarr.graph.gpu_pipeline import gpu_status
+
+    usable, found = gpu_status()
+    with caplog.at_level("INFO", logger="dali_zarr.loader"):
         loader = dz.Loader(dz.open_dataset(sc_store), sampler(), device="auto")
-    assert loader.device == "cpu"
-    assert "CPU path" in caplog.text and "device='auto'" in caplog.text
-    with pytest.raises(dz.ConfigError, match="device='gpu'"):
-        dz.Loader(dz.open_dataset(sc_store), sampler(), device="gpu")
+    assert loader.device == ("gpu" if usable else "cpu")
+    assert loader.device_reason == found and f"{found} for device='auto'" in caplog.text
+    if not usable:
+        assert "CPU path" in found
+        with pytest.raises(dz.ConfigError, match="device='gpu' but the GPU path is not usable"):
+            dz.Loader(dz.open_dataset(sc_store), sampler(), device="gpu")

@@ -1,4 +1,4 @@
-"""The GPU graph (``device="gpu"``), ready to be wired into the Loader.
+"""The GPU graph: what ``Loader(device="gpu")`` builds.
 
 Same shape as the CPU path (:mod:`dali_zarr.graph.pipeline`): one DALI sample is one whole
 minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the window through
@@ -24,9 +24,10 @@ costs the reader thread a wait, never the consumer). ``prefetch_windows +
 prefetch_queue_depth + 3`` slots cover the windows being read ahead, the current one and
 every window DALI may still hold, so the reader never waits on the consumer for a slot.
 
-Only the host-side logic of this module (the source, the ring, the window reader with a
-NumPy backend) runs in CI; the graph and the CUDA backend need a GPU and have not been run
-(see README "GPU path").
+With a :class:`HostBackend` the same source, ring and graph run on DALI's CPU backend with
+the CPU kernels: that is how CI tests this module end to end without a GPU. The CUDA
+backend and the CUDA kernels inside DALI need a GPU and have not been run yet (see README
+"GPU path").
 """
 
 from __future__ import annotations
@@ -36,15 +37,25 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
-from nvidia.dali import fn, types
+from nvidia.dali import fn
 from nvidia.dali.pipeline import Pipeline
 
 from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset
+from dali_zarr.errors import ConfigError
 from dali_zarr.graph import cuda_kernels, kernels
-from dali_zarr.graph.source import BatchSource, Output, Planner, Window
+from dali_zarr.graph.pipeline import Transform, convert_x, dense_to_float32, output_dtype_name
+from dali_zarr.graph.source import (
+    BatchSource,
+    Output,
+    Planner,
+    Window,
+    as_window_array,
+    window_dtype,
+)
 from dali_zarr.io import DirectReader
 from dali_zarr.io.gpu import (
     NotPlannable,
@@ -56,11 +67,7 @@ from dali_zarr.io.gpu import (
 )
 from dali_zarr.planning.partition import ranges_to_rows
 
-Transform = Callable[[dict], dict]
 ALIGN = 256
-
-#: output dtypes offered on the GPU; "bfloat16" comes out as uint16 bits to be viewed.
-GPU_OUTPUT_DTYPES = ("float32", "float16", "float64", "bfloat16")
 
 
 # ---------------------------------------------------------------------------- host helpers
@@ -98,12 +105,18 @@ class _Backend:
         return buf[offset : offset + n].view(dtype).reshape(shape)
 
     def read_array(self, reader: Any, ranges: np.ndarray, out: Any) -> None:
+        """Rows ``ranges`` of ``reader`` into ``out``, bit for bit (``out`` may be the uint16
+        view of a float16 array: see :func:`~dali_zarr.graph.source.window_dtype`)."""
         try:
             plan = plan_rows(reader, ranges)
         except NotPlannable:
-            self.upload(np.ascontiguousarray(reader.read_rows(ranges)), out)
+            host = np.ascontiguousarray(reader.read_rows(ranges))
+            self.upload(host.view(out.dtype) if host.dtype != out.dtype else host, out)
             return
-        self.run_plan(plan, reader, out.reshape(plan.out_shape))
+        target = out.reshape(plan.out_shape)
+        self.run_plan(
+            plan, reader, target.view(plan.dtype) if target.dtype != plan.dtype else target
+        )
 
     def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
         raise NotImplementedError
@@ -120,6 +133,7 @@ class HostBackend(_Backend):
     """
 
     name = "host"
+    on_device = False  # the graph runs on DALI's CPU backend with the CPU kernels
 
     def alloc(self, nbytes: int) -> np.ndarray:
         return np.empty(max(nbytes, 1), dtype=np.uint8)
@@ -147,6 +161,7 @@ class CudaBackend(_Backend):
     """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only)."""
 
     name = "cuda"
+    on_device = True
 
     def __init__(self, device_id: int = 0) -> None:
         import cupy
@@ -302,7 +317,9 @@ class DeviceWindowReader:
         self.backend = backend
         self.csr = _csr_parts(dataset)
         self.dense = _dense_reader(dataset)
-        self.dtype = np.dtype(dataset.dtype).newbyteorder("=")
+        self.dtype = window_dtype(dataset.layout, dataset.dtype)
+        if self.csr is not None and self.dtype != np.dtype(dataset.dtype).newbyteorder("="):
+            self.csr = None  # float16 CSR data is widened on the host (read_generic)
         self.index_dtype = np.dtype(dataset.index_dtype)
 
     def layout(self, ranges: np.ndarray) -> tuple[list[tuple[str, tuple, np.dtype, int]], Any]:
@@ -365,13 +382,14 @@ class DeviceWindowReader:
         rows = self.dataset.read_rows(ranges)
         if self.dataset.layout == "csr":
             host = [
-                np.ascontiguousarray(rows.data, dtype=self.dtype),
+                as_window_array(rows.data, "csr", self.dataset.dtype),
                 np.ascontiguousarray(rows.indices, dtype=self.index_dtype),
                 np.ascontiguousarray(rows.indptr, dtype=np.int64),
             ]
             host_indptr = host[2]
         else:
-            host = [np.ascontiguousarray(rows.values, self.dtype).reshape(rows.n_rows, -1)]
+            values = rows.values.reshape(rows.n_rows, -1)
+            host = [as_window_array(values, "dense", self.dataset.dtype)]
             host_indptr = None
         layout, offset = [], 0
         for a in host:
@@ -572,7 +590,7 @@ def _host_layout(source: GpuBatchSource) -> list[tuple[np.dtype, int]]:
 
 def _device_layout(source: GpuBatchSource) -> list[tuple[np.dtype, int]]:
     ds = source.dataset
-    data = np.dtype(ds.dtype).newbyteorder("=")
+    data = window_dtype(ds.layout, ds.dtype)
     fixed = {
         "data": (data, 1),
         "indices": (np.dtype(ds.index_dtype), 1),
@@ -580,6 +598,68 @@ def _device_layout(source: GpuBatchSource) -> list[tuple[np.dtype, int]]:
         "values": (data, 2),
     }
     return [fixed[n] for n in source.device_names]
+
+
+@dataclass(frozen=True)
+class _Ops:
+    """The graph's ops on the device its source keeps windows on.
+
+    The CUDA backend gets the numba.cuda twins (one launch per minibatch each) and moves the
+    small host inputs over with ``.gpu()``. The host backend gets the CPU kernels on the same
+    inputs: that is how CI runs this graph, its two sources and the ring under a real DALI
+    pipeline without a GPU.
+    """
+
+    on_gpu: bool
+    blocks: int = cuda_kernels.DEFAULT_BLOCKS
+    threads: int = cuda_kernels.DEFAULT_THREADS
+
+    @property
+    def device(self) -> str:
+        return "gpu" if self.on_gpu else "cpu"
+
+    def to_device(self, node):
+        return node.gpu() if self.on_gpu else node
+
+    @property
+    def _launch(self) -> dict:
+        return {"blocks": self.blocks, "threads": self.threads}
+
+    def densify_csr(self, pos, data, indices, indptr, **kw):
+        if self.on_gpu:
+            return cuda_kernels.densify_csr_gpu(pos, data, indices, indptr, **kw, **self._launch)
+        return kernels.densify_csr(pos, data, indices, indptr, **kw)
+
+    def gather_csr(self, nnz_hint, batch_indptr, pos, data, indices, indptr, **kw):
+        if self.on_gpu:
+            return cuda_kernels.gather_csr_gpu(
+                nnz_hint, batch_indptr, pos, data, indices, indptr, **kw, **self._launch
+            )
+        # the CPU kernel computes the batch's row starts itself
+        return kernels.gather_csr(nnz_hint, pos, data, indices, indptr, **kw)
+
+    def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype):
+        """Rows ``pos`` as float32 (the CUDA kernel casts as it copies, except float16,
+        whose bits it copies for DALI to reinterpret and cast)."""
+        wire = window_dtype("dense", stored)
+        if not self.on_gpu:
+            x = kernels.gather_dense(pos, values, n_features=n_features, dtype=wire)
+            return dense_to_float32(x, stored)
+        bits = wire != np.dtype(stored).newbyteorder("=")
+        x = cuda_kernels.gather_dense_gpu(
+            pos, values, n_features=n_features, dtype=wire,
+            out_dtype=wire if bits else np.float32, **self._launch,
+        )  # fmt: skip
+        return dense_to_float32(x, stored) if bits else x
+
+    def to_bfloat16_bits(self, n_features: int) -> Callable:
+        if self.on_gpu:
+            return partial(cuda_kernels.to_bfloat16_bits_gpu, **self._launch)
+        return partial(kernels.to_bfloat16_bits, n_features=n_features)
+
+
+def _ops(source: GpuBatchSource, blocks: int, threads: int) -> _Ops:
+    return _Ops(on_gpu=source.backend.on_device, blocks=blocks, threads=threads)
 
 
 def build_gpu_graph(
@@ -592,8 +672,10 @@ def build_gpu_graph(
 
     Returns the named output nodes, all on the GPU: ``X`` float32 ``[B, *features]`` (or
     ``X_data``/``X_indices``/``X_indptr`` for ``output="csr"``), obs columns, ``index``.
+    (With a :class:`HostBackend` source the same graph runs on DALI's CPU backend.)
     """
     ds = source.dataset
+    ops = _ops(source, blocks, threads)
     host_layout, dev_layout = _host_layout(source), _device_layout(source)
     host_nodes = fn.external_source(
         source=source.host_source,
@@ -606,7 +688,7 @@ def build_gpu_graph(
     )
     dev_nodes = fn.external_source(
         source=source.device_source,
-        device="gpu",
+        device=ops.device,
         batch=True,
         batch_info=True,
         num_outputs=len(dev_layout),
@@ -616,120 +698,85 @@ def build_gpu_graph(
     )
     node = dict(zip(source.host_names, host_nodes, strict=True))
     node.update(zip(source.device_names, dev_nodes, strict=True))
-    launch = {"blocks": blocks, "threads": threads}
-    pos = node["pos"].gpu()
+    pos = ops.to_device(node["pos"])
+    csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
     out: dict = {}
     if ds.layout == "csr" and source.output == "csr":
-        out["X_data"], out["X_indices"], out["X_indptr"] = cuda_kernels.gather_csr_gpu(
-            node["nnz_hint"].gpu(),
-            node["batch_indptr"].gpu(),
+        out["X_data"], out["X_indices"], out["X_indptr"] = ops.gather_csr(
+            ops.to_device(node["nnz_hint"]),
+            ops.to_device(node["batch_indptr"]),
             pos,
             node["data"],
             node["indices"],
             node["indptr"],
-            data_dtype=ds.dtype,
-            index_dtype=ds.index_dtype,
-            **launch,
+            **csr_types,
         )
     elif ds.layout == "csr":
-        out["X"] = cuda_kernels.densify_csr_gpu(
+        out["X"] = ops.densify_csr(
             pos,
             node["data"],
             node["indices"],
             node["indptr"],
             n_features=ds.n_features,
-            data_dtype=ds.dtype,
-            index_dtype=ds.index_dtype,
-            **launch,
+            **csr_types,
         )
     else:
-        x = cuda_kernels.gather_dense_gpu(
-            pos,
-            node["values"],
-            n_features=ds.n_features,
-            dtype=ds.dtype,
-            out_dtype=np.float32,
-            **launch,
-        )
+        x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
         if len(ds.feature_shape) != 1:
             x = fn.reshape(x, shape=[-1, *ds.feature_shape])
         out["X"] = x
     for name in source.obs:
-        out[name] = node[name].gpu()
+        out[name] = ops.to_device(node[name])
     if source.return_index:
-        out["index"] = node["index"].gpu()
+        out["index"] = ops.to_device(node["index"])
     return out
-
-
-def convert_x(x, dtype: str, n_features: int, feature_shape: tuple[int, ...], **launch):
-    """float32 ``X`` → the requested dtype on the GPU (one launch); returns (node, view).
-
-    ``view`` is the dtype the framework must view the output as (``"bfloat16"`` for the
-    uint16 bits of a bfloat16 output), or None.
-    """
-    if dtype == "float32":
-        return x, None
-    if dtype == "float16":
-        return fn.cast(x, dtype=types.FLOAT16), None
-    if dtype == "float64":
-        return fn.cast(x, dtype=types.FLOAT64), None
-    if dtype == "bfloat16":
-        bits = fn.reinterpret(x, dtype=types.UINT32)
-        if len(feature_shape) != 1:
-            bits = fn.reshape(bits, shape=[-1, n_features])
-        half = cuda_kernels.to_bfloat16_bits_gpu(bits, **launch)
-        if len(feature_shape) != 1:
-            half = fn.reshape(half, shape=[-1, *feature_shape])
-        return half, "bfloat16"
-    raise TypeError(f"dtype={dtype!r} is not offered on the GPU; use one of {GPU_OUTPUT_DTYPES}.")
 
 
 def build_gpu_pipeline(
     source: GpuBatchSource,
     *,
-    device_id: int,
-    dtype: str = "float32",
+    device_id: int | None,
+    dtype: Any = "float32",
     num_threads: int = 2,
     prefetch_queue_depth: int = 2,
     transform: Transform | None = None,
+    enable_checkpointing: bool = False,
+    checkpoint: bytes | str | None = None,
     blocks: int = cuda_kernels.DEFAULT_BLOCKS,
     threads: int = cuda_kernels.DEFAULT_THREADS,
-) -> tuple[Pipeline, list[str], dict[str, str]]:
-    """A GPU DALI pipeline yielding one minibatch per iteration: (pipe, names, views).
+) -> tuple[Pipeline, list[str]]:
+    """A GPU DALI pipeline yielding one minibatch per iteration, and its output names.
 
-    ``views`` maps output names to the dtype they must be viewed as (bfloat16 bits).
-    ``prefetch_queue_depth`` must be the value the source's ring was sized for.
+    Same contract as :func:`dali_zarr.graph.pipeline.build_pipeline` (``dtype``, ``transform``,
+    checkpointing), with every output on device ``device_id``. ``prefetch_queue_depth`` must
+    be the value the source's ring was sized for. ``device_id`` is ignored (None: a CPU
+    pipeline) for a source with a :class:`HostBackend`.
     """
-    dtype = str(np.dtype(dtype)) if dtype != "bfloat16" else dtype
-    if dtype not in GPU_OUTPUT_DTYPES:
-        raise TypeError(f"dtype={dtype!r} is not offered on the GPU; use {GPU_OUTPUT_DTYPES}.")
+    want = output_dtype_name(dtype)
+    if not source.backend.on_device:
+        device_id = None
+    elif device_id is None:
+        raise ConfigError("build_gpu_pipeline needs the device_id of the source's GPU")
     pipe = Pipeline(
         batch_size=1,
         num_threads=num_threads,
         device_id=device_id,
         prefetch_queue_depth=prefetch_queue_depth,
         exec_dynamic=True,
+        enable_checkpointing=enable_checkpointing,
+        checkpoint=checkpoint,
     )
-    views: dict[str, str] = {}
+    ds = source.dataset
     with pipe:
         outputs = build_gpu_graph(source, blocks=blocks, threads=threads)
         if transform is not None:
             outputs = transform(dict(outputs))
-        if "X" in outputs and dtype != "float32":
-            ds = source.dataset
-            outputs["X"], view = convert_x(
-                outputs["X"],
-                dtype,
-                ds.n_features,
-                ds.feature_shape,
-                blocks=blocks,
-                threads=threads,
-            )
-            if view:
-                views["X"] = view
+        if "X" in outputs:  # last, so user ops compute in float32
+            to_bf16 = _ops(source, blocks, threads).to_bfloat16_bits(ds.n_features)
+            outputs["X"] = convert_x(outputs["X"], want, ds.feature_shape, to_bf16)
         names = list(outputs)
         pipe.set_outputs(*outputs.values())
-    return pipe, names, views
+    return pipe, names
 
 
 def to_torch(tensor: Any, view: str | None = None):

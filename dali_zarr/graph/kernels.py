@@ -80,6 +80,27 @@ def _gather_dense_rows(out, pos, values):
         out[i, :] = values[pos[i], :]
 
 
+def _float32_bits_to_bfloat16_bits(out, bits):
+    """out = bfloat16 bits of float32 ``bits`` (2-D), round to nearest even, NaN kept quiet.
+
+    The same rounding as the GPU twin (cuda_kernels.float32_bits_to_bfloat16_bits) and as
+    torch's ``.to(torch.bfloat16)``.
+    """
+    sign_off = np.uint32(0x7FFFFFFF)
+    inf = np.uint32(0x7F800000)
+    quiet = np.uint32(0x40)
+    half = np.uint32(0x7FFF)
+    one = np.uint32(1)
+    shift = np.uint32(16)
+    for i in range(bits.shape[0]):
+        for c in range(bits.shape[1]):
+            u = bits[i, c]
+            if (u & sign_off) > inf:
+                out[i, c] = np.uint16((u >> shift) | quiet)
+            else:
+                out[i, c] = np.uint16((u + half + ((u >> shift) & one)) >> shift)
+
+
 # --- setup functions: output shapes from input shapes ---------------------------------------
 
 
@@ -109,6 +130,7 @@ _RUN_FNS: dict[str, Callable] = {
     "densify_csr": _densify_csr_rows,
     "gather_csr": _gather_csr_rows,
     "gather_dense": _gather_dense_rows,
+    "to_bfloat16_bits": _float32_bits_to_bfloat16_bits,
 }
 
 
@@ -175,3 +197,13 @@ def gather_dense(pos, values, *, n_features: int, dtype):
         (1, 2),
     )
     return op(pos, values)
+
+
+def to_bfloat16_bits(bits, *, n_features: int):
+    """DALI op: uint16 bfloat16 bits of a 2-D float32 batch given as uint32 (``fn.reinterpret``).
+
+    DALI has no bfloat16 type: the bits leave DALI as uint16 and the framework adapter views
+    them as bfloat16 (no copy).
+    """
+    op = _numba_op("to_bfloat16_bits", n_features, (types.UINT16,), (types.UINT32,), (2,), (2,))
+    return op(bits)

@@ -7,23 +7,63 @@ emit); ``pipelines/`` has an example.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline
 
 from dali_zarr.graph import kernels
-from dali_zarr.graph.source import BatchSource
+from dali_zarr.graph.source import BatchSource, window_dtype
 
 Transform = Callable[[dict], dict]
 
-# DALI ops can cast to these; numba cannot write float16, so half outputs are a cast.
-_OUTPUT_DTYPES = {
-    np.dtype(np.float32): types.FLOAT,
-    np.dtype(np.float16): types.FLOAT16,
-    np.dtype(np.float64): types.FLOAT64,
-}
+#: dtypes ``X`` can leave the pipeline in. Numba cannot write float16, so half outputs are a
+#: cast after our ops; DALI has no bfloat16, so "bfloat16" leaves as its uint16 bits, which
+#: the framework adapter views as bfloat16 (see :func:`convert_x`).
+OUTPUT_DTYPES = ("float32", "float16", "float64", "bfloat16")
+_CASTS = {"float16": types.FLOAT16, "float64": types.FLOAT64}
+
+
+def output_dtype_name(dtype: Any) -> str:
+    """``dtype`` (NumPy, torch or a name) as one of :data:`OUTPUT_DTYPES`; TypeError if none."""
+    name = str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype
+    if name != "bfloat16":
+        with contextlib.suppress(TypeError):  # "f4", np.float32 → "float32"
+            name = str(np.dtype(name))
+    if name not in OUTPUT_DTYPES:
+        raise TypeError(f"dtype={dtype} is not offered; use one of {', '.join(OUTPUT_DTYPES)}.")
+    return name
+
+
+def convert_x(x, dtype: str, feature_shape: tuple[int, ...], to_bfloat16_bits: Callable):
+    """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`).
+
+    ``to_bfloat16_bits`` is the device's op from 2-D uint32 bits to uint16 bfloat16 bits
+    (:func:`kernels.to_bfloat16_bits` on the CPU, its CUDA twin on the GPU).
+    """
+    if dtype == "float32":
+        return x
+    if dtype in _CASTS:
+        return fn.cast(x, dtype=_CASTS[dtype])
+    bits = fn.reinterpret(x, dtype=types.UINT32)
+    if len(feature_shape) != 1:
+        bits = fn.reshape(bits, shape=[-1, int(np.prod(feature_shape))])
+    out = to_bfloat16_bits(bits)
+    if len(feature_shape) != 1:
+        out = fn.reshape(out, shape=[-1, *feature_shape])
+    return out
+
+
+def dense_to_float32(x, stored: np.dtype):
+    """Gathered dense rows (in :func:`window_dtype` of ``stored``) → float32."""
+    stored = np.dtype(stored)
+    if stored == np.float16:  # the gather moved float16 bits as uint16
+        return fn.cast(fn.reinterpret(x, dtype=types.FLOAT16), dtype=types.FLOAT)
+    return x if stored == np.float32 else fn.cast(x, dtype=types.FLOAT)
 
 
 def _source_layout(source: BatchSource) -> list[tuple[np.dtype, int]]:
@@ -31,11 +71,11 @@ def _source_layout(source: BatchSource) -> list[tuple[np.dtype, int]]:
     ds = source.dataset
     fixed = {
         "pos": (np.dtype(np.int64), 1),
-        "data": (ds.dtype.newbyteorder("="), 1),
+        "data": (window_dtype("csr", ds.dtype), 1),
         "indices": (np.dtype(ds.index_dtype), 1),
         "indptr": (np.dtype(np.int64), 1),
         "nnz_hint": (np.dtype(np.uint8), 2),
-        "values": (ds.dtype.newbyteorder("="), 2),
+        "values": (window_dtype("dense", ds.dtype), 2),
         "index": (np.dtype(np.int64), 1),
     }
     return [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in source.names]
@@ -47,6 +87,7 @@ def build_graph(source: BatchSource) -> dict:
     ``X`` is float32 here (sparse output: the batch CSR in the stored dtypes).
     """
     ds = source.dataset
+    data_dtype = window_dtype(ds.layout, ds.dtype)
     layout = _source_layout(source)
     nodes = fn.external_source(
         source=source,
@@ -66,7 +107,7 @@ def build_graph(source: BatchSource) -> dict:
             node["data"],
             node["indices"],
             node["indptr"],
-            data_dtype=ds.dtype,
+            data_dtype=data_dtype,
             index_dtype=ds.index_dtype,
         )
     elif ds.layout == "csr":
@@ -76,18 +117,17 @@ def build_graph(source: BatchSource) -> dict:
             node["indices"],
             node["indptr"],
             n_features=ds.n_features,
-            data_dtype=ds.dtype,
+            data_dtype=data_dtype,
             index_dtype=ds.index_dtype,
         )
     else:
         x = kernels.gather_dense(
-            node["pos"], node["values"], n_features=ds.n_features, dtype=ds.dtype
+            node["pos"], node["values"], n_features=ds.n_features, dtype=data_dtype
         )
+        x = dense_to_float32(x, ds.dtype)  # user ops then see float32 X
         if len(ds.feature_shape) != 1:
             x = fn.reshape(x, shape=[-1, *ds.feature_shape])
         out["X"] = x
-    if "X" in out and ds.layout == "dense" and ds.dtype != np.float32:
-        out["X"] = fn.cast(out["X"], dtype=types.FLOAT)  # user ops then see float32 X
     for name in source.obs:
         out[name] = node[name]
     if source.return_index:
@@ -98,7 +138,7 @@ def build_graph(source: BatchSource) -> dict:
 def build_pipeline(
     source: BatchSource,
     *,
-    dtype: np.dtype | str = "float32",
+    dtype: Any = "float32",
     device_id: int | None = None,
     num_threads: int = 2,
     prefetch_queue_depth: int = 2,
@@ -107,6 +147,9 @@ def build_pipeline(
     checkpoint: bytes | str | None = None,
 ) -> tuple[Pipeline, list[str]]:
     """A DALI pipeline yielding one minibatch per iteration, and its output names.
+
+    ``dtype`` of ``X``: float32, float16, float64 or bfloat16 (which leaves DALI as uint16
+    bits; view them, e.g. ``torch_tensor.view(torch.bfloat16)``).
 
     ``device_id=None`` builds a CPU-only pipeline (no CUDA needed). ``enable_checkpointing``
     and ``checkpoint`` are DALI's own (``pipe.checkpoint()`` saves, ``checkpoint=`` restores
@@ -121,15 +164,15 @@ def build_pipeline(
         enable_checkpointing=enable_checkpointing,
         checkpoint=checkpoint,
     )
-    want = np.dtype(dtype)
-    if want not in _OUTPUT_DTYPES:
-        raise TypeError(f"dtype={want} is not offered; use float32, float16 or float64.")
+    want = output_dtype_name(dtype)
+    ds = source.dataset
     with pipe:
         outputs = build_graph(source)
         if transform is not None:
             outputs = transform(dict(outputs))
-        if "X" in outputs and want != np.float32:  # last, so user ops compute in float32
-            outputs["X"] = fn.cast(outputs["X"], dtype=_OUTPUT_DTYPES[want])
+        if "X" in outputs:  # last, so user ops compute in float32
+            to_bf16 = partial(kernels.to_bfloat16_bits, n_features=ds.n_features)
+            outputs["X"] = convert_x(outputs["X"], want, ds.feature_shape, to_bf16)
         names = list(outputs)
         pipe.set_outputs(*outputs.values())
     return pipe, names

@@ -42,6 +42,30 @@ class Window:
     global_rows: np.ndarray  # window-local position -> global observation id
 
 
+def window_dtype(layout: str, stored: np.dtype) -> np.dtype:
+    """The dtype a window's values cross into DALI with.
+
+    DALI's numba plugin takes no float16. Dense float16 windows go as their uint16 bits (the
+    row gather only copies them; the graph reinterprets the gathered bits as float16 and
+    casts to float32 after it). CSR float16 data is widened to float32 when the window is
+    read, since densify adds values.
+    """
+    stored = np.dtype(stored).newbyteorder("=")
+    if stored == np.float16:
+        return np.dtype(np.uint16) if layout == "dense" else np.dtype(np.float32)
+    return stored
+
+
+def as_window_array(values: np.ndarray, layout: str, stored: np.dtype) -> np.ndarray:
+    """``values`` (a window's data or values) as :func:`window_dtype` of ``stored``."""
+    stored = np.dtype(stored).newbyteorder("=")
+    wire = window_dtype(layout, stored)
+    native = np.ascontiguousarray(values, dtype=stored)
+    if wire.itemsize == stored.itemsize and wire.kind != stored.kind:
+        return native.view(wire)  # float16 as its bits: no copy
+    return native.astype(wire, copy=False)
+
+
 def source_names(layout: str, output: Output, obs: list[str], return_index: bool) -> list[str]:
     """Names of the callback's outputs, in order (the DALI graph unpacks them by name)."""
     if layout == "csr":
@@ -199,14 +223,14 @@ class BatchSource:
         rows = self.dataset.read_rows(window_plan.row_ranges)
         if isinstance(rows, CsrRows):
             arrays: tuple[np.ndarray, ...] = (
-                np.ascontiguousarray(rows.data, dtype=self.dataset.dtype.newbyteorder("=")),
+                as_window_array(rows.data, "csr", self.dataset.dtype),
                 np.ascontiguousarray(rows.indices, dtype=self.dataset.index_dtype),
                 np.ascontiguousarray(rows.indptr, dtype=np.int64),
             )
         else:
             assert isinstance(rows, DenseRows)
             values = rows.values.reshape(rows.n_rows, self.dataset.n_features)
-            arrays = (np.ascontiguousarray(values, dtype=self.dataset.dtype.newbyteorder("=")),)
+            arrays = (as_window_array(values, "dense", self.dataset.dtype),)
         return Window(window_plan, arrays, window_plan.global_rows())
 
     def close(self) -> None:

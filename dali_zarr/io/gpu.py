@@ -391,7 +391,7 @@ class GpuSupport:
     """What this process can use for the GPU path (:func:`probe_gpu`)."""
 
     cuda: bool
-    dali_gpu: bool
+    dali_gpu: bool  # DALI's GPU backend and cupy (our device buffers) see a device
     kvikio: bool
     gds: bool  # kvikio reads with GPUDirect Storage (False: compat mode, POSIX + copies)
     nvcomp: bool
@@ -421,6 +421,14 @@ def probe_gpu() -> GpuSupport:
         dali_gpu = False
     if cuda and not dali_gpu:
         why.append("DALI's GPU backend sees no device")
+    try:
+        import cupy
+
+        has_cupy = cuda and cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        has_cupy = False
+    if cuda and not has_cupy:
+        why.append("cupy (device buffers of the GPU path) is missing or sees no device")
     kvikio = gds = False
     try:
         import kvikio as _kvikio  # noqa: F401
@@ -438,7 +446,7 @@ def probe_gpu() -> GpuSupport:
         nvcomp = cuda
     except Exception:
         pass
-    return GpuSupport(cuda, dali_gpu, kvikio, gds, nvcomp, "; ".join(why))
+    return GpuSupport(cuda, dali_gpu and has_cupy, kvikio, gds, nvcomp, "; ".join(why))
 
 
 def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:

@@ -1,0 +1,274 @@
+"""``Loader(device="gpu")`` against ``Loader(device="cpu")``, batch for batch, same seed.
+
+Two ways to run the GPU path:
+
+* with ``gpu_backend=HostBackend()`` (here, in CI): the GPU path's two external sources,
+  its window reader and byte plans, its ring of reused buffers handed to DALI without a copy,
+  its graph and its dtype conversions run in a real DALI pipeline on DALI's CPU backend,
+  with the CPU kernels in place of their CUDA twins (those are checked against the CPU
+  kernels under the CUDA simulator in test_cuda_kernels.py);
+* on a CUDA device (``gpu`` marker, skipped without one): kvikio reads, nvCOMP decode and
+  the CUDA kernels, compared with the CPU path the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dali_zarr as dz
+from dali_zarr import synthetic
+from dali_zarr.graph.gpu_pipeline import HostBackend
+from tests.stores import compressors, make_data, needs_cuda, write
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+N_OBS = 613
+
+# (zarr format, codec, chunks per shard or None) of the stores compared
+STORES = [
+    pytest.param((3, "zstd", 8), id="v3-zstd-sharded"),
+    pytest.param((3, "none", None), id="v3-raw"),
+    pytest.param((3, "blosc", None), id="v3-blosc"),
+    pytest.param((2, "lz4", None), id="v2-lz4"),
+    pytest.param((2, "zstd", None), id="v2-zstd"),
+]
+
+
+def sampler(**overrides) -> dz.ChunkSampler:
+    # small windows: an epoch has ~20 windows, so the GPU path's ring (7 slots) is reused
+    settings = dict(chunk_size=16, preload_nchunks=3, batch_size=40, shuffle=True, seed=3)
+    settings.update(overrides)
+    return dz.ChunkSampler(**settings)
+
+
+def csr_store(root: Path, fmt: int, codec: str, shard: int | None) -> Path:
+    return synthetic.make_single_cell(
+        root / f"sc-{fmt}-{codec}-{shard}.zarr",
+        n_obs=N_OBS,
+        n_features=83,
+        zarr_format=fmt,
+        codec=codec,
+        chunk_elements=700,
+        shard_chunks=shard,
+    )
+
+
+def dense_store(root: Path, fmt: int, codec: str, shard: int | None, dtype="float32") -> Path:
+    path = root / f"cube-{fmt}-{codec}-{shard}-{dtype}.zarr"
+    data = make_data((N_OBS, 3, 7), dtype, 24, None if shard is None else 24 * shard)
+    write(
+        path,
+        data,
+        fmt=fmt,
+        chunks=(24, 3, 7),
+        shards=None if shard is None else (24 * shard, 3, 7),
+        compressors=compressors(codec, fmt),
+    )
+    return path
+
+
+def gpu_kwargs(where: str) -> dict:
+    if where == "host":
+        return {"device": "gpu", "gpu_backend": HostBackend()}
+    return {"device": "gpu", "device_id": 0}
+
+
+def assert_same_batches(cpu: dz.Loader, gpu: dz.Loader, epochs=(0, 1), where="host") -> int:
+    """Every batch of ``epochs`` equal (values, dtype, order); returns the batch count."""
+    n = 0
+    for epoch in epochs:
+        cpu.set_epoch(epoch)
+        gpu.set_epoch(epoch)
+        assert len(gpu) == len(cpu)
+        for want, got in zip(cpu, gpu, strict=True):
+            assert want.keys() == got.keys()
+            for name, value in want.items():
+                other = got[name]
+                if where == "cuda":
+                    assert other.is_cuda and other.device.index == gpu.device_id, name
+                if value.layout == torch.sparse_csr:
+                    assert other.layout == torch.sparse_csr and other.shape == value.shape
+                    for part in ("crow_indices", "col_indices", "values"):
+                        a, b = getattr(value, part)(), getattr(other, part)().cpu()
+                        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"{name}.{part}")
+                    continue
+                torch.testing.assert_close(other.cpu(), value, rtol=0, atol=0, msg=name)
+            n += 1
+    cpu.close()
+    gpu.close()
+    return n
+
+
+def both(ds, where: str, **kw) -> tuple[dz.Loader, dz.Loader]:
+    return dz.Loader(ds, sampler(), **kw), dz.Loader(ds, sampler(), **kw, **gpu_kwargs(where))
+
+
+WHERE = [
+    pytest.param("host", id="host-backend"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, needs_cuda]),
+]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_csr_store(tmp_path, where, store, output):
+    ds = dz.open_dataset(csr_store(tmp_path, *store))
+    cpu, gpu = both(ds, where, output=output, obs=["cell_type"], return_index=True)
+    assert assert_same_batches(cpu, gpu, where=where) > 2 * 13
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("store", STORES)
+def test_dense_store(tmp_path, where, store):
+    ds = dz.open_dataset(dense_store(tmp_path, *store))
+    cpu, gpu = both(ds, where, return_index=True)
+    assert_same_batches(cpu, gpu, where=where)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("stored", ["float16", "int16", "float64"])
+def test_dense_stored_dtypes_arrive_as_float32(tmp_path, where, stored):
+    ds = dz.open_dataset(dense_store(tmp_path, 3, "zstd", 4, dtype=stored))
+    cpu, gpu = both(ds, where, return_index=True)
+    assert_same_batches(cpu, gpu, epochs=(2,), where=where)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "float64"])
+def test_output_dtypes(tmp_path, where, dtype):
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    cpu, gpu = both(ds, where, dtype=dtype)
+    assert_same_batches(cpu, gpu, epochs=(0,), where=where)
+    cube = dz.open_dataset(dense_store(tmp_path, 3, "none", None))
+    cpu, gpu = both(cube, where, dtype=dtype)
+    assert_same_batches(cpu, gpu, epochs=(0,), where=where)
+
+
+def test_bfloat16_rounds_like_torch(tmp_path):
+    """The bfloat16 op (CPU; its CUDA twin is checked in test_cuda_kernels) rounds to nearest
+    even, as torch does: compare with torch's own conversion of the float32 batch."""
+    path = tmp_path / "odd.zarr"
+    rng = np.random.default_rng(1)
+    data = (rng.standard_normal((300, 11)) * 1e3).astype(np.float32)
+    data[0, :5] = [np.inf, -np.inf, np.nan, 3.4e38, -0.0]
+    write(path, data, chunks=(32, 11))
+    ds = dz.open_dataset(path)
+    f32 = dz.Loader(ds, sampler(), return_index=True)
+    b16 = dz.Loader(ds, sampler(), return_index=True, dtype=torch.bfloat16)
+    for a, b in zip(f32, b16, strict=True):
+        assert b["X"].dtype == torch.bfloat16
+        torch.testing.assert_close(
+            b["X"], a["X"].to(torch.bfloat16), rtol=0, atol=0, equal_nan=True
+        )
+
+
+def test_collection_and_subset_take_the_host_read_path(tmp_path):
+    a = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    b = dz.open_dataset(csr_store(tmp_path, 2, "lz4", None))
+    joined = dz.Collection([a, b])
+    cpu, gpu = both(joined, "host", return_index=True)
+    assert all("host read" in path for path in gpu.read_paths().values())
+    assert_same_batches(cpu, gpu, epochs=(1,))
+    half = dz.Subset(a, np.arange(0, N_OBS, 2))
+    cpu, gpu = both(half, "host", return_index=True)
+    assert_same_batches(cpu, gpu, epochs=(0,))
+
+
+def test_transform_runs_after_our_ops(tmp_path):
+    from nvidia.dali import math as dali_math
+
+    def log1p(outputs: dict) -> dict:
+        outputs["X"] = dali_math.log(outputs["X"] + 1.0)
+        return outputs
+
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    cpu, gpu = both(ds, "host", transform=log1p, dtype=torch.float16)
+    assert_same_batches(cpu, gpu, epochs=(0,))
+
+
+def test_resume_mid_epoch_and_leaving_a_loop_early(tmp_path):
+    """state_dict / load_state_dict, and a loop left early (DALI has prefetched into slots
+    of the ring) followed by the next epoch, give the CPU path's batches."""
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    first = dz.Loader(ds, sampler(), return_index=True, **gpu_kwargs("host"))
+    first.set_epoch(1)
+    for k, _ in enumerate(first):
+        if k == 6:
+            break
+    state = first.state_dict()
+    first.set_epoch(2)  # the loop left early: the rest of epoch 1 is dropped, epoch 2 is whole
+    rest_of_2 = [b["index"] for b in first]
+    first.close()
+    cpu = dz.Loader(ds, sampler(), return_index=True)
+    cpu.set_epoch(2)
+    np.testing.assert_array_equal(torch.cat(rest_of_2), torch.cat([b["index"] for b in cpu]))
+
+    resumed = dz.Loader(ds, sampler(), return_index=True, **gpu_kwargs("host"))
+    resumed.load_state_dict(state)
+    got = [b["index"] for b in resumed]
+    cpu.set_epoch(1)
+    want = [b["index"] for b in cpu][7:]
+    assert len(got) == len(want)
+    np.testing.assert_array_equal(torch.cat(got), torch.cat(want))
+
+
+def test_device_choice_is_reported(tmp_path, caplog):
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    with caplog.at_level("INFO", logger="dali_zarr.loader"):
+        host = dz.Loader(ds, sampler(), **gpu_kwargs("host"))
+    assert host.device == "gpu" and "host backend" in host.device_reason
+    assert set(host.read_paths().values()) == {"host-backend plan: zstd"}
+    assert "read paths" in caplog.text
+    cpu = dz.Loader(ds, sampler(), device="cpu")
+    assert cpu.device == "cpu" and cpu.device_id is None
+    with pytest.raises(dz.ConfigError, match="bfloat16"):
+        dz.Loader(ds, sampler(), dtype="int8")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_read_paths_name_gds_or_compat_and_nvcomp(tmp_path):
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    loader = dz.Loader(ds, sampler(), device="auto")
+    assert loader.device == "gpu" and loader.device_id == 0
+    for path in loader.read_paths().values():
+        assert path.startswith("gpu: ")
+        assert "GDS" in path or "compat" in path or "pread" in path
+    print(f"GPU read paths: {loader.read_paths()}; {loader.device_reason}")
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_float16_csr_data_is_widened(tmp_path, where, output):
+    import zarr
+
+    path = csr_store(tmp_path, 3, "zstd", None)
+    group = zarr.open_group(str(path), mode="r+")
+    data = group["X/data"][...]
+    half = group.create_array(
+        "X/data", shape=data.shape, dtype="float16", chunks=(500,), overwrite=True
+    )
+    half[...] = data.astype(np.float16)
+    ds = dz.open_dataset(path)
+    assert ds.dtype == np.float16
+    cpu, gpu = both(ds, where, output=output, return_index=True)
+    assert_same_batches(cpu, gpu, epochs=(0,), where=where)
+    ref = dz.Loader(ds, sampler(), output="dense", return_index=True)
+    for batch in ref:
+        np.testing.assert_array_equal(
+            batch["X"].numpy(), _dense(path)[batch["index"].numpy()].astype(np.float32)
+        )
+
+
+def _dense(path: Path) -> np.ndarray:
+    import scipy.sparse as sp
+    import zarr
+
+    x = zarr.open_group(str(path), mode="r")["X"]
+    parts = (x["data"][...].astype(np.float32), x["indices"][...], x["indptr"][...])
+    return sp.csr_matrix(parts, shape=tuple(x.attrs["shape"])).toarray()
