@@ -99,7 +99,9 @@ class ZarrDataModule(LightningDataModule):
     Sampling: ``chunk_size``, ``preload_nchunks``, ``batch_size`` (``eval_batch_size`` for
     val/test, default ``batch_size``), ``seed`` (the same on every rank; ``None`` draws one
     on rank 0 and broadcasts it), ``shard``. Loading: ``obs`` columns, ``output``,
-    ``return_index``, ``dtype``, and ``loader_kwargs`` for the other :class:`Loader`
+    ``return_index``, ``dtype``, ``device`` (``"auto"`` follows the trainer: the GPU path on
+    its CUDA device when usable, the CPU path for a CPU trainer), and ``loader_kwargs`` for
+    the other :class:`Loader`
     arguments (``num_threads``, ``prefetch_windows``, ``transform``, ...); ``open_kwargs``
     go to :func:`~dali_zarr.open_dataset`.
 
@@ -125,6 +127,7 @@ class ZarrDataModule(LightningDataModule):
         output: str = "dense",
         return_index: bool = False,
         dtype: Any = "float32",
+        device: str = "cpu",
         dist_info: DistInfo | None = None,
         loader_kwargs: Mapping[str, Any] | None = None,
         open_kwargs: Mapping[str, Any] | None = None,
@@ -157,6 +160,9 @@ class ZarrDataModule(LightningDataModule):
         self.output = output
         self.return_index = return_index
         self.dtype = dtype
+        if device not in ("cpu", "gpu", "auto"):
+            raise ConfigError(f"device={device!r}: use 'cpu', 'gpu' or 'auto'.")
+        self.device = device
         self.dist_info = dist_info
         self.loader_kwargs = dict(loader_kwargs or {})
         self.open_kwargs = dict(open_kwargs or {})
@@ -251,6 +257,18 @@ class ZarrDataModule(LightningDataModule):
         rank, world = resolve_rank_world(dist_info)
         return dist_info, rank, world
 
+    def _device(self) -> dict[str, Any]:
+        """The Loader's ``device`` (and ``device_id``): with "auto", the trainer's device."""
+        if self.device != "auto":
+            return {"device": self.device}
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        root = getattr(strategy, "root_device", None)
+        if root is None:
+            return {"device": "auto"}
+        if root.type != "cuda":
+            return {"device": "cpu"}  # a CPU model must not get CUDA batches
+        return {"device": "auto", "device_id": root.index}
+
     def _loader(self, split: str) -> Loader:
         dist_info, rank, world = self._rank_world()
         key = (split, rank, world)
@@ -289,6 +307,7 @@ class ZarrDataModule(LightningDataModule):
             output=self.output,  # type: ignore[arg-type]
             return_index=self.return_index,
             dtype=self.dtype,
+            **self._device(),
             # val/test: ranks may differ by a batch; safe because evaluation steps hold no
             # collective (the Loader refuses uneven counts under torch.distributed otherwise)
             **({} if train else {"allow_uneven_batches": True}),

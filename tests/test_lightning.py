@@ -231,3 +231,23 @@ def test_ddp_example_two_ranks(tmp_path: Path) -> None:
         assert log["val_loss"] == logs[0]["val_loss"]
     assert all(np.isfinite(logs[0]["val_loss"])) and all(np.isfinite(logs[0]["test_loss"]))
     assert logs[0]["train_loss"][1] < logs[0]["train_loss"][0], "loss falls"
+
+
+def test_device_auto_follows_the_trainer(split_store: str) -> None:
+    """A CPU trainer gets the CPU path even where a GPU is usable (its model is on the CPU)."""
+    from dali_zarr.graph.gpu_pipeline import gpu_status
+
+    dm = ZarrDataModule(data=split_store, chunk_size=32, preload_nchunks=8, device="auto")
+    dm.trainer = trainer(max_epochs=1)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert loader.device == "cpu" and loader.device_reason.endswith("(device='cpu')")
+    dm.teardown("fit")
+    alone = ZarrDataModule(data=split_store, chunk_size=32, preload_nchunks=8, device="auto")
+    alone.setup("fit")
+    usable, found = gpu_status()
+    loader = alone.train_dataloader()
+    assert loader.device == ("gpu" if usable else "cpu") and loader.device_reason == found
+    alone.teardown("fit")
+    with pytest.raises(dz.ConfigError, match="device='tpu'"):
+        ZarrDataModule(data=split_store, device="tpu")
