@@ -197,6 +197,9 @@ class CudaBackend(_Backend):
         with self.cp.cuda.Device(self.device_id):
             self.cp.cuda.runtime.deviceSynchronize()
 
+    def close(self) -> None:
+        self.executor.close()  # the kvikio file handles
+
     def path(self, reader: Any) -> str:
         return _plan_path(reader, "cuda", self.support)
 
@@ -564,6 +567,10 @@ class GpuBatchSource(BatchSource):
 
     def read_paths(self) -> dict[str, str]:
         return self.reader.read_paths()
+
+    def close(self) -> None:
+        super().close()
+        getattr(self.backend, "close", lambda: None)()
 
 
 def _holds(future, lease: Lease) -> bool:

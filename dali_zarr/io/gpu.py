@@ -543,9 +543,10 @@ class GpuPlanExecutor:
         return codec
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        with self._lock:  # after the plan being run, if any: its reads use these files
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
 
     # -- running a plan -------------------------------------------------------------------------
 
