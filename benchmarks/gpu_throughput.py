@@ -7,10 +7,10 @@ Needs a CUDA GPU (exits with a message otherwise). Writes a Tahoe-like AnnData s
 (cached under ``--out``/stores/, keyed by its parameters): ``--cells`` cells x ``--genes``
 genes (Tahoe-100M has 62,710), about ``--nnz-per-cell`` non-zeros per cell, anndata's zarr v3
 defaults (zstd, sharded), through ``benchmarks/contenders/stores.py`` (falls back to
-``dali_zarr.synthetic.make_single_cell`` when that script or anndata is absent). Then measures, after
-``--warmup`` batches, ``--batches`` batches of ``--batch-size`` rows (torch.cuda.synchronize()
-before the clock stops), and reports rows/s and GB/s of dense float32 ``[B, genes]`` on the
-GPU:
+``dali_zarr.synthetic.make_single_cell`` when that script or anndata is absent). Then
+measures, after ``--warmup`` batches, ``--batches`` batches of ``--batch-size`` rows
+(torch.cuda.synchronize() before the clock stops), and reports rows/s and GB/s of dense
+float32 ``[B, genes]`` on the GPU:
 
 * ``dali_zarr gpu``: ``Loader(device="gpu")`` (kvikio reads, nvCOMP decode, densify kernel
   in the DALI graph), batches as torch CUDA tensors (DLPack, no copy);
