@@ -35,6 +35,7 @@ def __getattr__(name: str) -> Any:
         return value
     raise AttributeError(f"module 'dali_zarr' has no attribute {name!r}")
 
+
 __all__ = [
     "ChunkReadError",
     "ChunkSampler",

@@ -47,7 +47,12 @@ from nvidia.dali.pipeline import Pipeline
 from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import cuda_kernels, kernels
-from dali_zarr.graph.pipeline import Transform, convert_x, dense_to_float32, output_dtype_name
+from dali_zarr.graph.pipeline import (
+    Transform,
+    assemble_pipeline,
+    dense_to_float32,
+    source_nodes,
+)
 from dali_zarr.graph.source import (
     BatchSource,
     Output,
@@ -585,28 +590,6 @@ def _holds(future, lease: Lease) -> bool:
 # ---------------------------------------------------------------------------- the graph
 
 
-def _host_layout(source: GpuBatchSource) -> list[tuple[np.dtype, int]]:
-    fixed = {
-        "pos": (np.dtype(np.int64), 1),
-        "nnz_hint": (np.dtype(np.uint8), 2),
-        "batch_indptr": (np.dtype(np.int64), 1),
-        "index": (np.dtype(np.int64), 1),
-    }
-    return [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in source.host_names]
-
-
-def _device_layout(source: GpuBatchSource) -> list[tuple[np.dtype, int]]:
-    ds = source.dataset
-    data = window_dtype(ds.layout, ds.dtype)
-    fixed = {
-        "data": (data, 1),
-        "indices": (np.dtype(ds.index_dtype), 1),
-        "indptr": (np.dtype(np.int64), 1),
-        "values": (data, 2),
-    }
-    return [fixed[n] for n in source.device_names]
-
-
 @dataclass(frozen=True)
 class _Ops:
     """The graph's ops on the device its source keeps windows on.
@@ -683,28 +666,8 @@ def build_gpu_graph(
     """
     ds = source.dataset
     ops = _ops(source, blocks, threads)
-    host_layout, dev_layout = _host_layout(source), _device_layout(source)
-    host_nodes = fn.external_source(
-        source=source.host_source,
-        batch=True,
-        batch_info=True,
-        num_outputs=len(host_layout),
-        dtype=[kernels.dali_type(d) for d, _ in host_layout],
-        ndim=[n for _, n in host_layout],
-        no_copy=True,
-    )
-    dev_nodes = fn.external_source(
-        source=source.device_source,
-        device=ops.device,
-        batch=True,
-        batch_info=True,
-        num_outputs=len(dev_layout),
-        dtype=[kernels.dali_type(d) for d, _ in dev_layout],
-        ndim=[n for _, n in dev_layout],
-        no_copy=True,  # the ring keeps slots intact until DALI is done with them
-    )
-    node = dict(zip(source.host_names, host_nodes, strict=True))
-    node.update(zip(source.device_names, dev_nodes, strict=True))
+    node = source_nodes(source, source.host_source, source.host_names)
+    node.update(source_nodes(source, source.device_source, source.device_names, ops.device))
     pos = ops.to_device(node["pos"])
     csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
     out: dict = {}
@@ -759,42 +722,22 @@ def build_gpu_pipeline(
     be the value the source's ring was sized for. ``device_id`` is ignored (None: a CPU
     pipeline) for a source with a :class:`HostBackend`.
     """
-    want = output_dtype_name(dtype)
     if not source.backend.on_device:
         device_id = None
     elif device_id is None:
         raise ConfigError("build_gpu_pipeline needs the device_id of the source's GPU")
-    pipe = Pipeline(
-        batch_size=1,
-        num_threads=num_threads,
+    return assemble_pipeline(
+        lambda: build_gpu_graph(source, blocks=blocks, threads=threads),
+        dataset=source.dataset,
+        to_bfloat16_bits=_ops(source, blocks, threads).to_bfloat16_bits(source.dataset.n_features),
+        dtype=dtype,
         device_id=device_id,
+        num_threads=num_threads,
         prefetch_queue_depth=prefetch_queue_depth,
-        exec_dynamic=True,
+        transform=transform,
         enable_checkpointing=enable_checkpointing,
         checkpoint=checkpoint,
     )
-    ds = source.dataset
-    with pipe:
-        outputs = build_gpu_graph(source, blocks=blocks, threads=threads)
-        if transform is not None:
-            outputs = transform(dict(outputs))
-        if "X" in outputs:  # last, so user ops compute in float32
-            to_bf16 = _ops(source, blocks, threads).to_bfloat16_bits(ds.n_features)
-            outputs["X"] = convert_x(outputs["X"], want, ds.feature_shape, to_bf16)
-        names = list(outputs)
-        pipe.set_outputs(*outputs.values())
-    return pipe, names
-
-
-def to_torch(tensor: Any, view: str | None = None):
-    """A DALI GPU output as a torch CUDA tensor without a copy, ordered on torch's current
-    stream (``torch.from_dlpack`` passes it to DALI, which makes that stream wait)."""
-    import torch
-
-    t = torch.from_dlpack(tensor)
-    if view == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t
 
 
 def default_device_id() -> int:

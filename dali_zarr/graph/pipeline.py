@@ -8,7 +8,7 @@ emit); ``pipelines/`` has an example.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -66,8 +66,13 @@ def dense_to_float32(x, stored: np.dtype):
     return x if stored == np.float32 else fn.cast(x, dtype=types.FLOAT)
 
 
-def _source_layout(source: BatchSource) -> list[tuple[np.dtype, int]]:
-    """(dtype, ndim) of every callback output, in ``source.names`` order."""
+def source_nodes(source: BatchSource, callback: Callable, names: Sequence[str], device="cpu"):
+    """``fn.external_source`` for the callback outputs ``names``, as ``{name: node}``.
+
+    The CPU source and the GPU source's two halves name their outputs alike, so one table
+    gives every output's (dtype, ndim). ``no_copy``: windows are ours and stay intact while
+    DALI may read them (the CPU source keeps them alive, the GPU ring retires slots late).
+    """
     ds = source.dataset
     fixed = {
         "pos": (np.dtype(np.int64), 1),
@@ -75,10 +80,22 @@ def _source_layout(source: BatchSource) -> list[tuple[np.dtype, int]]:
         "indices": (np.dtype(ds.index_dtype), 1),
         "indptr": (np.dtype(np.int64), 1),
         "nnz_hint": (np.dtype(np.uint8), 2),
+        "batch_indptr": (np.dtype(np.int64), 1),
         "values": (window_dtype("dense", ds.dtype), 2),
         "index": (np.dtype(np.int64), 1),
     }
-    return [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in source.names]
+    layout = [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in names]
+    nodes = fn.external_source(
+        source=callback,
+        device=device,
+        batch=True,
+        batch_info=True,
+        num_outputs=len(names),
+        dtype=[kernels.dali_type(d) for d, _ in layout],
+        ndim=[n for _, n in layout],
+        no_copy=True,
+    )
+    return dict(zip(names, nodes, strict=True))
 
 
 def build_graph(source: BatchSource) -> dict:
@@ -88,17 +105,7 @@ def build_graph(source: BatchSource) -> dict:
     """
     ds = source.dataset
     data_dtype = window_dtype(ds.layout, ds.dtype)
-    layout = _source_layout(source)
-    nodes = fn.external_source(
-        source=source,
-        batch=True,
-        batch_info=True,
-        num_outputs=len(source.names),
-        dtype=[kernels.dali_type(d) for d, _ in layout],
-        ndim=[n for _, n in layout],
-        no_copy=True,  # windows are ours and immutable; `source` keeps them alive
-    )
-    node = dict(zip(source.names, nodes, strict=True))
+    node = source_nodes(source, source, source.names)
     out: dict = {}
     if ds.layout == "csr" and source.output == "csr":
         out["X_data"], out["X_indices"], out["X_indptr"] = kernels.gather_csr(
@@ -155,6 +162,38 @@ def build_pipeline(
     and ``checkpoint`` are DALI's own (``pipe.checkpoint()`` saves, ``checkpoint=`` restores
     operator state such as the RNG of random ops in ``transform``).
     """
+    ds = source.dataset
+    to_bf16 = partial(kernels.to_bfloat16_bits, n_features=ds.n_features)
+    return assemble_pipeline(
+        lambda: build_graph(source),
+        dataset=ds,
+        to_bfloat16_bits=to_bf16,
+        dtype=dtype,
+        device_id=device_id,
+        num_threads=num_threads,
+        prefetch_queue_depth=prefetch_queue_depth,
+        transform=transform,
+        enable_checkpointing=enable_checkpointing,
+        checkpoint=checkpoint,
+    )
+
+
+def assemble_pipeline(
+    declare_graph: Callable[[], dict],
+    *,
+    dataset: Any,
+    to_bfloat16_bits: Callable,
+    dtype: Any,
+    device_id: int | None,
+    num_threads: int,
+    prefetch_queue_depth: int,
+    transform: Transform | None,
+    enable_checkpointing: bool,
+    checkpoint: bytes | str | None,
+) -> tuple[Pipeline, list[str]]:
+    """The pipeline around a graph (CPU or GPU): our ops, then ``transform``, then ``X``'s
+    dtype conversion last, so user ops compute in float32; returns (pipe, output names)."""
+    want = output_dtype_name(dtype)
     pipe = Pipeline(
         batch_size=1,  # one DALI sample is one whole minibatch
         num_threads=num_threads,
@@ -164,15 +203,12 @@ def build_pipeline(
         enable_checkpointing=enable_checkpointing,
         checkpoint=checkpoint,
     )
-    want = output_dtype_name(dtype)
-    ds = source.dataset
     with pipe:
-        outputs = build_graph(source)
+        outputs = declare_graph()
         if transform is not None:
             outputs = transform(dict(outputs))
-        if "X" in outputs:  # last, so user ops compute in float32
-            to_bf16 = partial(kernels.to_bfloat16_bits, n_features=ds.n_features)
-            outputs["X"] = convert_x(outputs["X"], want, ds.feature_shape, to_bf16)
+        if "X" in outputs:
+            outputs["X"] = convert_x(outputs["X"], want, dataset.feature_shape, to_bfloat16_bits)
         names = list(outputs)
         pipe.set_outputs(*outputs.values())
     return pipe, names
