@@ -131,3 +131,17 @@ def make_data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> n
     if shard0 is not None and shape[0] > 2 * shard0:
         data[2 * shard0 : 3 * shard0] = 0  # a whole missing shard
     return data
+
+
+def write_layout(
+    path, spec, *, fmt: int = 3, codec: str, sharded: bool = False, dtype=None, **kw
+) -> tuple[np.ndarray, zarr.Array]:
+    """:func:`make_data` written with ``spec = (shape, dtype, chunks, shards)``; ``shards`` is
+    used only when ``sharded``. Returns (data, the array opened read-only)."""
+    shape, spec_dtype, chunks, shards = spec
+    shards = shards if sharded else None
+    data = make_data(shape, dtype or spec_dtype, chunks[0], shards[0] if shards else None)
+    arr = write(
+        path, data, fmt=fmt, chunks=chunks, shards=shards, compressors=compressors(codec, fmt), **kw
+    )
+    return data, arr

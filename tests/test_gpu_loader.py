@@ -22,7 +22,7 @@ import torch
 import dali_zarr as dz
 from dali_zarr import synthetic
 from dali_zarr.graph.gpu_pipeline import HostBackend
-from tests.stores import compressors, make_data, needs_cuda, write
+from tests.stores import needs_cuda, write, write_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -59,15 +59,8 @@ def csr_store(root: Path, fmt: int, codec: str, shard: int | None) -> Path:
 
 def dense_store(root: Path, fmt: int, codec: str, shard: int | None, dtype="float32") -> Path:
     path = root / f"cube-{fmt}-{codec}-{shard}-{dtype}.zarr"
-    data = make_data((N_OBS, 3, 7), dtype, 24, None if shard is None else 24 * shard)
-    write(
-        path,
-        data,
-        fmt=fmt,
-        chunks=(24, 3, 7),
-        shards=None if shard is None else (24 * shard, 3, 7),
-        compressors=compressors(codec, fmt),
-    )
+    spec = ((N_OBS, 3, 7), dtype, (24, 3, 7), (24 * (shard or 1), 3, 7))
+    write_layout(path, spec, fmt=fmt, codec=codec, sharded=shard is not None)
     return path
 
 

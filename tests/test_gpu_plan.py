@@ -29,7 +29,7 @@ from dali_zarr.io.gpu import (
     plan_rows,
     probe_gpu,
 )
-from tests.stores import compressors, has_cuda, make_data, needs_cuda, random_ranges, write
+from tests.stores import compressors, has_cuda, needs_cuda, random_ranges, write, write_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -57,16 +57,10 @@ CASES = [
 
 @pytest.mark.parametrize(("fmt", "codec", "shape", "sharded"), CASES)
 def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
-    shp, dtype, chunks, shards = SHAPES[shape]
-    data = make_data(shp, dtype, chunks[0], shards[0] if sharded else None)
-    arr = write(
-        tmp_path / "a.zarr",
-        data,
-        fmt=fmt,
-        chunks=chunks,
-        shards=shards if sharded else None,
-        compressors=compressors(codec, fmt),
+    data, arr = write_layout(
+        tmp_path / "a.zarr", SHAPES[shape], fmt=fmt, codec=codec, sharded=sharded
     )
+    shp, _, chunks, _ = SHAPES[shape]
     reader = open_reader(arr, name="a")
     assert isinstance(reader, DirectReader)
     rng = np.random.default_rng(zlib.crc32(repr((fmt, codec, shape, sharded)).encode()))
@@ -226,16 +220,10 @@ def test_gpu_executor_matches_direct_reader(tmp_path, fmt, codec, sharded):
 
     from dali_zarr.io.gpu import GpuPlanExecutor
 
-    shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
-    data = make_data(shp, dtype, chunks[0], shards[0] if sharded else None)
-    arr = write(
-        tmp_path / "a.zarr",
-        data,
-        fmt=fmt,
-        chunks=chunks,
-        shards=shards if sharded else None,
-        compressors=compressors(codec, fmt),
+    _, arr = write_layout(
+        tmp_path / "a.zarr", SHAPES["3d-rowchunks"], fmt=fmt, codec=codec, sharded=sharded
     )
+    shp, _, chunks, _ = SHAPES["3d-rowchunks"]
     reader = open_reader(arr, name="a")
     executor = GpuPlanExecutor(0)
     rng = np.random.default_rng(0)
@@ -338,15 +326,8 @@ def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec,
         "copy_segments",
         lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
     )
-    shp, dtype, chunks, shards = SHAPES["3d-rowchunks"]
-    data = make_data(shp, dtype, chunks[0], shards[0] if sharded else None)
-    arr = write(
-        tmp_path / "a.zarr",
-        data,
-        chunks=chunks,
-        shards=shards if sharded else None,
-        compressors=compressors(codec, 3),
-    )
+    _, arr = write_layout(tmp_path / "a.zarr", SHAPES["3d-rowchunks"], codec=codec, sharded=sharded)
+    shp, _, chunks, _ = SHAPES["3d-rowchunks"]
     reader = open_reader(arr, name="a")
     executor = GpuPlanExecutor(0, max_open_files=2)
     rng = np.random.default_rng(3)

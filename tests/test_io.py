@@ -33,7 +33,7 @@ from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
 from dali_zarr.io import codecs as codecs_mod
 from dali_zarr.io import readers as readers_mod
-from tests.stores import compressors, make_data, random_ranges, write
+from tests.stores import compressors, make_data, random_ranges, write, write_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # zarr's numcodecs-in-v3 notes
 
@@ -98,21 +98,13 @@ MATRIX = [
     ids=[f"v{f}-{c}-{k}{'-sharded' if s else ''}" for f, c, k, s in MATRIX],
 )
 def test_direct_matches_numpy(tmp_path, fmt, codec, kind, sharded):
-    shape, dtype, chunks, shards = KINDS[kind]
-    shards = shards if sharded else None
-    data = make_data(shape, dtype, chunks[0], shards[0] if shards else None)
-    arr = write(
-        tmp_path / "a.zarr",
-        data,
-        fmt=fmt,
-        chunks=chunks,
-        shards=shards,
-        compressors=compressors(codec, fmt),
+    data, arr = write_layout(
+        tmp_path / "a.zarr", KINDS[kind], fmt=fmt, codec=codec, sharded=sharded
     )
     reader = open_reader(arr, name="a")
     assert isinstance(reader, DirectReader)
     assert (reader.path, reader.reason) == ("direct", "")
-    assert reader.rows_per_chunk == chunks[0]
+    assert reader.rows_per_chunk == KINDS[kind][2][0]
     check_reader(reader, data)
     # the zarr fallback agrees
     check_reader(open_reader(arr, name="a", force_zarr=True), data)
@@ -148,22 +140,12 @@ def test_direct_layout_variants(tmp_path, case):
     codec = opts.pop("compressors")
     sharded = opts.pop("sharded", False)
     kind = "1d-int32" if "delta" in case or "int" in case else "2d-float32"
-    shape, dtype, chunks, shards = KINDS[kind]
-    dtype = opts.pop("dtype", dtype)
     if opts.get("filters") == "delta":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opts["filters"] = [znc.Delta(dtype="int32")]
-    shards = shards if sharded else None
-    data = make_data(shape, dtype, chunks[0], shards[0] if shards else None)
-    arr = write(
-        tmp_path / "a.zarr",
-        data,
-        fmt=fmt,
-        chunks=chunks,
-        shards=shards,
-        compressors=compressors(codec, fmt),
-        **opts,
+    data, arr = write_layout(
+        tmp_path / "a.zarr", KINDS[kind], fmt=fmt, codec=codec, sharded=sharded, **opts
     )
     reader = open_reader(arr, name="a")
     assert reader.path == "direct", reader.reason
