@@ -162,6 +162,26 @@ def test_host_kinds_say_why(tmp_path):
     )
 
 
+@pytest.mark.parametrize("kind", ["none", "zstd", "lz4", "host"])
+@pytest.mark.parametrize(("kvikio", "gds", "nvcomp"), [(1, 1, 1), (1, 0, 1), (1, 0, 0), (0, 0, 1)])
+def test_described_path_is_the_path_taken(kind, kvikio, gds, nvcomp):
+    """read_paths() says "device" exactly when the executor reads to the device."""
+    from dali_zarr.io.gpu import GpuSupport, describe_path, reads_to_device
+
+    support = GpuSupport(True, True, bool(kvikio), bool(gds), bool(nvcomp), "")
+    line = describe_path(kind, "blosc" if kind == "host" else "", support)
+    on_device = reads_to_device(kind, kvikio=bool(kvikio), nvcomp=bool(nvcomp))
+    assert on_device == (kind in ("none", "zstd", "lz4") and kvikio and (kind == "none" or nvcomp))
+    assert ("→ device" in line) == on_device, line
+    assert ("host read and decode" in line) == (not on_device), line
+    if on_device:
+        assert ("GDS" if gds else "compat") in line
+        assert ("nvCOMP" in line) == (kind != "none")
+    else:
+        why = "blosc" if kind == "host" else ("kvikio" if not kvikio else "nvCOMP")
+        assert why in line
+
+
 def test_rows_split_across_chunks_are_not_plannable(tmp_path):
     data = np.zeros((40, 7), dtype=np.float32)
     arr = write(tmp_path / "a.zarr", data, chunks=(8, 4))

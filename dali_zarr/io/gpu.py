@@ -449,15 +449,27 @@ def probe_gpu() -> GpuSupport:
     return GpuSupport(cuda, dali_gpu and has_cupy, kvikio, gds, nvcomp, "; ".join(why))
 
 
+def reads_to_device(plan_kind: str, *, kvikio: bool, nvcomp: bool) -> bool:
+    """Whether a plan of ``plan_kind`` is read into device memory (and decoded there):
+    kvikio must be there, and nvCOMP too unless the chunks are uncompressed. Otherwise the
+    window is read and decoded on the host and copied once."""
+    if not kvikio or plan_kind not in GPU_KINDS:
+        return False
+    return plan_kind == "none" or nvcomp
+
+
 def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
     """One line for ``read_paths()``: how an array's windows reach the GPU."""
-    io = "kvikio GDS" if support.gds else ("kvikio compat" if support.kvikio else "pread")
+    if not reads_to_device(plan_kind, kvikio=support.kvikio, nvcomp=support.nvcomp):
+        if plan_kind not in GPU_KINDS:
+            why = reason or plan_kind
+        else:
+            why = "kvikio unavailable" if not support.kvikio else "nvCOMP unavailable"
+        return f"gpu: host read and decode ({why}) into pinned memory, one copy to the device"
+    io = "kvikio GDS" if support.gds else "kvikio compat"
     if plan_kind == "none":
         return f"gpu: {io} → device, no decode (uncompressed)"
-    if plan_kind in ("zstd", "lz4") and support.nvcomp:
-        return f"gpu: {io} → device, nvCOMP {plan_kind}"
-    why = reason or ("nvCOMP unavailable" if plan_kind in GPU_KINDS else plan_kind)
-    return f"gpu: host decode ({why}) into pinned memory, one copy to the device"
+    return f"gpu: {io} → device, nvCOMP {plan_kind}"
 
 
 class GpuPlanExecutor:
@@ -552,9 +564,10 @@ class GpuPlanExecutor:
 
     def path_of(self, plan: ReadPlan) -> str:
         """How this executor serves ``plan``'s array: "device" or "host" decode."""
-        if self._kvikio is None or plan.kind not in GPU_KINDS:
-            return "host"
-        return "device" if plan.kind == "none" or self._nvcomp is not None else "host"
+        on_device = reads_to_device(
+            plan.kind, kvikio=self._kvikio is not None, nvcomp=self._nvcomp is not None
+        )
+        return "device" if on_device else "host"
 
     def run(self, plan: ReadPlan, reader: DirectReader, out: Any) -> Any:
         """Fill the device array ``out`` (``plan.out_shape``, ``plan.dtype``) with the window.
