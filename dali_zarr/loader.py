@@ -137,7 +137,7 @@ class Loader:
             )
         else:
             self._source = BatchSource(
-                dataset, sampler, **source_args, keep_alive=prefetch_queue_depth + 2
+                dataset, sampler, **source_args, prefetch_queue_depth=prefetch_queue_depth
             )
         log.info("%s; read paths: %s", self.device_reason, self.read_paths())
         self._iterator: Any = None  # DaliEpochIterator or a framework's DALI iterator
@@ -183,7 +183,7 @@ class Loader:
     def read_paths(self) -> dict[str, str]:
         """Which read path serves each array of the dataset (on the GPU path: how each
         array's windows reach the device: GDS or compat reads, nvCOMP or host decode)."""
-        return self._source.read_paths() if self.device == "gpu" else self.dataset.read_paths()
+        return self._source.read_paths()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         iterator = self._start_epoch()

@@ -70,9 +70,9 @@ def _worker() -> dict:
     from numba import cuda
 
     assert numba.config.ENABLE_CUDASIM, "the worker must run under the CUDA simulator"
+    from dali_zarr.data.dataset import sub_indptr
     from dali_zarr.graph import cuda_kernels as K
     from dali_zarr.graph import kernels
-    from dali_zarr.graph.gpu_pipeline import batch_indptr
     from dali_zarr.io.gpu import copy_segments_cpu
 
     cpu_densify = numba.njit(kernels._densify_csr_rows)
@@ -104,7 +104,7 @@ def _worker() -> dict:
 
     def gather(launch, pos, csr, window):
         data, indices, indptr = csr
-        bptr = batch_indptr(indptr, pos)
+        bptr = sub_indptr(indptr, pos)
         nnz = int(bptr[-1])
         hint = np.empty((nnz, 0), np.uint8)
         outs = [np.full(nnz, 99, data.dtype), np.full(nnz, 77, indices.dtype)]
@@ -307,9 +307,9 @@ def test_gpu_ops_match_cpu_ops(n_cols, index_dtype):
     import torch
     from nvidia.dali import fn, pipeline_def
 
+    from dali_zarr.data.dataset import sub_indptr
     from dali_zarr.graph import cuda_kernels as K
     from dali_zarr.graph import kernels
-    from dali_zarr.graph.gpu_pipeline import batch_indptr
 
     rng = np.random.default_rng(0)
     data, indices, indptr = _random_csr(rng, 300, n_cols, np.float32, index_dtype)
@@ -317,7 +317,7 @@ def test_gpu_ops_match_cpu_ops(n_cols, index_dtype):
 
     def source(info):
         pos = batches[info.iteration % len(batches)]
-        bptr = batch_indptr(indptr, pos)
+        bptr = sub_indptr(indptr, pos)
         hint = np.empty((int(bptr[-1]), 0), np.uint8)
         return [[a] for a in (pos, data, indices, indptr, hint, bptr)]
 

@@ -17,12 +17,12 @@ import pytest
 import zarr
 
 import dali_zarr as dz
+from dali_zarr.data.dataset import sub_indptr
 from dali_zarr.graph import kernels
 from dali_zarr.graph.gpu_pipeline import (
     BufferRing,
     GpuBatchSource,
     HostBackend,
-    batch_indptr,
     gpu_source_names,
     gpu_status,
 )
@@ -131,7 +131,7 @@ def _compare(cpu, gpu, want, host, dev):
             continue
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     if "batch_indptr" in got:
-        np.testing.assert_array_equal(got["batch_indptr"], batch_indptr(got["indptr"], got["pos"]))
+        np.testing.assert_array_equal(got["batch_indptr"], sub_indptr(got["indptr"], got["pos"]))
         # the CPU gather kernel's indptr is the same prefix sum
         pos, data, indices, indptr = got["pos"], got["data"], got["indices"], got["indptr"]
         nnz = int(got["batch_indptr"][-1])
@@ -191,10 +191,10 @@ def test_names_split():
     assert gpu_source_names("dense", "dense", [], False) == (["pos"], ["values"])
 
 
-def test_batch_indptr():
+def test_sub_indptr():
     indptr = np.array([0, 2, 2, 5, 9])
-    assert batch_indptr(indptr, np.array([3, 1, 0, 2])).tolist() == [0, 4, 4, 6, 9]
-    assert batch_indptr(indptr, np.zeros(0, np.int64)).tolist() == [0]
+    assert sub_indptr(indptr, np.array([3, 1, 0, 2])).tolist() == [0, 4, 4, 6, 9]
+    assert sub_indptr(indptr, np.zeros(0, np.int64)).tolist() == [0]
 
 
 def test_ring_blocks_until_a_slot_is_released():

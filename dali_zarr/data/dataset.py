@@ -210,9 +210,7 @@ class CsrDataset(_StoreDataset):
     def read_rows(self, ranges: np.ndarray) -> CsrRows:
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
-        rows = ranges_to_rows(ranges)
-        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(self.indptr[rows + 1] - self.indptr[rows], out=indptr[1:])
+        indptr = sub_indptr(self.indptr, ranges_to_rows(ranges))
         data = self._data.read_rows(element_ranges)
         indices = self._indices.read_rows(element_ranges)
         self._check_indices(indices, ranges)
@@ -220,18 +218,30 @@ class CsrDataset(_StoreDataset):
 
     def _check_indices(self, indices: np.ndarray, ranges: np.ndarray) -> None:
         """Out-of-range column ids would be written out of bounds by densify: refuse them."""
-        if len(indices) == 0:
-            return
-        low, high = int(indices.min()), int(indices.max())
-        if low < 0 or high >= self.feature_shape[0]:
+        if len(indices):
+            self.check_index_range(int(indices.min()), int(indices.max()), ranges)
+
+    def check_index_range(self, low: int, high: int, ranges: np.ndarray) -> None:
+        """Refuse column ids in [low, high] outside the matrix (read from rows ``ranges``)."""
+        n = self.feature_shape[0]
+        if low < 0 or high >= n:
             raise DatasetError(
-                f"{self._indices.name}: column index {high if high >= 0 else low} is outside "
-                f"[0, {self.feature_shape[0]}) in rows of ranges {ranges[:4].tolist()}...; "
+                f"{self._indices.name}: column index {high if high >= n else low} is outside "
+                f"[0, {n}) in rows of ranges {ranges[:4].tolist()}...; "
                 "the store is corrupted or its 'shape' attribute is wrong."
             )
 
     def read_paths(self) -> dict[str, str]:
         return {r.name: _describe(r) for r in (self._data, self._indices)}
+
+
+def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Row starts (len(rows)+1 int64) of the CSR made of rows ``rows`` of a CSR with
+    ``indptr``, in that order: the prefix sum of their lengths."""
+    out = np.zeros(len(rows) + 1, dtype=np.int64)
+    if len(rows):
+        np.cumsum(indptr[rows + 1] - indptr[rows], out=out[1:])
+    return out
 
 
 class Collection(Dataset):

@@ -44,7 +44,7 @@ import numpy as np
 from nvidia.dali import fn
 from nvidia.dali.pipeline import Pipeline
 
-from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset
+from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset, sub_indptr
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import cuda_kernels, kernels
 from dali_zarr.graph.pipeline import (
@@ -58,7 +58,7 @@ from dali_zarr.graph.source import (
     Output,
     Planner,
     Window,
-    as_window_array,
+    window_arrays,
     window_dtype,
 )
 from dali_zarr.io import DirectReader
@@ -69,21 +69,11 @@ from dali_zarr.io.gpu import (
     gpu_codec_kind,
     plan_rows,
     probe_gpu,
+    round_up,
 )
 from dali_zarr.planning.partition import ranges_to_rows
 
-ALIGN = 256
-
-
 # ---------------------------------------------------------------------------- host helpers
-
-
-def batch_indptr(indptr: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Row starts of the batch's CSR (B+1 int64): prefix sum of the rows ``pos``' lengths."""
-    out = np.zeros(len(pos) + 1, dtype=np.int64)
-    if len(pos):
-        np.cumsum(indptr[pos + 1] - indptr[pos], out=out[1:])
-    return out
 
 
 def gpu_source_names(
@@ -129,6 +119,15 @@ class _Backend:
     def upload(self, host: np.ndarray, out: Any) -> None:
         raise NotImplementedError
 
+    def finish(self) -> None:
+        """Wait until the uploads and plans issued so far have landed."""
+
+    def before_reuse(self) -> None:
+        """Wait until nothing may still read a buffer about to be overwritten."""
+
+    def close(self) -> None:
+        """Release what the backend holds open."""
+
 
 class HostBackend(_Backend):
     """NumPy stand-in for the device: runs the same window reader and ring logic on the CPU.
@@ -152,12 +151,6 @@ class HostBackend(_Backend):
     def minmax(self, values: Any) -> tuple[int, int]:
         return int(values.min()), int(values.max())
 
-    def finish(self) -> None:
-        pass
-
-    def before_reuse(self) -> None:
-        pass
-
     def path(self, reader: Any) -> str:
         return _plan_path(reader, "host")
 
@@ -176,7 +169,6 @@ class CudaBackend(_Backend):
         self.cp = cupy
         self.device_id = device_id
         self.executor = GpuPlanExecutor(device_id)
-        self.support = self.executor.support
 
     def alloc(self, nbytes: int) -> Any:
         with self.cp.cuda.Device(self.device_id):
@@ -206,7 +198,7 @@ class CudaBackend(_Backend):
         self.executor.close()  # the kvikio file handles
 
     def path(self, reader: Any) -> str:
-        return _plan_path(reader, "cuda", self.support)
+        return _plan_path(reader, "cuda", self.executor.support)
 
 
 def _plan_path(reader: Any, backend: str, support: Any = None) -> str:
@@ -238,8 +230,7 @@ class BufferRing:
 
     def __init__(self, n_slots: int, backend: Any) -> None:
         self.backend = backend
-        self._bufs: list[Any] = [None] * n_slots
-        self._used = [False] * n_slots  # slot was handed out before (sync before reuse)
+        self._bufs: list[Any] = [None] * n_slots  # None until first handed out
         self._free = list(range(n_slots))
         self._cond = threading.Condition()
         self.waits = 0  # times acquire() found no free slot (for diagnostics)
@@ -265,11 +256,9 @@ class BufferRing:
             with self._cond:
                 if not self._free:
                     self._cond.wait(0.05)
-        reused = self._used[slot]
-        self._used[slot] = True
-        if reused:
-            self.backend.before_reuse()
         buf = self._bufs[slot]
+        if buf is not None:  # handed out before: DALI may still be reading it
+            self.backend.before_reuse()
         if buf is None or buf.size < nbytes:
             self._bufs[slot] = buf = self.backend.alloc(
                 max(nbytes, 2 * (0 if buf is None else buf.size))
@@ -307,9 +296,17 @@ def _dense_reader(dataset: Dataset):
     return None
 
 
-def _row_lengths(indptr: np.ndarray, ranges: np.ndarray) -> np.ndarray:
-    rows = ranges_to_rows(ranges)
-    return indptr[rows + 1] - indptr[rows]
+Slots = list[tuple[str, tuple, np.dtype, int]]  # (name, shape, dtype, byte offset)
+
+
+def pack_slot(arrays: list[tuple[str, tuple, np.dtype]]) -> tuple[Slots, int]:
+    """Byte offsets of ``arrays`` packed into one slot (each start aligned for kvikio and
+    nvCOMP), and the slot's size."""
+    slots, offset = [], 0
+    for name, shape, dtype in arrays:
+        slots.append((name, shape, dtype, offset))
+        offset += round_up(max(1, math.prod(shape) * dtype.itemsize))
+    return slots, offset
 
 
 class DeviceWindowReader:
@@ -330,17 +327,15 @@ class DeviceWindowReader:
             self.csr = None  # float16 CSR data is widened on the host (read_generic)
         self.index_dtype = np.dtype(dataset.index_dtype)
 
-    def layout(self, ranges: np.ndarray) -> tuple[list[tuple[str, tuple, np.dtype, int]], Any]:
-        """[(name, shape, dtype, byte offset)] of the window's arrays in a slot, and the
-        window's host indptr (CSR) or None."""
+    def layout(self, ranges: np.ndarray) -> tuple[Slots, int, Any]:
+        """The window's arrays in a slot, the slot's size, and the window's host indptr
+        (CSR) or None."""
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
         if self.csr is None and self.dense is None:
-            return [], None  # generic path (read_generic): sizes known only after reading
+            return [], 0, None  # generic path (read_generic): sizes known only after reading
         if self.csr is not None:
-            indptr = self.csr[2]
-            host_indptr = np.zeros(n_rows + 1, dtype=np.int64)
-            np.cumsum(_row_lengths(indptr, ranges), out=host_indptr[1:])
+            host_indptr = sub_indptr(self.csr[2], ranges_to_rows(ranges))
             nnz = int(host_indptr[-1])
             shapes = [
                 ("data", (nnz,), self.dtype),
@@ -350,21 +345,11 @@ class DeviceWindowReader:
         else:
             host_indptr = None
             shapes = [("values", (n_rows, self.dataset.n_features), self.dtype)]
-        out, offset = [], 0
-        for name, shape, dtype in shapes:
-            out.append((name, shape, dtype, offset))
-            offset += -(-max(1, math.prod(shape) * dtype.itemsize) // ALIGN) * ALIGN
-        return out, host_indptr
+        slots, nbytes = pack_slot(shapes)
+        return slots, nbytes, host_indptr
 
-    @staticmethod
-    def nbytes(layout: list) -> int:
-        if not layout:
-            return 0
-        _, shape, dtype, offset = layout[-1]
-        return offset + math.prod(shape) * np.dtype(dtype).itemsize
-
-    def read(self, ranges: np.ndarray, lease_buf: Any, layout: list, host_indptr: Any):
-        """Fill ``lease_buf`` with the window; returns (device arrays, host indptr)."""
+    def read(self, ranges: np.ndarray, lease_buf: Any, layout: Slots, host_indptr: Any):
+        """Fill ``lease_buf`` with the window; returns its device arrays."""
         be = self.backend
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         views = {name: be.view(lease_buf, off, shape, dt) for name, shape, dt, off in layout}
@@ -383,29 +368,16 @@ class DeviceWindowReader:
         else:
             raise AssertionError("generic datasets are read by read_generic")
         be.finish()
-        return arrays, host_indptr
+        return arrays
 
     def read_generic(self, ranges: np.ndarray, alloc: Callable[[int], Any]):
         """Collections/subsets: host read, then one copy per array into a slot from ``alloc``."""
-        rows = self.dataset.read_rows(ranges)
-        if self.dataset.layout == "csr":
-            host = [
-                as_window_array(rows.data, "csr", self.dataset.dtype),
-                np.ascontiguousarray(rows.indices, dtype=self.index_dtype),
-                np.ascontiguousarray(rows.indptr, dtype=np.int64),
-            ]
-            host_indptr = host[2]
-        else:
-            values = rows.values.reshape(rows.n_rows, -1)
-            host = [as_window_array(values, "dense", self.dataset.dtype)]
-            host_indptr = None
-        layout, offset = [], 0
-        for a in host:
-            layout.append((a.shape, a.dtype, offset))
-            offset += -(-max(1, a.nbytes) // ALIGN) * ALIGN
-        lease = alloc(offset)
+        host = window_arrays(self.dataset, self.dataset.read_rows(ranges))
+        host_indptr = host[2] if self.dataset.layout == "csr" else None
+        slots, nbytes = pack_slot([(str(i), a.shape, a.dtype) for i, a in enumerate(host)])
+        lease = alloc(nbytes)
         arrays = []
-        for a, (shape, dt, off) in zip(host, layout, strict=True):
+        for a, (_, shape, dt, off) in zip(host, slots, strict=True):
             view = self.backend.view(lease.buf, off, shape, dt)
             self.backend.upload(a, view)
             arrays.append(view)
@@ -414,18 +386,8 @@ class DeviceWindowReader:
 
     def _check_indices(self, indices: Any, ranges: np.ndarray) -> None:
         """Out-of-range column ids would make densify write out of bounds: refuse them."""
-        if indices.size == 0:
-            return
-        low, high = self.backend.minmax(indices)
-        n = self.dataset.feature_shape[0]
-        if low < 0 or high >= n:
-            from dali_zarr.errors import DatasetError
-
-            raise DatasetError(
-                f"{self.dataset.name}: column index {high if high >= n else low} is outside "
-                f"[0, {n}) in rows of ranges {ranges[:4].tolist()}...; the store is corrupted "
-                "or its 'shape' attribute is wrong."
-            )
+        if indices.size:
+            self.dataset.check_index_range(*self.backend.minmax(indices), ranges)
 
     def read_paths(self) -> dict[str, str]:
         readers = []
@@ -471,7 +433,7 @@ class GpuBatchSource(BatchSource):
             obs=obs,
             return_index=return_index,
             prefetch_windows=prefetch_windows,
-            keep_alive=prefetch_queue_depth + 2,
+            prefetch_queue_depth=prefetch_queue_depth,
         )
         self.host_names, self.device_names = gpu_source_names(
             dataset.layout, output, list(obs), return_index
@@ -479,7 +441,7 @@ class GpuBatchSource(BatchSource):
         self.names = [*self.host_names, *self.device_names]
         self.backend = backend if backend is not None else CudaBackend(device_id)
         self.reader = DeviceWindowReader(dataset, self.backend)
-        self.retire_after = prefetch_queue_depth + 2
+        self.retire_after = self._alive.maxlen  # batches DALI may still hold
         self.ring = BufferRing(self.prefetch_windows + prefetch_queue_depth + 3, self.backend)
         self._served = 0
         self._leases: list[Lease] = []
@@ -490,14 +452,13 @@ class GpuBatchSource(BatchSource):
     # -- reading (prefetch thread) ----------------------------------------------------------------
 
     def read_window(self, key: Any, w: int) -> DeviceWindow:
-        # ``key`` is what the base class keys windows by (the plan key: epoch [+ history])
-        plan = (self.plan(*key) if isinstance(key, tuple) else self.plan(key)).window(w)
+        plan = self.plan(*key).window(w)
         ranges = plan.row_ranges
-        layout, host_indptr = self.reader.layout(ranges)
+        layout, nbytes, host_indptr = self.reader.layout(ranges)
         if layout:
-            lease = self.ring.acquire(self.reader.nbytes(layout), self._reclaim)
+            lease = self.ring.acquire(nbytes, self._reclaim)
             try:
-                arrays, host_indptr = self.reader.read(ranges, lease.buf, layout, host_indptr)
+                arrays = self.reader.read(ranges, lease.buf, layout, host_indptr)
             except BaseException:
                 self.ring.release(lease)
                 raise
@@ -508,7 +469,7 @@ class GpuBatchSource(BatchSource):
         lease.key = (key, w)
         with self._lease_lock:
             self._leases.append(lease)
-        return DeviceWindow(plan, arrays, plan.global_rows(), host_indptr, lease)
+        return DeviceWindow(plan, arrays, host_indptr, lease)
 
     def _reclaim(self) -> None:
         """Release slots DALI can no longer read: served long enough ago, or never served and
@@ -534,12 +495,9 @@ class GpuBatchSource(BatchSource):
         pos = np.ascontiguousarray(window.plan.batch_positions(j), dtype=np.int64)
         outputs: list = [pos]
         if self.dataset.layout == "csr" and self.output == "csr":
-            bptr = batch_indptr(window.host_indptr, pos)
+            bptr = sub_indptr(window.host_indptr, pos)
             outputs += [np.empty((int(bptr[-1]), 0), dtype=np.uint8), bptr]
-        rows = window.global_rows[pos]
-        outputs.extend(np.ascontiguousarray(values[rows]) for values in self.obs.values())
-        if self.return_index:
-            outputs.append(np.ascontiguousarray(self.dataset.global_ids(rows), dtype=np.int64))
+        outputs += self.row_outputs(window, j)
         with self._lease_lock:
             self._served += 1
             if window.lease is not None:
@@ -575,7 +533,7 @@ class GpuBatchSource(BatchSource):
 
     def close(self) -> None:
         super().close()
-        getattr(self.backend, "close", lambda: None)()
+        self.backend.close()
 
 
 def _holds(future, lease: Lease) -> bool:

@@ -39,7 +39,6 @@ class Window:
 
     plan: WindowPlan
     arrays: tuple[np.ndarray, ...]  # CSR: (data, indices, indptr); dense: (values_2d,)
-    global_rows: np.ndarray  # window-local position -> global observation id
 
 
 def window_dtype(layout: str, stored: np.dtype) -> np.dtype:
@@ -64,6 +63,20 @@ def as_window_array(values: np.ndarray, layout: str, stored: np.dtype) -> np.nda
     if wire.itemsize == stored.itemsize and wire.kind != stored.kind:
         return native.view(wire)  # float16 as its bits: no copy
     return native.astype(wire, copy=False)
+
+
+def window_arrays(dataset: Dataset, rows: CsrRows | DenseRows) -> tuple[np.ndarray, ...]:
+    """Rows read by ``dataset.read_rows`` as the window arrays DALI gets (contiguous, native
+    byte order, :func:`window_dtype`): CSR (data, indices, indptr) or dense (values_2d,)."""
+    if isinstance(rows, CsrRows):
+        return (
+            as_window_array(rows.data, "csr", dataset.dtype),
+            np.ascontiguousarray(rows.indices, dtype=dataset.index_dtype),
+            np.ascontiguousarray(rows.indptr, dtype=np.int64),
+        )
+    assert isinstance(rows, DenseRows)
+    values = rows.values.reshape(rows.n_rows, dataset.n_features)
+    return (as_window_array(values, "dense", dataset.dtype),)
 
 
 def source_names(layout: str, output: Output, obs: list[str], return_index: bool) -> list[str]:
@@ -95,7 +108,7 @@ class BatchSource:
         obs: list[str],
         return_index: bool,
         prefetch_windows: int = 2,
-        keep_alive: int = 4,
+        prefetch_queue_depth: int = 2,
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
@@ -111,8 +124,9 @@ class BatchSource:
         self._plans: OrderedDict[PlanKey, EpochPlan] = OrderedDict()
         self._windows: OrderedDict[tuple[PlanKey, int], Future[Window]] = OrderedDict()
         # no_copy=True hands our buffers to DALI: keep the last few batches referenced until
-        # DALI's prefetch queue has certainly consumed them.
-        self._alive: deque[list[np.ndarray]] = deque(maxlen=keep_alive)
+        # DALI's prefetch queue has certainly consumed them (DALI runs at most
+        # prefetch_queue_depth iterations ahead; +1 being built, +1 being consumed).
+        self._alive: deque[list[np.ndarray]] = deque(maxlen=prefetch_queue_depth + 2)
         self.error: BaseException | None = None
 
     # -- epoch bookkeeping (called by the loader) ---------------------------------------------
@@ -194,11 +208,19 @@ class BatchSource:
             indptr = window.arrays[2]
             nnz = int((indptr[pos + 1] - indptr[pos]).sum())
             outputs.append(np.empty((nnz, 0), dtype=np.uint8))  # shape carries nnz, no bytes
-        rows = window.global_rows[pos]
-        outputs.extend(np.ascontiguousarray(values[rows]) for values in self.obs.values())
+        return outputs + self.row_outputs(window, j)
+
+    def row_outputs(self, window: Window, j: int) -> list[np.ndarray]:
+        """The obs columns and (``return_index``) global ids of batch ``j``'s rows."""
+        rows = window.plan.batch_global_rows(j)
+        outputs = [np.ascontiguousarray(values[rows]) for values in self.obs.values()]
         if self.return_index:
             outputs.append(np.ascontiguousarray(self.dataset.global_ids(rows), dtype=np.int64))
         return outputs
+
+    def read_paths(self) -> dict[str, str]:
+        """Which read path serves each array."""
+        return self.dataset.read_paths()
 
     # -- windows --------------------------------------------------------------------------------
 
@@ -221,17 +243,7 @@ class BatchSource:
         """Read and decode window ``w`` of the plan ``key`` (runs on the prefetch thread)."""
         window_plan = self.plan(*key).window(w)
         rows = self.dataset.read_rows(window_plan.row_ranges)
-        if isinstance(rows, CsrRows):
-            arrays: tuple[np.ndarray, ...] = (
-                as_window_array(rows.data, "csr", self.dataset.dtype),
-                np.ascontiguousarray(rows.indices, dtype=self.dataset.index_dtype),
-                np.ascontiguousarray(rows.indptr, dtype=np.int64),
-            )
-        else:
-            assert isinstance(rows, DenseRows)
-            values = rows.values.reshape(rows.n_rows, self.dataset.n_features)
-            arrays = (as_window_array(values, "dense", self.dataset.dtype),)
-        return Window(window_plan, arrays, window_plan.global_rows())
+        return Window(window_plan, window_arrays(self.dataset, rows))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

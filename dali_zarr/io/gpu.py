@@ -69,7 +69,7 @@ class NotPlannable(ValueError):
     """This array cannot be read through a byte plan (the message says why)."""
 
 
-def _round_up(n: int, a: int = ALIGN) -> int:
+def round_up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
@@ -140,14 +140,6 @@ class ReadPlan:
     def decoded_nbytes(self) -> int:
         return len(self.chunks) * self.slot_nbytes
 
-    @property
-    def out_nbytes(self) -> int:
-        return math.prod(self.out_shape) * self.dtype.itemsize
-
-    @property
-    def read_nbytes(self) -> int:
-        return sum(r.nbytes for r in self.reads)
-
 
 def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     """The byte plan for ``reader.read_rows(ranges)`` (same rows, same order).
@@ -169,7 +161,7 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     n, C = shape[0], int(chunk[0])
     row_elems = math.prod(shape[1:])
     chunk_nbytes = math.prod(chunk) * dtype.itemsize
-    slot_nbytes = _round_up(max(chunk_nbytes, 1))
+    slot_nbytes = round_up(max(chunk_nbytes, 1))
     slot_elems = slot_nbytes // dtype.itemsize
 
     r = _check_ranges(ranges, n, reader.name)
@@ -222,7 +214,7 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
                 )
             offset, nbytes = offset + _LZ4_HEADER, nbytes - _LZ4_HEADER
         reads.append(ChunkRead(c, path, offset, nbytes, staging, slot * slot_nbytes))
-        staging += _round_up(max(nbytes, 1))
+        staging += round_up(max(nbytes, 1))
     return ReadPlan(
         name=reader.name,
         kind=kind,
