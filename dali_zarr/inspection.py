@@ -29,6 +29,7 @@ from dali_zarr.data.dataset import CsrDataset, Dataset, open_dataset
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import DirectReader, open_reader, parse_layout
 from dali_zarr.io.gpu import GPU_KINDS, gpu_codec_kind
+from dali_zarr.planning.partition import n_chunks_of, window_rows_of
 
 __all__ = [
     "ArrayInfo",
@@ -227,11 +228,12 @@ def suggest(
     chunk_size = min(r * max(1, math.ceil(MIN_CHUNK_ROWS / r)), max(1, n_obs))
     preload = max(TARGET_PRELOAD, math.ceil(MIN_WINDOW_BATCHES * batch_size / chunk_size))
     by_memory = max(1, int(WINDOW_BYTES_CAP // max(1.0, chunk_size * row_bytes)))
-    preload = max(1, min(preload, by_memory, math.ceil(n_obs / chunk_size)))
-    window = preload * chunk_size
+    preload = max(1, min(preload, by_memory, n_chunks_of(n_obs, chunk_size)))
+    window = window_rows_of(chunk_size, preload, batch_size)  # what the loader will use
     warning = ""
-    if (window // batch_size) * batch_size == 0:
-        warning = f"a window of {window} rows holds no batch of {batch_size}: " + (
+    if window == 0:
+        read = preload * chunk_size
+        warning = f"a window of {read} rows holds no batch of {batch_size}: " + (
             "the store has fewer rows than one batch; use a smaller batch_size"
             if n_obs < batch_size
             else "raise preload_nchunks"

@@ -485,3 +485,17 @@ def test_console_script(tmp_path, sc_store):
     assert proc.returncode == 0, proc.stderr
     assert "X/data" in proc.stdout and "gpu-decode" in proc.stdout
     assert proc.stderr == ""  # no warnings from zarr or anndata on a terminal
+
+
+def test_suggested_window_is_the_loaders() -> None:
+    """inspect reports the window the loader will use: whole batches within the chunks read."""
+    from dali_zarr.inspection import suggest
+
+    s = suggest(n_obs=50_000, rows_per_chunk=64, row_bytes=4_000, batch_size=300)
+    sampler = dz.ChunkSampler(
+        chunk_size=s.chunk_size, preload_nchunks=s.preload_nchunks, batch_size=300
+    )
+    assert s.window_rows == sampler.window_rows > 0
+    assert s.window_rows % 300 == 0 and not s.warning
+    tiny = suggest(n_obs=100, rows_per_chunk=10, row_bytes=4, batch_size=256)
+    assert tiny.window_rows == 0 and "fewer rows than one batch" in tiny.warning
