@@ -53,34 +53,34 @@ TAG_WINDOW = 2
 # --------------------------------------------------------------------------- validation
 
 
-def validate_count(name: str, value: object, *, hint: str = "") -> int:
-    """Return ``value`` as a Python int if it is a positive integer, else raise ConfigError."""
+def validate_int(
+    name: str, value: object, *, low: int, high: int | None = None, what: str, hint: str = ""
+) -> int:
+    """``value`` as a Python int in ``[low, high)``, else a ConfigError "``name`` must be
+    ``what``, got ..." (bools and non-integers are refused, NumPy integers accepted)."""
     if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}{hint}")
+        raise ConfigError(f"{name} must be {what}, got {value!r}{hint}")
     try:
         v = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise ConfigError(
-            f"{name} must be a positive integer, got {type(value).__name__} {value!r}{hint}"
+            f"{name} must be {what}, got {type(value).__name__} {value!r}{hint}"
         ) from None
-    if v <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {v}{hint}")
+    if v < low or (high is not None and v >= high):
+        raise ConfigError(f"{name} must be {what}, got {v}{hint}")
     return int(v)
+
+
+def validate_count(name: str, value: object, *, hint: str = "") -> int:
+    """Return ``value`` as a Python int if it is a positive integer, else raise ConfigError."""
+    return validate_int(name, value, low=1, what="a positive integer", hint=hint)
 
 
 def validate_seed(seed: object) -> int:
     """Return ``seed`` as an int in ``[0, 2**63)``, else raise ConfigError."""
-    if isinstance(seed, bool):
-        raise ConfigError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
-    try:
-        s = operator.index(seed)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(
-            f"seed must be an integer in [0, 2**63) or None, got {type(seed).__name__} {seed!r}"
-        ) from None
-    if not 0 <= s < SEED_LIMIT:
-        raise ConfigError(f"seed must be an integer in [0, 2**63) or None, got {s}")
-    return int(s)
+    return validate_int(
+        "seed", seed, low=0, high=SEED_LIMIT, what="an integer in [0, 2**63) or None"
+    )
 
 
 def validate_sizes(*, chunk_size: int, preload_nchunks: int, batch_size: int) -> None:
@@ -110,8 +110,7 @@ def validate_plan_inputs(
 ) -> None:
     """Check the settings that depend on the dataset size and the number of ranks."""
     validate_count("n_obs", n_obs, hint=" (the dataset has no observations to plan)")
-    if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
-        raise ConfigError(f"epoch must be a non-negative integer, got {epoch!r}")
+    validate_int("epoch", epoch, low=0, what="a non-negative integer")
     validate_count("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
         raise ConfigError(f"rank must be an integer, got {rank!r}")

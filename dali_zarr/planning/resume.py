@@ -37,7 +37,6 @@ one window per old rank; a same-size resume costs one plan, like any epoch.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,6 +51,7 @@ from dali_zarr.planning.partition import (
     rows_delivered,
     slice_ranges,
     validate_count,
+    validate_int,
     validate_seed,
     validate_sizes,
     window_rows_of,
@@ -166,15 +166,7 @@ class Segment:
 
 
 def _non_negative(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-    try:
-        v = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}") from None
-    if v < 0:
-        raise ConfigError(f"{name} must be a non-negative integer, got {v}")
-    return int(v)
+    return validate_int(name, value, low=0, what="a non-negative integer")
 
 
 # --------------------------------------------------------------------------- remainders
