@@ -18,8 +18,8 @@ float32 ``[B, genes]`` on the GPU:
 * ``baseline``: zarr-python reads of ``chunk_size``-row blocks → NumPy CSR → ``torch.cuda`` →
   ``torch.sparse_csr_tensor(...).to_dense()`` (what one writes without a loader);
 * ``annbatch gpu``: ``annbatch.Loader(preload_to_gpu=True, to="torch")`` + ``.to_dense()``,
-  run by ``--annbatch-python`` (default: ``benchmarks/.venv-annbatch/bin/python`` if present;
-  skipped with the reason when it cannot run);
+  run by ``--annbatch-python`` (default: ``benchmarks/.venv-annbatch/bin/python`` if present,
+  else this interpreter if it imports annbatch; skipped with the reason when it cannot run);
 * ceilings: host→device copy bandwidth (pinned, 256 MiB), raw read bandwidth of the store's
   files (``os.pread`` on 8 threads; page cache likely warm) and, with kvikio, raw reads into
   GPU memory.
@@ -59,11 +59,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefetch-windows", type=int, default=2, help="windows read ahead")
     p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
     p.add_argument("--store", help="use this AnnData store instead of writing one")
+    p.add_argument("--annbatch-python", default=None, help="interpreter with annbatch (see above)")
     p.add_argument(
-        "--annbatch-python", default=os.path.join(HERE, ".venv-annbatch", "bin", "python")
+        "--smoke",
+        action="store_true",
+        help="check this script without a GPU: every contender runs on the CPU (the GPU path "
+        "on dali_zarr's host backend), the GPU ceilings are left out; not GPU figures",
     )
     p.add_argument("--worker", choices=["annbatch"], help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
+    return args
+
+
+def synchronize(args: argparse.Namespace) -> None:
+    """Wait for the GPU's queued work, so the clock measures delivered batches."""
+    if not args.smoke:
+        import torch
+
+        torch.cuda.synchronize(args.device_id)
 
 
 def require_gpu() -> None:
@@ -115,22 +129,20 @@ def make_store(args: argparse.Namespace) -> str:
 # ---------------------------------------------------------------------------- measurements
 
 
-def timed(batches, consume, warmup: int, n: int) -> dict:
-    """Time ``consume`` over ``n`` batches after ``warmup``; returns rows, seconds."""
-    import torch
-
+def timed(args: argparse.Namespace, batches, consume) -> dict:
+    """Time ``consume`` over ``args.batches`` batches after ``args.warmup``: rows, seconds."""
     it = iter(batches)
-    for _ in range(warmup):
+    for _ in range(args.warmup):
         consume(next(it))
-    torch.cuda.synchronize()
+    synchronize(args)
     rows = 0
     start = time.perf_counter()
-    for _ in range(n):
+    for _ in range(args.batches):
         try:
             rows += consume(next(it))
         except StopIteration:
             break
-    torch.cuda.synchronize()
+    synchronize(args)
     return {"rows": rows, "seconds": time.perf_counter() - start}
 
 
@@ -150,12 +162,14 @@ def sampler(args, seed=0):
 def run_dali(args, store: str, device: str) -> dict:
     """dali_zarr's dense batches on the GPU: the GPU path, or the CPU path plus ``.cuda()``."""
     import dali_zarr as dz
+    from dali_zarr.graph.gpu_pipeline import HostBackend
 
     loader = dz.Loader(
         dz.open_dataset(store),
         sampler(args),
         device=device,
         device_id=args.device_id,
+        gpu_backend=HostBackend() if args.smoke and device == "gpu" else None,
         output="dense",
         prefetch_windows=args.prefetch_windows,
     )
@@ -167,10 +181,7 @@ def run_dali(args, store: str, device: str) -> dict:
 
     # a no-op for the GPU path's batches, which are on the device already
     result = timed(
-        epochs(epoch),
-        lambda b: b["X"].cuda(args.device_id, non_blocking=True).shape[0],
-        args.warmup,
-        args.batches,
+        args, epochs(epoch), lambda b: b["X"].to(args.target, non_blocking=True).shape[0]
     )
     result["paths"] = loader.read_paths()
     loader.close()
@@ -204,7 +215,7 @@ def run_baseline(args, store: str) -> dict:
 
     def consume(batch):
         crow, d, i = batch
-        dev = "cuda"
+        dev = args.target
         t = torch.sparse_csr_tensor(
             torch.from_numpy(crow).to(dev),
             torch.from_numpy(i.astype(np.int64)).to(dev),
@@ -213,17 +224,28 @@ def run_baseline(args, store: str) -> dict:
         )
         return t.to_dense().shape[0]
 
-    return timed(batches(), consume, args.warmup, args.batches)
+    return timed(args, batches(), consume)
+
+
+def annbatch_python(args) -> str | None:
+    """The interpreter that runs annbatch: as given, its own environment, or this one."""
+    if args.annbatch_python:
+        return args.annbatch_python
+    own = os.path.join(HERE, ".venv-annbatch", "bin", "python")
+    if os.path.exists(own):
+        return own
+    return sys.executable if importlib.util.find_spec("annbatch") is not None else None
 
 
 def run_annbatch(args, store: str) -> dict:
-    py = args.annbatch_python
-    if not os.path.exists(py):
-        return {"skipped": f"no annbatch environment at {py} (pass --annbatch-python)"}
+    py = annbatch_python(args)
+    if py is None or not os.path.exists(py):
+        where = py or f"{HERE}/.venv-annbatch, nor importable here"
+        return {"skipped": f"no annbatch environment ({where}; pass --annbatch-python)"}
     cmd = [py, os.path.abspath(__file__), "--worker", "annbatch", "--store", store]
     cmd += ["--batch-size", str(args.batch_size), "--chunk-size", str(args.chunk_size)]
     cmd += ["--preload-nchunks", str(args.preload_nchunks), "--batches", str(args.batches)]
-    cmd += ["--warmup", str(args.warmup)]
+    cmd += ["--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if not lines:
@@ -245,17 +267,12 @@ def annbatch_worker(args) -> None:
             batch_size=args.batch_size,
             shuffle=True,
             drop_last=True,
-            preload_to_gpu=True,
+            preload_to_gpu=not args.smoke,
             to="torch",
             rng=np.random.default_rng(0),
         )
         loader.add_dataset(ad.io.sparse_dataset(zarr.open_group(args.store, mode="r")["X"]))
-        result = timed(
-            epochs(lambda _e: loader),
-            lambda b: b["X"].to_dense().shape[0],
-            args.warmup,
-            args.batches,
-        )
+        result = timed(args, epochs(lambda _e: loader), lambda b: b["X"].to_dense().shape[0])
         result["version"] = __import__("annbatch").__version__
         del torch
     except Exception as e:
@@ -321,6 +338,11 @@ def ceiling_kvikio(store: str) -> float | None:
 
 # ---------------------------------------------------------------------------- report
 
+DALI_GPU = "dali_zarr gpu"
+BASELINE = "baseline zarr→numpy→torch.cuda→densify"
+ANNBATCH = "annbatch gpu (preload_to_gpu=True)"
+RATIO_TO = (BASELINE, ANNBATCH)  # issue #3 asks for >= 10x annbatch's GPU mode
+
 
 def store_shape(store: str) -> tuple[int, int, int]:
     """(cells, genes, nnz) of the store's X."""
@@ -331,26 +353,38 @@ def store_shape(store: str) -> tuple[int, int, int]:
     return cells, genes, int(x["indptr"][-1])
 
 
+def rows_per_second(result: dict) -> float | None:
+    if "skipped" in result or result["seconds"] <= 0:
+        return None
+    return result["rows"] / result["seconds"]
+
+
 def report(args, store: str, results: dict, ceilings: dict) -> None:
     cells, genes, nnz = store_shape(store)
     bytes_per_row = genes * 4
+    where = "SMOKE RUN on the CPU: checks the script, NOT GPU figures" if args.smoke else "GPU"
     lines = [
-        f"store: {store} ({cells} cells x {genes} genes, {nnz / cells:.0f} nnz/cell)",
+        f"{where}; store: {store} ({cells} cells x {genes} genes, {nnz / cells:.0f} nnz/cell)",
         f"batch {args.batch_size}, chunk {args.chunk_size}, preload {args.preload_nchunks}",
         "",
-        "| loader | rows/s | GB/s dense float32 | note |",
-        "|---|---:|---:|---|",
+        "| loader | rows/s | GB/s dense float32 | "
+        + " | ".join(f"x {name.split()[0]}" for name in RATIO_TO)
+        + " | note |",
+        "|---|---:|---:|" + "---:|" * len(RATIO_TO) + "---|",
     ]
     bars = {}
     for name, r in results.items():
-        if "skipped" in r:
-            lines.append(f"| {name} | – | – | skipped: {r['skipped']} |")
+        rps = rows_per_second(r)
+        if rps is None:
+            why = r.get("skipped", "no time measured")
+            lines.append(f"| {name} | – | – |" + " – |" * len(RATIO_TO) + f" skipped: {why} |")
             continue
-        rps = r["rows"] / r["seconds"]
         gbs = rps * bytes_per_row / 1e9
         bars[name] = gbs
+        ratios = [rows_per_second(results.get(base, {"skipped": ""})) for base in RATIO_TO]
+        cells_ratio = " | ".join(f"{rps / b:.2f}" if b else "–" for b in ratios)
         note = "; ".join(f"{k}: {v}" for k, v in r.get("paths", {}).items())
-        lines.append(f"| {name} | {rps:,.0f} | {gbs:.2f} | {note} |")
+        lines.append(f"| {name} | {rps:,.0f} | {gbs:.2f} | {cells_ratio} | {note} |")
     # ceilings are in bytes moved; a loader delivers dense bytes, so also show what each
     # ceiling allows in dense float32 (x the dense/stored or dense/CSR size ratio)
     stored = sum(os.path.getsize(p) for p in store_files(store))
@@ -360,8 +394,8 @@ def report(args, store: str, results: dict, ceilings: dict) -> None:
     lines += ["", "| ceiling | GB/s moved | dense float32 GB/s it allows |", "|---|---:|---:|"]
     dense_ceilings = {}
     for name, (v, basis) in ceilings.items():
-        if v is None:
-            lines.append(f"| {name} | n/a | n/a |")
+        if not isinstance(v, float):  # None (not measurable here) or why it was left out
+            lines.append(f"| {name} | {v or 'n/a'} | – |")
             continue
         dense_ceilings[name] = v * expand[basis]
         lines.append(f"| {name} | {v:.2f} | {v * expand[basis]:.2f} (x{expand[basis]:.1f}) |")
@@ -381,7 +415,7 @@ def report(args, store: str, results: dict, ceilings: dict) -> None:
         for i, (name, v) in enumerate(dense_ceilings.items()):
             ax.axvline(v, ls="--", color=f"C{i}", label=f"{name} ({v:.1f} GB/s)")
         ax.set_xlabel("GB/s of dense float32 delivered on the GPU (ceilings: dense-equivalent)")
-        ax.set_title(f"{cells} x {genes}, batch {args.batch_size}")
+        ax.set_title(f"{where}\n{cells} x {genes}, batch {args.batch_size}", fontsize=9)
         ax.legend(loc="lower right", fontsize=8)
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, "gpu_throughput.png"), dpi=120)
@@ -394,25 +428,27 @@ def main(argv=None) -> None:
     if args.worker == "annbatch":
         annbatch_worker(args)
         return
-    require_gpu()
+    if not args.smoke:
+        require_gpu()
     sys.path.insert(0, ROOT)
     store = make_store(args)
     results = {}
     for name, fn in (
-        ("dali_zarr gpu", partial(run_dali, device="gpu")),
+        (DALI_GPU, partial(run_dali, device="gpu")),
         ("dali_zarr cpu + .cuda()", partial(run_dali, device="cpu")),
-        ("baseline zarr→numpy→torch.cuda→densify", run_baseline),
-        ("annbatch gpu (preload_to_gpu=True)", run_annbatch),
+        (BASELINE, run_baseline),
+        (ANNBATCH, run_annbatch),
     ):
         print(f"measuring {name} ...", file=sys.stderr)
         try:
             results[name] = fn(args, store)
         except Exception as e:  # report and go on: one contender must not sink the table
             results[name] = {"skipped": f"{type(e).__name__}: {e}"}
+    no_gpu = "smoke run" if args.smoke else None
     ceilings = {  # name: (GB/s, what the bytes are: stored chunk bytes or CSR arrays)
-        "host→device copy of CSR (pinned)": (ceiling_h2d(), "csr"),
+        "host→device copy of CSR (pinned)": (no_gpu or ceiling_h2d(), "csr"),
         "raw read of the store (os, 8 threads)": (ceiling_read(store), "stored"),
-        "raw read into GPU memory (kvikio)": (ceiling_kvikio(store), "stored"),
+        "raw read into GPU memory (kvikio)": (no_gpu or ceiling_kvikio(store), "stored"),
     }
     report(args, store, results, ceilings)
 

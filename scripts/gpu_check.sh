@@ -3,7 +3,7 @@
 #
 # Stage DALI and the wheels the GPU image lacks first (here, once):
 #   echo /.gpu/ >> .git/info/exclude
-#   DZ_GPU_EXTRA="zstandard scipy hypothesis tqdm" ../shared/gpu/stage.sh pack
+#   DZ_GPU_EXTRA="$(bash scripts/gpu_check.sh extra)" ../shared/gpu/stage.sh pack
 # then make the device calls it prints back to back; the last one's command is
 #   ... && source .gpu/install.sh && bash scripts/gpu_check.sh tests
 # and, on the same warm machine, carry=[".gpu/install.sh"]:
@@ -17,6 +17,15 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 step=${1:-tests}
 
 case "$step" in
+  extra)
+    # Wheels beyond stage.sh's own list: zstandard (prefix decode) and annbatch with what
+    # the image lacks of its dependencies (the image has pandas, h5py, scipy, pyyaml, ...;
+    # KINDS.md lists it), so the benchmark measures annbatch's GPU mode in-process.
+    echo zstandard annbatch anndata zarrs array-api-compat dask humanfriendly \
+      importlib-metadata lazy-importer legacy-api-wrap locket natsort partd pydantic \
+      pydantic-core pydantic-settings python-dotenv scverse-misc session-info2 \
+      typing-inspection annotated-types tzdata
+    ;;
   tests)
     {
       nvidia-smi -L
@@ -36,7 +45,7 @@ case "$step" in
     rm -rf "$out/bench"  # the store must not travel back
     ;;
   *)
-    sed -n '2,13p' "$0"
+    sed -n '2,14p' "$0"
     exit 2
     ;;
 esac

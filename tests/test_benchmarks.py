@@ -1,0 +1,78 @@
+"""The benchmark scripts run end to end at a tiny size, so they cannot rot between the runs
+that matter (full size here, or on a lent GPU machine, where a broken script wastes the lease).
+
+Their figures are not checked (speed is measured by running them, never asserted in tests):
+only that every contender delivered the rows it was asked for and the reports were written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+
+
+def run_script(name: str, *argv: object) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / name), *(str(a) for a in argv)],
+        cwd=BENCHMARKS,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_gpu_throughput_smoke_run(tmp_path: Path) -> None:
+    """``--smoke``: the GPU benchmark's every step on the CPU (GPU path on the host backend)."""
+    batches, batch_size = 4, 128
+    stdout = run_script(
+        "gpu_throughput.py",
+        "--smoke",
+        *("--cells", 1500, "--genes", 700, "--nnz-per-cell", 40),
+        *("--batch-size", batch_size, "--chunk-size", 32, "--preload-nchunks", 8),
+        *("--batches", batches, "--warmup", 1, "--out", tmp_path),
+    )
+    assert "SMOKE RUN on the CPU" in stdout  # a smoke figure can't pass for a GPU one
+    report = json.loads((tmp_path / "gpu_throughput.json").read_text())
+    results = report["results"]
+    for name in ("dali_zarr gpu", "dali_zarr cpu + .cuda()"):
+        assert results[name]["rows"] == batches * batch_size, (name, results[name])
+        assert results[name]["seconds"] > 0
+    assert "host-backend plan" in next(iter(results["dali_zarr gpu"]["paths"].values()))
+    baseline = next(r for name, r in results.items() if name.startswith("baseline"))
+    assert baseline["rows"] == batches * batch_size, baseline
+    annbatch = next(r for name, r in results.items() if name.startswith("annbatch"))
+    assert annbatch.get("skipped") or annbatch["rows"] == batches * batch_size, annbatch
+    # GPU-only ceilings say why they are missing; the read ceiling is measured
+    ceilings = report["ceilings"]
+    assert [v for v, _ in ceilings.values()].count("smoke run") == 2, ceilings
+    assert any(isinstance(v, float) and v > 0 for v, _ in ceilings.values()), ceilings
+    assert (tmp_path / "gpu_throughput.png").stat().st_size > 0
+
+
+def test_throughput_cube_run(tmp_path: Path) -> None:
+    """The CPU benchmark on its dense cube, with the contenders that need no other venv."""
+    run_script(
+        "throughput.py",
+        *("--stores", "cube", "--only", "dali_zarr,torch_dataloader,ceiling"),
+        *("--cube-n", 48, "--cube-chunk", 4, "--cube-batch-size", 8),
+        *("--cube-preload-nchunks", 4, "--reps", 1, "--batches", 3, "--warmup", 1),
+        *("--seconds", 30, "--out", tmp_path),
+    )
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    ran = {c["key"]: c for c in report["contenders"]}
+    assert {key.split("/")[1] for key in ran} == {"dali_zarr", "torch_dataloader", "ceiling"}
+    for key, contender in ran.items():
+        assert not contender["errors"] and not contender["skipped"], (key, contender)
+        (result,) = contender["results"]
+        assert result["rows"] > 0, (key, result)
+        if "ceiling" not in key:  # the ceiling reads whole windows, not --batches batches
+            assert result["batches"] == 3, (key, result)
+    assert "| cube | dali_zarr dense |" in (tmp_path / "throughput.md").read_text()
+    assert (tmp_path / "throughput.png").stat().st_size > 0
