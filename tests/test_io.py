@@ -312,6 +312,21 @@ def stores(tmp_path_factory):
     }
 
 
+@pytest.mark.parametrize("which", ["plain", "sharded", "nd"])
+def test_scattered_short_ranges(stores, which):
+    """A scattered subset: many short runs per chunk, in shuffled order, some repeated, some
+    beside whole chunks (which are decoded in place) -- the rows a ``Subset`` window reads."""
+    data, direct, _ = stores[which]
+    n = data.shape[0]
+    rng = np.random.default_rng(7)
+    rows = np.sort(rng.choice(n, size=n // 3, replace=False))
+    runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
+    ranges = np.array([[r[0], r[-1] + 1] for r in runs])
+    ranges = np.concatenate([ranges, ranges[:5], [[0, 48], [n - 40, n]]])  # repeats, whole chunks
+    ranges = ranges[rng.permutation(len(ranges))]
+    np.testing.assert_array_equal(direct.read_rows(ranges), expected(data, ranges))
+
+
 # ---------------------------------------------------------------------------- executors
 
 

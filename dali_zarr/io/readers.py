@@ -206,6 +206,39 @@ def _prepare_out(
     return out
 
 
+def _concat_aranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + k) for s, k in zip(starts, lens)])``, without the loop."""
+    total = int(lens.sum())
+    return np.repeat(starts - _offsets(lens), lens) + np.arange(total, dtype=np.int64)
+
+
+def _copy_rows(
+    out: np.ndarray,
+    bufs: dict[int, np.ndarray],
+    chunk: np.ndarray,
+    src: np.ndarray,
+    lens: np.ndarray,
+    dst: np.ndarray,
+) -> None:
+    """``out[dst_i : dst_i + lens_i] = bufs[chunk_i][src_i : src_i + lens_i]`` for every i,
+    with one copy per chunk (scattered subsets make many short runs of few chunks)."""
+    if len(chunk) == 0:
+        return
+    order = np.argsort(chunk, kind="stable")
+    chunk, src, lens, dst = chunk[order], src[order], lens[order], dst[order]
+    heads = np.flatnonzero(np.concatenate([[True], chunk[1:] != chunk[:-1]]))
+    if len(heads) == len(chunk):  # one run per chunk (contiguous reads): slice copies
+        runs = zip(chunk.tolist(), src.tolist(), lens.tolist(), dst.tolist(), strict=True)
+        for c, s, k, d in runs:
+            out[d : d + k] = bufs[c][s : s + k]
+        return
+    src_rows, dst_rows = _concat_aranges(src, lens), _concat_aranges(dst, lens)
+    row_bounds = np.append(_offsets(lens)[heads], len(src_rows)).tolist()
+    for i, c in enumerate(chunk[heads].tolist()):
+        a, b = row_bounds[i], row_bounds[i + 1]
+        out[dst_rows[a:b]] = bufs[c][src_rows[a:b]]
+
+
 def _offsets(lens: np.ndarray) -> np.ndarray:
     offs = np.zeros(len(lens), dtype=np.int64)
     np.cumsum(lens[:-1], out=offs[1:])
@@ -302,47 +335,54 @@ class DirectReader:
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
         if total == 0:
             return out
-        offs = _offsets(lens)
         C = self.rows_per_chunk
         nz = np.flatnonzero(lens)
-        starts, stops, outs = r[nz, 0], r[nz, 1], offs[nz]
-        first = starts // C
-        last = (stops - 1) // C
-
-        # Chunks fully covered by a range are assembled straight in `out`.
-        bufs: dict[int, np.ndarray] = {}
-        owner: dict[int, int] = {}
-        for j in range(len(nz)):
-            s, e, o = int(starts[j]), int(stops[j]), int(outs[j])
-            c_hi = e // C if e < n else int(last[j]) + 1
-            for c in range(-(-s // C), c_hi):
-                if c not in bufs:
-                    lo = c * C
-                    bufs[c] = out[o + lo - s : o + min(lo + C, n) - s]
-                    owner[c] = j
+        starts, stops, outs = r[nz, 0], r[nz, 1], _offsets(lens)[nz]
+        # one entry per (range, chunk) intersection, in range order: global rows [lo, hi)
+        # of chunk `chunk` go to out[dst : dst + hi - lo]
+        first, last = starts // C, (stops - 1) // C
         counts = last - first + 1
-        touched = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(
-            int(counts.sum())
-        )
-        needed, which = np.unique(touched, return_inverse=True)
+        pair_range = np.repeat(np.arange(len(nz)), counts)
+        chunk = _concat_aranges(first, counts)
+        lo = np.maximum(starts[pair_range], chunk * C)
+        hi = np.minimum(stops[pair_range], (chunk + 1) * C)
+        dst = outs[pair_range] + lo - starts[pair_range]
+
+        # A chunk wholly inside a range is decoded straight into `out` (the first such range
+        # "owns" it); the others get a buffer and their rows are copied out afterwards.
+        covering = np.flatnonzero((lo == chunk * C) & (hi == np.minimum((chunk + 1) * C, n)))
+        owned, first_cover = np.unique(chunk[covering], return_index=True)
+        owner_pairs = covering[first_cover]
+        bufs: dict[int, np.ndarray] = {
+            c: out[d : d + h - lo_]
+            for c, d, lo_, h in zip(
+                owned.tolist(),
+                dst[owner_pairs].tolist(),
+                lo[owner_pairs].tolist(),
+                hi[owner_pairs].tolist(),
+                strict=True,
+            )
+        }
+        needed, which = np.unique(chunk, return_inverse=True)
         # rows [0, rows_needed) of each needed chunk cover every range touching it
         rows_needed = np.zeros(len(needed), dtype=np.int64)
-        np.maximum.at(rows_needed, which, np.repeat(stops, counts) - touched * C)
-        pieces = self._plan(needed, np.minimum(rows_needed, C), bufs)
+        np.maximum.at(rows_needed, which, hi - chunk * C)
+        pieces = self._plan(needed, rows_needed, bufs)
         self.chunks_read += len(pieces)
         if self.layout.shard is not None:
             self._load_shard_indexes(pieces)
         _run_parallel(self.executor, pieces, self._load_piece)
 
-        # Copy the rows of every range that was not assembled in place.
-        for j in range(len(nz)):
-            s, e, o = int(starts[j]), int(stops[j]), int(outs[j])
-            for c in range(int(first[j]), int(last[j]) + 1):
-                if owner.get(c) == j:
-                    continue
-                lo = max(s, c * C)
-                hi = min(e, (c + 1) * C)
-                out[o + lo - s : o + hi - s] = bufs[c][lo - c * C : hi - c * C]
+        copies = np.ones(len(chunk), dtype=bool)
+        copies[owner_pairs] = False
+        _copy_rows(
+            out,
+            bufs,
+            chunk[copies],
+            lo[copies] - chunk[copies] * C,
+            hi[copies] - lo[copies],
+            dst[copies],
+        )
         return out
 
     def _plan(
