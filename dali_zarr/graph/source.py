@@ -19,7 +19,8 @@ import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows
 from dali_zarr.planning import EpochPlan, WindowPlan
-from dali_zarr.planning.resume import PlanSettings, Segment, plan_resumed_epoch
+from dali_zarr.planning.resume import Segment, plan_resumed_epoch
+from dali_zarr.planning.samplers import PlanSettings
 
 Output = Literal["dense", "csr"]
 # Which plan a DALI epoch follows: (user epoch, history of interrupted runs of that epoch);

@@ -8,14 +8,13 @@ pure function of (seed, epoch, n_obs, rank, world_size, settings).
 from dali_zarr.planning.partition import ranges_to_rows, rows_delivered, window_rows_of
 from dali_zarr.planning.plan import EpochPlan, WindowPlan, iter_batches
 from dali_zarr.planning.resume import (
-    PlanSettings,
     ResumePoint,
     Segment,
     batch_counts,
     plan_remainder,
     plan_resumed_epoch,
 )
-from dali_zarr.planning.samplers import ChunkSampler, DistributedSampler, plan_epoch
+from dali_zarr.planning.samplers import ChunkSampler, DistributedSampler, PlanSettings, plan_epoch
 
 __all__ = [
     "ChunkSampler",

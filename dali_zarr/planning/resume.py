@@ -38,14 +38,13 @@ one window per old rank; a same-size resume costs one plan, like any epoch.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning.partition import (
-    Shard,
     offsets_of,
     rank_bounds,
     rows_delivered,
@@ -57,12 +56,11 @@ from dali_zarr.planning.partition import (
     window_rows_of,
 )
 from dali_zarr.planning.plan import EpochPlan
-from dali_zarr.planning.samplers import plan_epoch
+from dali_zarr.planning.samplers import PlanSettings
 
 __all__ = [
     "STATE_FORMAT",
     "STATE_VERSION",
-    "PlanSettings",
     "ResumePoint",
     "Segment",
     "batch_counts",
@@ -84,55 +82,6 @@ TAG_RESUME_WINDOW = 3
 
 
 # --------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlanSettings:
-    """Everything besides (n_obs, epoch, rank, world_size) that a plan depends on."""
-
-    seed: int
-    chunk_size: int
-    preload_nchunks: int
-    batch_size: int
-    shuffle: bool
-    drop_last: bool
-    enforce_equal_batches: bool = True
-    shard: Shard = "chunks"
-
-    @classmethod
-    def of(cls, sampler: object) -> PlanSettings:
-        """The settings of a ChunkSampler or DistributedSampler (a ChunkSampler is one rank of
-        one: ``enforce_equal_batches=True`` and ``shard="chunks"``, which change nothing there).
-        """
-        try:  # plain Python values, so that a state dict is JSON-able and compares equal
-            return cls(
-                seed=int(sampler.seed),  # type: ignore[attr-defined]
-                chunk_size=int(sampler.chunk_size),  # type: ignore[attr-defined]
-                preload_nchunks=int(sampler.preload_nchunks),  # type: ignore[attr-defined]
-                batch_size=int(sampler.batch_size),  # type: ignore[attr-defined]
-                shuffle=bool(sampler.shuffle),  # type: ignore[attr-defined]
-                drop_last=bool(sampler.drop_last),  # type: ignore[attr-defined]
-                enforce_equal_batches=bool(getattr(sampler, "enforce_equal_batches", True)),
-                shard=str(getattr(sampler, "shard", "chunks")),  # type: ignore[arg-type]
-            )
-        except (AttributeError, TypeError, ValueError):
-            raise ConfigError(
-                f"saving or resuming loader state needs a ChunkSampler or DistributedSampler, "
-                f"got {type(sampler).__name__}"
-            ) from None
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def plan(self, *, n_obs: int, epoch: int, rank: int, world_size: int) -> EpochPlan:
-        """The normal (not resumed) plan of ``epoch`` for ``rank`` of ``world_size``."""
-        return plan_epoch(
-            n_obs=n_obs,
-            epoch=epoch,
-            rank=rank,
-            world_size=world_size,
-            **self.as_dict(),
-        )
 
 
 @dataclass(frozen=True)

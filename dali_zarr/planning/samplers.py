@@ -8,8 +8,12 @@ resumed run that calls it with the same inputs gets the same plan.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
 
 from dali_zarr.distributed import (
     DistInfo,
@@ -36,7 +40,7 @@ from dali_zarr.planning.partition import (
 )
 from dali_zarr.planning.plan import EpochPlan
 
-__all__ = ["ChunkSampler", "DistributedSampler", "plan_epoch"]
+__all__ = ["ChunkSampler", "DistributedSampler", "PlanSettings", "plan_epoch"]
 
 
 def _check_shard(shard: object) -> None:
@@ -146,6 +150,68 @@ def plan_epoch(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """Everything besides (n_obs, epoch, rank, world_size) that a plan depends on: what a
+    sampler holds, as plain Python values (a state dict stores them as JSON and compares
+    them on resume). A ChunkSampler is one rank of one, where ``enforce_equal_batches`` and
+    ``shard`` change nothing."""
+
+    seed: int
+    chunk_size: int
+    preload_nchunks: int
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+    enforce_equal_batches: bool = True
+    shard: Shard = "chunks"
+
+    @classmethod
+    def of(cls, sampler: object) -> PlanSettings:
+        """The settings of a ChunkSampler or DistributedSampler."""
+        settings = getattr(sampler, "settings", None)
+        if not isinstance(settings, cls):
+            raise ConfigError(
+                f"saving or resuming loader state needs a ChunkSampler or DistributedSampler, "
+                f"got {type(sampler).__name__}"
+            )
+        return settings
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def batches_per_rank(self, *, n_obs: int, world_size: int) -> np.ndarray:
+        """``(world_size,)`` batches each rank yields per epoch (the same every epoch),
+        without planning one."""
+        validate_plan_inputs(
+            n_obs=n_obs,
+            epoch=0,
+            rank=0,
+            world_size=world_size,
+            chunk_size=self.chunk_size,
+            batch_size=self.batch_size,
+            enforce_equal_batches=self.enforce_equal_batches,
+        )
+        rows = rows_delivered(
+            int(n_obs),
+            int(world_size),
+            self.batch_size,
+            enforce_equal_batches=self.enforce_equal_batches,
+            drop_last=self.drop_last,
+        )
+        return -(-rows // self.batch_size)
+
+    def plan(self, *, n_obs: int, epoch: int, rank: int, world_size: int) -> EpochPlan:
+        """The normal (not resumed) plan of ``epoch`` for ``rank`` of ``world_size``."""
+        return plan_epoch(
+            n_obs=n_obs,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            **self.as_dict(),
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChunkSampler:
     """Single-process sampler (rank 0 of 1): reads whole chunks, shuffles inside windows.
@@ -193,23 +259,25 @@ class ChunkSampler:
         """Rows per window (a multiple of batch_size)."""
         return window_rows_of(self.chunk_size, self.preload_nchunks, self.batch_size)
 
-    def plan_epoch(self, n_obs: int, epoch: int) -> EpochPlan:
-        """The plan of ``epoch`` over ``n_obs`` observations (every row exactly once unless
-        ``drop_last``)."""
-        return plan_epoch(
-            n_obs=n_obs,
-            epoch=epoch,
-            seed=self.seed,  # type: ignore[arg-type]
-            chunk_size=self.chunk_size,
-            preload_nchunks=self.preload_nchunks,
-            batch_size=self.batch_size,
+    @property
+    def settings(self) -> PlanSettings:
+        return PlanSettings(
+            seed=int(self.seed),  # type: ignore[arg-type]
+            chunk_size=int(self.chunk_size),
+            preload_nchunks=int(self.preload_nchunks),
+            batch_size=int(self.batch_size),
             shuffle=self.shuffle,
             drop_last=self.drop_last,
         )
 
+    def plan_epoch(self, n_obs: int, epoch: int) -> EpochPlan:
+        """The plan of ``epoch`` over ``n_obs`` observations (every row exactly once unless
+        ``drop_last``)."""
+        return self.settings.plan(n_obs=n_obs, epoch=epoch, rank=0, world_size=1)
+
     def num_batches(self, n_obs: int) -> int:
         """Batches per epoch (the same for every epoch), without planning one."""
-        return _num_batches(self, n_obs, 0, 1, enforce_equal_batches=False)
+        return int(self.settings.batches_per_rank(n_obs=n_obs, world_size=1)[0])
 
 
 class DistributedSampler:
@@ -293,33 +361,25 @@ class DistributedSampler:
     drop_last = property(lambda self: self._sampler.drop_last, doc="Drop a partial last batch.")
     window_rows = property(lambda self: self._sampler.window_rows, doc="Rows per window.")
 
-    def plan_epoch(self, n_obs: int, epoch: int) -> EpochPlan:
-        """This rank's plan of ``epoch``; the same on every call, process and restart."""
-        s = self._sampler
-        return plan_epoch(
-            n_obs=n_obs,
-            epoch=epoch,
+    @property
+    def settings(self) -> PlanSettings:
+        return dataclasses.replace(
+            self._sampler.settings,
             seed=self._seed,
-            chunk_size=s.chunk_size,
-            preload_nchunks=s.preload_nchunks,
-            batch_size=s.batch_size,
-            rank=self._rank,
-            world_size=self._world_size,
-            shuffle=s.shuffle,
-            drop_last=s.drop_last,
             enforce_equal_batches=self._enforce,
             shard=self._shard,
         )
 
+    def plan_epoch(self, n_obs: int, epoch: int) -> EpochPlan:
+        """This rank's plan of ``epoch``; the same on every call, process and restart."""
+        return self.settings.plan(
+            n_obs=n_obs, epoch=epoch, rank=self._rank, world_size=self._world_size
+        )
+
     def num_batches(self, n_obs: int) -> int:
         """This rank's batches per epoch (the same for every epoch), without planning one."""
-        return _num_batches(
-            self._sampler,
-            n_obs,
-            self._rank,
-            self._world_size,
-            enforce_equal_batches=self._enforce,
-        )
+        counts = self.settings.batches_per_rank(n_obs=n_obs, world_size=self._world_size)
+        return int(counts[self._rank])
 
 
 def _restore_distributed(
@@ -336,25 +396,3 @@ def _restore_distributed(
     ):
         object.__setattr__(obj, name, value)
     return obj
-
-
-def _num_batches(
-    s: ChunkSampler, n_obs: int, rank: int, world_size: int, *, enforce_equal_batches: bool
-) -> int:
-    validate_plan_inputs(
-        n_obs=n_obs,
-        epoch=0,
-        rank=rank,
-        world_size=world_size,
-        chunk_size=s.chunk_size,
-        batch_size=s.batch_size,
-        enforce_equal_batches=enforce_equal_batches,
-    )
-    rows = rows_delivered(
-        int(n_obs),
-        world_size,
-        s.batch_size,
-        enforce_equal_batches=enforce_equal_batches,
-        drop_last=s.drop_last,
-    )
-    return -(-int(rows[rank]) // s.batch_size)
