@@ -1,13 +1,14 @@
-"""One rank of the multi-node, uneven-batch and resume tests (started by torchrun).
+"""One rank of the torchrun tests: multi-node, uneven batches, resume, a drawn seed.
 
 Runs every case of ``--cases`` (a JSON list) in turn over one gloo process group: a
 DistributedSampler + Loader over the case's store, a small DDP model trained on every batch,
-and ``--out/c{K}_rank{R}.npz`` with the global ids this rank saw per epoch, its step counts
-and a checksum of the trained weights. Options stop a case mid-epoch after saving
-``Loader.state_dict()`` to ``--out/{name}_rank{R}.pt`` (``stop_epoch``/``stop_after``),
-resume a case from all old ranks' saved states (``resume``: their directory), wrap the
-loop in ``torch.distributed.algorithms.Join`` (``join``), or first check that uneven batch
-counts are refused (``probe_uneven``).
+and ``--out/c{K}_rank{R}.npz`` with the global ids this rank saw per epoch, its step counts,
+the seed its sampler used (``"seed": null`` draws one on rank 0) and the trained weights.
+Options stop a case mid-epoch after saving ``Loader.state_dict()`` to
+``--out/{name}_rank{R}.pt`` (``stop_epoch``/``stop_after``), resume a case from all old
+ranks' saved states (``resume``: their directory), wrap the loop in
+``torch.distributed.algorithms.Join`` (``join``), or first check that uneven batch counts
+are refused (``probe_uneven``).
 """
 
 from __future__ import annotations
@@ -45,9 +46,14 @@ def sampler_of(case: dict) -> dz.DistributedSampler:
 def run_case(k: int, case: dict, out: Path) -> None:
     rank = dist.get_rank()
     dataset = dz.open_dataset(case["data"])
-    result: dict[str, object] = {"world_size": dist.get_world_size(), "rank": rank}
+    sampler = sampler_of(case)
+    result: dict[str, object] = {
+        "world_size": dist.get_world_size(),
+        "rank": rank,
+        "seed": sampler.seed,
+    }
     if case.get("probe_uneven"):
-        probe = dz.Loader(dataset, sampler_of(case), num_threads=1)
+        probe = dz.Loader(dataset, sampler, num_threads=1)
         try:
             for _ in probe:
                 pass
@@ -57,7 +63,7 @@ def run_case(k: int, case: dict, out: Path) -> None:
         probe.close()
     loader = dz.Loader(
         dataset,
-        sampler_of(case),
+        sampler,
         obs=["cell_type"],
         return_index=True,
         num_threads=1,

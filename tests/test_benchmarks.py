@@ -12,14 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BENCHMARKS = REPO / "benchmarks"
+from tests.processes import ROOT, child_env
+
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def run_script(name: str, *argv: object) -> str:
     proc = subprocess.run(
         [sys.executable, str(BENCHMARKS / name), *(str(a) for a in argv)],
         cwd=BENCHMARKS,
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=600,

@@ -3,8 +3,6 @@ JAX CPU processes (jax.distributed on localhost)."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +20,9 @@ jax = pytest.importorskip("jax")
 from jax.experimental import sparse as jsparse  # noqa: E402
 
 from dali_zarr.jax_loader import JaxLoader  # noqa: E402
+from tests.processes import ROOT, child_env, free_port  # noqa: E402
 
 WORKER = Path(__file__).with_name("jax_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +100,6 @@ def test_refuses_ids_jax_would_wrap(tmp_path: Path) -> None:
     JaxLoader(dataset, sampler(), obs=["cell_type"], return_index=True).close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_two_jax_processes_disjoint_equal_complete(tmp_path: Path) -> None:
     n_obs, batch = 1_001, 64
@@ -116,13 +108,8 @@ def test_two_jax_processes_disjoint_equal_complete(tmp_path: Path) -> None:
     )
     out = tmp_path / "out"
     out.mkdir()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "JAX_PLATFORMS": "cpu",
-        "OMP_NUM_THREADS": "1",
-    }
-    port = _free_port()
+    env = child_env(JAX_PLATFORMS="cpu")
+    port = free_port()
     procs = [
         subprocess.Popen(
             [

@@ -23,8 +23,8 @@ L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from dali_zarr.lightning import ZarrDataModule  # noqa: E402
+from tests.processes import ROOT, child_env  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "pipelines" / "lightning_train.py"
 
 
@@ -170,11 +170,7 @@ def test_trainer_reshuffles_validates_exactly_and_resumes(split_store: str, tmp_
 
 
 def _run_example(args: list[str], timeout: int) -> str:
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = child_env()
     # its own session: on a timeout the whole group (Lightning's rank-1 child too) is killed
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLE), *args],

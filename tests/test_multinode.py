@@ -1,5 +1,7 @@
 """Real torchrun jobs on loopback (gloo, CPU DALI pipelines, DDP training).
 
+- One node, two ranks, ``seed=None``: rank 0's drawn seed reaches every rank; shards are
+  disjoint, batch counts equal and complete, for both shard modes.
 - Two torchrun launchers as two "nodes" (c10d rendezvous on 127.0.0.1): every rank's ids
   equal its planned shard exactly (so shards are disjoint and cover the expected rows),
   batch counts are equal, and DDP training finishes with the same weights on every rank.
@@ -18,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -30,24 +31,16 @@ import pytest
 import dali_zarr as dz
 from dali_zarr import synthetic
 from dali_zarr.planning import iter_batches
+from tests.processes import ROOT, child_env, free_port
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 240  # seconds for one job; a hang fails instead of blocking
 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return env
+    return child_env(GLOO_SOCKET_IFNAME="lo")
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
@@ -276,3 +269,27 @@ def test_resume_two_ranks_on_three(w2_job, tmp_path: Path) -> None:
         np.testing.assert_array_equal(r["epoch2"], planned_ids(case, W2_RESUME, 2, rank, 3))
     for r in new[1:]:
         np.testing.assert_array_equal(r["weights"], new[0]["weights"])
+
+
+@pytest.mark.parametrize("shard", ["chunks", "contiguous"])
+def test_one_node_drawn_seed_disjoint_equal_complete(tmp_path: Path, shard: str) -> None:
+    n_obs = 2_999
+    data = synthetic.make_single_cell(
+        tmp_path / "sc.zarr", n_obs=n_obs, n_features=64, chunk_elements=1_024
+    )
+    batch = 128
+    case = {"data": str(data), "chunk_size": 64, "preload_nchunks": 4, "batch_size": batch}
+    (ranks,) = launch([{**case, "seed": None, "shard": shard}], tmp_path, nnodes=1, nproc=2)
+    per_rank = (n_obs // 2) // batch  # enforce_equal_batches: complete batches only
+    assert ranks[0]["seed"] == ranks[1]["seed"], "seed=None must be broadcast from rank 0"
+    for epoch in range(2):
+        a, b = (r[f"epoch{epoch}"] for r in ranks)
+        assert [int(r[f"steps{epoch}"]) for r in ranks] == [per_rank, per_rank]
+        assert int(ranks[0][f"len{epoch}"]) == per_rank
+        assert len(a) == len(b) == per_rank * batch
+        assert not set(a.tolist()) & set(b.tolist()), "ranks overlap"
+        assert len(np.unique(np.concatenate([a, b]))) == 2 * per_rank * batch
+    if shard == "chunks":  # shards move between epochs; contiguous shards stay put
+        assert set(ranks[0]["epoch0"].tolist()) != set(ranks[0]["epoch1"].tolist())
+    else:
+        assert ranks[0]["epoch0"].max() < n_obs // 2 <= ranks[1]["epoch0"].min()
