@@ -42,9 +42,10 @@ import numcodecs
 import numpy as np
 
 from ..errors import ChunkReadError
+from ..planning.partition import split_at_chunks
 from .codecs import ChunkDecoder, DecodeError, _zstd_content_size
 from .layout import ArrayLayout
-from .readers import DirectReader, _check_ranges, _pread_into, _run_parallel
+from .readers import DirectReader, _check_ranges, _offsets, _pread_into, _run_parallel
 
 __all__ = [
     "GPU_KINDS",
@@ -169,17 +170,10 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     total = int(lens.sum())
     nz = np.flatnonzero(lens)
     starts, stops = r[nz, 0], r[nz, 1]
-    outs = (np.cumsum(lens) - lens)[nz]
-    first, last = starts // C, (stops - 1) // C
-    counts = last - first + 1
+    outs = _offsets(lens)[nz]
     # one entry per (range, chunk) intersection, in window order
-    rep = np.repeat(np.arange(len(nz)), counts)
-    seg_chunk = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(
-        int(counts.sum()), dtype=np.int64
-    )
+    rep, seg_chunk, lo, hi = split_at_chunks(starts, stops, C)
     chunks, slot_of = np.unique(seg_chunk, return_inverse=True)
-    lo = np.maximum(starts[rep], seg_chunk * C)
-    hi = np.minimum(stops[rep], (seg_chunk + 1) * C)
     seg = np.stack(
         [
             slot_of * slot_elems + (lo - seg_chunk * C) * row_elems,

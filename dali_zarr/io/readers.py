@@ -55,6 +55,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import ChunkReadError, DatasetError
+from ..planning.partition import concat_aranges, split_at_chunks
 from .codecs import ChunkDecoder, DecodeError, verify_crc32c
 from .layout import ArrayLayout, parse_layout
 
@@ -206,12 +207,6 @@ def _prepare_out(
     return out
 
 
-def _concat_aranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """``concatenate([arange(s, s + k) for s, k in zip(starts, lens)])``, without the loop."""
-    total = int(lens.sum())
-    return np.repeat(starts - _offsets(lens), lens) + np.arange(total, dtype=np.int64)
-
-
 def _copy_rows(
     out: np.ndarray,
     bufs: dict[int, np.ndarray],
@@ -232,7 +227,7 @@ def _copy_rows(
         for c, s, k, d in runs:
             out[d : d + k] = bufs[c][s : s + k]
         return
-    src_rows, dst_rows = _concat_aranges(src, lens), _concat_aranges(dst, lens)
+    src_rows, dst_rows = concat_aranges(src, lens), concat_aranges(dst, lens)
     row_bounds = np.append(_offsets(lens)[heads], len(src_rows)).tolist()
     for i, c in enumerate(chunk[heads].tolist()):
         a, b = row_bounds[i], row_bounds[i + 1]
@@ -338,14 +333,8 @@ class DirectReader:
         C = self.rows_per_chunk
         nz = np.flatnonzero(lens)
         starts, stops, outs = r[nz, 0], r[nz, 1], _offsets(lens)[nz]
-        # one entry per (range, chunk) intersection, in range order: global rows [lo, hi)
-        # of chunk `chunk` go to out[dst : dst + hi - lo]
-        first, last = starts // C, (stops - 1) // C
-        counts = last - first + 1
-        pair_range = np.repeat(np.arange(len(nz)), counts)
-        chunk = _concat_aranges(first, counts)
-        lo = np.maximum(starts[pair_range], chunk * C)
-        hi = np.minimum(stops[pair_range], (chunk + 1) * C)
+        # global rows [lo, hi) of chunk `chunk` go to out[dst : dst + hi - lo]
+        pair_range, chunk, lo, hi = split_at_chunks(starts, stops, C)
         dst = outs[pair_range] + lo - starts[pair_range]
 
         # A chunk wholly inside a range is decoded straight into `out` (the first such range

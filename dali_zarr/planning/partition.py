@@ -294,11 +294,29 @@ def ranges_to_rows(row_ranges: np.ndarray) -> np.ndarray:
     not on a whole shard.
     """
     row_ranges = np.asarray(row_ranges, dtype=np.int64).reshape(-1, 2)
-    lengths = row_ranges[:, 1] - row_ranges[:, 0]
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
+    return concat_aranges(row_ranges[:, 0], row_ranges[:, 1] - row_ranges[:, 0])
+
+
+def concat_aranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + k) for s, k in zip(starts, lengths)])`` as int64,
+    without the loop (``lengths`` >= 0)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     local_starts = np.cumsum(lengths) - lengths
-    # the row at local position p of range i is start_i + (p - local_start_i)
-    shift = np.repeat(row_ranges[:, 0] - local_starts, lengths)
-    return shift + np.arange(total, dtype=np.int64)
+    # the element at local position p of run i is start_i + (p - local_start_i)
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - local_starts, lengths)
+    return shift + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def split_at_chunks(
+    starts: np.ndarray, stops: np.ndarray, chunk_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Non-empty row ranges ``[starts, stops)`` cut at chunk boundaries: one piece per
+    (range, chunk) they meet, in range order, as ``(range, chunk, lo, hi)``: rows
+    ``[lo, hi)`` of range ``range`` lie in chunk ``chunk``."""
+    first, last = starts // chunk_size, (stops - 1) // chunk_size
+    counts = last - first + 1
+    piece_range = np.repeat(np.arange(len(starts)), counts)
+    chunk = concat_aranges(first, counts)
+    lo = np.maximum(starts[piece_range], chunk * chunk_size)
+    hi = np.minimum(stops[piece_range], (chunk + 1) * chunk_size)
+    return piece_range, chunk, lo, hi
