@@ -34,6 +34,7 @@ import numpy as np
 import zarr
 
 from dali_zarr.errors import ConfigError, DatasetError
+from dali_zarr.planning.partition import concat_aranges, ranges_to_rows
 
 __all__ = [
     "CODECS",
@@ -125,7 +126,7 @@ def output_permutation(n_obs: int, *, seed: int, piece_rows: int, window_pieces:
     shuffle = {"seed": seed, "piece_rows": piece_rows, "window_pieces": window_pieces}
     parts = []
     for ranges, perm in _windows(n_obs, block_rows=piece_rows * window_pieces, shuffle=shuffle):
-        rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
+        rows = ranges_to_rows(np.asarray(ranges))
         parts.append(rows if perm is None else rows[perm])
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
@@ -351,6 +352,11 @@ def _read_dense(inputs, offsets, ranges, dtype: np.dtype) -> np.ndarray:
         for s, e in _merge(ranges)
         for inp, a, b in _split(inputs, offsets, s, e)
     ]
+    return _join(parts)
+
+
+def _join(parts: list[np.ndarray]) -> np.ndarray:
+    """One array of ``parts``, without a copy when there is only one."""
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
@@ -362,16 +368,14 @@ def _read_csr(inputs, offsets, ranges, dtype: np.dtype, index_dtype: np.dtype):
             data.append(np.asarray(inp.data[e0:e1]).astype(dtype, copy=False))
             indices.append(np.asarray(inp.indices[e0:e1]).astype(index_dtype, copy=False))
             lengths.append(np.diff(inp.indptr[a : b + 1]))
-    return np.concatenate(data), np.concatenate(indices), np.concatenate(lengths)
+    return _join(data), _join(indices), _join(lengths)
 
 
 def _permute_csr(data, indices, lengths, perm):
     """Rows of a CSR block in the order ``perm`` (one vectorized gather)."""
     starts = np.cumsum(lengths) - lengths
     new_lengths = lengths[perm]
-    total = int(new_lengths.sum())
-    new_starts = np.cumsum(new_lengths) - new_lengths
-    gather = np.repeat(starts[perm] - new_starts, new_lengths) + np.arange(total, dtype=np.int64)
+    gather = concat_aranges(starts[perm], new_lengths)
     return data[gather], indices[gather], new_lengths
 
 
@@ -783,10 +787,9 @@ def _create_x(root: zarr.Group | None, partial: str, plan: _Plan, shard_bytes: i
 
 def _stream(
     inputs: Sequence[_Input], plan: _Plan, out: _Outputs, progress: Progress | None
-) -> tuple[int, np.ndarray, np.ndarray | None]:
-    """Copy X block by block. Returns (blocks, input row of every output row, CSR row lengths)."""
+) -> tuple[int, np.ndarray | None]:
+    """Copy X block by block. Returns (blocks, CSR row lengths)."""
     n_obs = plan.n_obs
-    original = np.empty(n_obs, np.int64)
     lengths = np.zeros(n_obs, np.int64) if plan.layout == "csr" else None
     n_blocks = done = 0
     if progress is not None:
@@ -806,15 +809,13 @@ def _stream(
             values = _read_dense(inputs, plan.offsets, ranges, plan.dtype)
             out.writers["X"].append(values if perm is None else values[perm])
             n = len(values)
-        rows = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in ranges])
-        original[done : done + n] = rows if perm is None else rows[perm]
         done += n
         n_blocks += 1
         if progress is not None:
             progress(done, n_obs)
     for writer in out.writers.values():
         writer.finish()
-    return n_blocks, original, lengths
+    return n_blocks, lengths
 
 
 def _convert(
@@ -858,7 +859,7 @@ def _convert(
             out = _create_x(root, partial, plan, shard_bytes, codec)
             if shard_bytes and out.shard_chunks is None:
                 notes.append("not sharded: a shard of the requested size holds < 2 chunks")
-            n_blocks, original, lengths = _stream(inputs, plan, out, progress)
+            n_blocks, lengths = _stream(inputs, plan, out, progress)
             info: dict[str, Any] = {
                 "version": 1,
                 "sources": [os.path.abspath(i.path) for i in inputs],
@@ -873,6 +874,12 @@ def _convert(
             if root is not None:
                 if plan.layout == "dense":
                     root["X"].attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+                # the input row of every output row, to carry obs along
+                original = (
+                    output_permutation(plan.n_obs, **plan.shuffle)
+                    if plan.shuffle
+                    else np.arange(plan.n_obs, dtype=np.int64)
+                )
                 obs_columns = _write_obs_var(root, inputs, obs, var, original)
                 root.attrs.update(
                     {"encoding-type": "anndata", "encoding-version": "0.1.0", "dali_zarr": info}
