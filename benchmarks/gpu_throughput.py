@@ -33,13 +33,14 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
+import shutil
 import sys
 import time
 from functools import partial
 
 import numpy as np
-from contenders._common import epochs  # benchmarks/ is this script's directory
+from contenders._common import emit, epochs  # benchmarks/ is this script's directory
+from throughput import ANNBATCH_ENV, ensure_sparse_store, run_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -100,22 +101,22 @@ def require_gpu() -> None:
 
 
 def make_store(args: argparse.Namespace) -> str:
+    """The store, written once and cached under ``<out>/stores`` (reused only once complete)."""
     if args.store:
         return args.store
-    name = f"tahoe_{args.cells}x{args.genes}_{int(args.nnz_per_cell)}.zarr"
-    path = os.path.join(args.out, "stores", name)
-    if os.path.exists(os.path.join(path, "zarr.json")):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    writer = os.path.join(HERE, "contenders", "stores.py")
-    print(f"writing {path} ...", file=sys.stderr)
-    if os.path.exists(writer) and importlib.util.find_spec("anndata") is not None:
-        cmd = [sys.executable, writer, "sparse", "--path", path, "--n-obs", str(args.cells)]
-        cmd += ["--n-genes", str(args.genes), "--nnz-per-cell", str(args.nnz_per_cell)]
-        subprocess.run(cmd, check=True, cwd=os.path.dirname(writer))
-    else:
-        from dali_zarr.synthetic import make_single_cell
+    if importlib.util.find_spec("anndata") is not None:  # the CPU benchmark's writer
+        sizes = {"n_obs": args.cells, "n_genes": args.genes, "nnz_per_cell": args.nnz_per_cell}
+        store_args = argparse.Namespace(out=args.out, seed=0, **sizes)
+        return str(ensure_sparse_store(store_args, sys.executable)[0])
+    # no anndata (the GPU image): dali_zarr's own writer, the same AnnData layout
+    from dali_zarr.synthetic import make_single_cell
 
+    name = f"synthetic_n{args.cells}_g{args.genes}_k{args.nnz_per_cell:g}.zarr"
+    path = os.path.join(args.out, "stores", name)
+    done = path + ".done"
+    if not os.path.exists(done):
+        print(f"writing {path} ...", file=sys.stderr)
+        shutil.rmtree(path, ignore_errors=True)
         make_single_cell(
             path,
             n_obs=args.cells,
@@ -123,6 +124,7 @@ def make_store(args: argparse.Namespace) -> str:
             density=args.nnz_per_cell / args.genes,
             chunk_elements=65_536,
         )
+        open(done, "w").close()
     return path
 
 
@@ -231,26 +233,25 @@ def annbatch_python(args) -> str | None:
     """The interpreter that runs annbatch: as given, its own environment, or this one."""
     if args.annbatch_python:
         return args.annbatch_python
-    own = os.path.join(HERE, ".venv-annbatch", "bin", "python")
-    if os.path.exists(own):
-        return own
+    own = ANNBATCH_ENV / "bin" / "python"
+    if own.exists():
+        return str(own)
     return sys.executable if importlib.util.find_spec("annbatch") is not None else None
 
 
 def run_annbatch(args, store: str) -> dict:
     py = annbatch_python(args)
     if py is None or not os.path.exists(py):
-        where = py or f"{HERE}/.venv-annbatch, nor importable here"
+        where = py or f"{ANNBATCH_ENV}, nor importable here"
         return {"skipped": f"no annbatch environment ({where}; pass --annbatch-python)"}
-    cmd = [py, os.path.abspath(__file__), "--worker", "annbatch", "--store", store]
+    cmd = ["--worker", "annbatch", "--store", store]
     cmd += ["--batch-size", str(args.batch_size), "--chunk-size", str(args.chunk_size)]
     cmd += ["--preload-nchunks", str(args.preload_nchunks), "--batches", str(args.batches)]
     cmd += ["--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        return {"skipped": f"annbatch worker failed: {proc.stderr.strip()[-500:]}"}
-    return json.loads(lines[-1][len("RESULT ") :])
+    result = run_script(py, os.path.abspath(__file__), cmd, timeout=1800)
+    if "error" in result:
+        return {"skipped": f"annbatch worker failed: {result['error']}"}
+    return result
 
 
 def annbatch_worker(args) -> None:
@@ -277,7 +278,7 @@ def annbatch_worker(args) -> None:
         del torch
     except Exception as e:
         result = {"skipped": f"{type(e).__name__}: {e}"}
-    print("RESULT " + json.dumps(result), flush=True)
+    emit(result)
 
 
 def ceiling_h2d(nbytes: int = 256 << 20) -> float:

@@ -59,7 +59,6 @@ ZTD_SITE = HERE / ".venv-zarr-torch-dataset"
 ZTD_SPEC = "zarr-torch-dataset==0.0.9"
 ANNBATCH_SPEC = "annbatch[zarrs]"
 FAMILIES = ("dali_zarr", "annbatch", "zarr_torch_dataset", "torch_dataloader", "ceiling")
-CUBE_SHAPE = (8, 180, 360)
 RUN_TIMEOUT_S = 900
 
 
@@ -154,7 +153,8 @@ def ensure_ztd_site() -> tuple[str | None, str]:
 
 
 def run_script(python: str, script: str, args: list[str], timeout: float) -> dict[str, Any]:
-    """Run a runner script; its last ``RESULT {json}`` line, or ``{"error": ...}``."""
+    """Run a runner script (a file name in contenders/, or an absolute path); its last
+    ``RESULT {json}`` line, or ``{"error": ...}``."""
     cmd = [python, str(RUNNERS / script), *args]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -245,7 +245,7 @@ def ensure_cube_store(args) -> tuple[Path, dict]:
         return {
             "array": array_meta(path),
             "stored_bytes": du(path) - (path / "zarr.json").stat().st_size,
-            "decoded_bytes": args.cube_n * math.prod(CUBE_SHAPE) * 4,
+            "decoded_bytes": math.prod(made["shape"]) * 4,  # float32
         }
 
     name = f"cube_n{args.cube_n}_c{args.cube_chunk}_s{args.seed}.zarr"
@@ -602,7 +602,7 @@ def conditions(args, infos, envs, load_before, load_after, seconds) -> list[str]
         c = infos["cube"]
         a = c["array"]
         lines.append(
-            f"- Dense cube: ({c['n_obs']:,}, {', '.join(map(str, CUBE_SHAPE))}) float32, "
+            f"- Dense cube: ({c['n_obs']:,}, {', '.join(map(str, c['shape'][1:]))}) float32, "
             f"written by {c['writer']} with its defaults: zarr v3, {a['codecs']}, chunks "
             f"({', '.join(map(str, a['chunk']))}), not sharded; "
             f"{c['stored_bytes'] / 1e6:,.0f} MB stored, {c['decoded_bytes'] / 1e6:,.0f} MB decoded"

@@ -358,7 +358,8 @@ def _batches(loader: Any) -> Iterator[dict[str, Any]]:
         epoch += 1
 
 
-def _batch_bytes(x: Any) -> int:
+def batch_nbytes(x: Any) -> int:
+    """Bytes of a batch's ``X``: a dense tensor, or a sparse CSR one's three arrays."""
     import torch
 
     if x.layout == torch.sparse_csr:
@@ -379,7 +380,8 @@ def _bench(args: argparse.Namespace) -> int:
         raise _UsageError(f"--output csr needs a sparse X, but {dataset.name} is dense")
     chunk_size, preload = args.chunk_size, args.preload_nchunks
     if chunk_size is None or preload is None:
-        s = inspect_store(paths[0], batch_size=args.batch_size).suggestion
+        one = dataset if len(paths) == 1 else None  # the collection's first store: reopen it
+        s = inspect_store(paths[0], batch_size=args.batch_size, dataset=one).suggestion
         if chunk_size is None:
             chunk_size = s.chunk_size
         if preload is None:
@@ -407,7 +409,7 @@ def _bench(args: argparse.Namespace) -> int:
             for batch in stream:
                 x = batch["X"]
                 rows += int(x.shape[0])
-                nbytes += _batch_bytes(x)
+                nbytes += batch_nbytes(x)
                 done += 1
                 bar.update(1)
                 if done == args.batches:

@@ -177,7 +177,6 @@ def dense_pass(
     n_genes: int,
     batch_size: int,
     local: threading.local,
-    on_batch=None,
 ) -> None:
     n_obs = len(indptr) - 1
     starts = np.arange(0, n_obs, batch_size)
@@ -203,8 +202,6 @@ def dense_pass(
         out[...] = 0
         rows = np.repeat(np.arange(r1 - r0, dtype=np.int64), np.diff(indptr[r0 : r1 + 1]))
         out[rows * n_genes + cols] = vals
-        if on_batch is not None:  # tests look at the batches
-            on_batch(r0, out.reshape(r1 - r0, n_genes))
 
     futures = [
         pool.submit(batch, int(r0), int(r1), int(c0), int(c1))

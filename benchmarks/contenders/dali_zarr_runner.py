@@ -20,6 +20,7 @@ def main() -> None:
     import torch
 
     import dali_zarr as dz
+    from dali_zarr.cli import batch_nbytes
 
     device = s.get("device", "cpu")
     if device == "gpu" and not torch.cuda.is_available():
@@ -51,16 +52,9 @@ def main() -> None:
 
     def consume(batch) -> tuple[int, int]:
         x = batch["X"]
-        if x.layout == torch.sparse_csr:
-            nbytes = sum(
-                t.numel() * t.element_size()
-                for t in (x.values(), x.col_indices(), x.crow_indices())
-            )
-        else:
-            nbytes = x.numel() * x.element_size()
         if x.is_cuda:
             torch.cuda.synchronize()
-        return x.shape[0], nbytes
+        return x.shape[0], batch_nbytes(x)
 
     result = measure(
         epochs(make_epoch),
