@@ -306,7 +306,7 @@ def test_setup_functions_give_batch_shapes():
     K._csr_batch_shapes_gpu(outs, [[[17, 0]], [[6]], [[5]]])  # nnz_hint, batch_indptr, pos
     assert outs == [[[17]], [[17]], [[6]]]
     out2 = [[[0, 0]]]
-    K._same_shape_2d(out2, [[[4, 9]]])
+    K._same_shape_2d(out2, [[[4, 9]]])  # the CPU op's setup too (kernels._same_shape_2d)
     assert out2 == [[[4, 9]]]
 
 

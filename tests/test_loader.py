@@ -153,6 +153,34 @@ def test_dense_float16_output_and_transform(tmp_path: Path) -> None:
     np.testing.assert_allclose(got["X"], 2 * reference[got["index"]].astype(np.float16), rtol=1e-3)
 
 
+def test_bfloat16_follows_a_transform_that_narrows_x(tmp_path: Path) -> None:
+    """The bfloat16 conversion runs after the user's ``transform`` and takes X's shape from
+    it, not from the store: a slice to 4 of 10 features stays 4 wide, every value exact."""
+    path = synthetic.make_dense_cube(tmp_path / "c.zarr", n_obs=200, shape=(10,), chunk_obs=25)
+    reference = torch.from_numpy(zarr.open_array(path)[...])
+
+    def first_four(outputs: dict) -> dict:
+        outputs["X"] = outputs["X"][:, :4]
+        return outputs
+
+    loader = dz.Loader(
+        dz.open_dataset(path),
+        sampler(chunk_size=25),
+        dtype=torch.bfloat16,
+        transform=first_four,
+        return_index=True,
+    )
+    loader.set_epoch(0)
+    rows = 0
+    for batch in loader:
+        x = batch["X"]
+        assert x.dtype == torch.bfloat16 and x.shape[1:] == (4,)
+        assert torch.equal(x, reference[batch["index"]][:, :4].to(torch.bfloat16))
+        rows += x.shape[0]
+    assert rows == 200
+    loader.close()
+
+
 # --- anndata-written stores and collections -------------------------------------------------
 
 

@@ -64,7 +64,7 @@ from numba import cuda
 from nvidia.dali import types
 from nvidia.dali.plugin.numba.fn.experimental import numba_function
 
-from dali_zarr.graph.kernels import _rows_by_width, dali_type
+from dali_zarr.graph.kernels import _rows_by_width, _same_shape_2d, dali_type
 
 #: widest row (in float32 elements) densified through shared memory (32 KiB per block).
 SHARED_COLS = 8192
@@ -193,12 +193,6 @@ def _csr_batch_shapes_gpu(outs, ins):
         outs[0][s][0] = ins[0][s][0]
         outs[1][s][0] = ins[0][s][0]
         outs[2][s][0] = ins[1][s][0]
-
-
-def _same_shape_2d(outs, ins):
-    for s in range(len(outs[0])):
-        outs[0][s][0] = ins[0][s][0]
-        outs[0][s][1] = ins[0][s][1]
 
 
 # --- graph builders (device="gpu"; every input must be a GPU DataNode) -------------------------

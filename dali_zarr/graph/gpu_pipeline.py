@@ -600,10 +600,10 @@ class _Ops:
         )  # fmt: skip
         return dense_to_float32(x, stored) if bits else x
 
-    def to_bfloat16_bits(self, n_features: int) -> Callable:
+    def to_bfloat16_bits(self) -> Callable:
         if self.on_gpu:
             return partial(cuda_kernels.to_bfloat16_bits_gpu, **self._launch)
-        return partial(kernels.to_bfloat16_bits, n_features=n_features)
+        return kernels.to_bfloat16_bits
 
 
 def _ops(source: GpuBatchSource, blocks: int, threads: int) -> _Ops:
@@ -687,7 +687,7 @@ def build_gpu_pipeline(
     return assemble_pipeline(
         lambda: build_gpu_graph(source, blocks=blocks, threads=threads),
         dataset=source.dataset,
-        to_bfloat16_bits=_ops(source, blocks, threads).to_bfloat16_bits(source.dataset.n_features),
+        to_bfloat16_bits=_ops(source, blocks, threads).to_bfloat16_bits(),
         dtype=dtype,
         device_id=device_id,
         num_threads=num_threads,

@@ -115,6 +115,13 @@ def _rows_by_width(width: int) -> Callable:
     return setup
 
 
+def _same_shape_2d(outs, ins):
+    """Output shaped like the (2-D) input: elementwise ops whatever a transform did to X."""
+    for s in range(len(outs[0])):
+        outs[0][s][0] = ins[0][s][0]
+        outs[0][s][1] = ins[0][s][1]
+
+
 def _csr_batch_shapes(outs, ins):
     """data/indices get nnz from the shape of ``nnz_hint`` (nnz, 0); indptr gets len(pos)+1."""
     for s in range(len(outs[0])):
@@ -126,11 +133,12 @@ def _csr_batch_shapes(outs, ins):
 # --- graph builders ---------------------------------------------------------------------------
 
 
-_RUN_FNS: dict[str, Callable] = {
-    "densify_csr": _densify_csr_rows,
-    "gather_csr": _gather_csr_rows,
-    "gather_dense": _gather_dense_rows,
-    "to_bfloat16_bits": _float32_bits_to_bfloat16_bits,
+#: kernel name -> (run function, setup function for a row width)
+_KERNELS: dict[str, tuple[Callable, Callable[[int], Callable]]] = {
+    "densify_csr": (_densify_csr_rows, _rows_by_width),
+    "gather_csr": (_gather_csr_rows, lambda _width: _csr_batch_shapes),
+    "gather_dense": (_gather_dense_rows, _rows_by_width),
+    "to_bfloat16_bits": (_float32_bits_to_bfloat16_bits, lambda _width: _same_shape_2d),
 }
 
 
@@ -148,10 +156,10 @@ def _numba_op(
     Compiling an op takes seconds (numba builds C callbacks for DALI); the instance can be
     called in any number of pipelines, so later loaders of the same shape start at once.
     """
-    setup = _csr_batch_shapes if kernel == "gather_csr" else _rows_by_width(int(width or 0))
+    run_fn, setup_for_width = _KERNELS[kernel]
     return NumbaFunction(
-        run_fn=_RUN_FNS[kernel],
-        setup_fn=setup,
+        run_fn=run_fn,
+        setup_fn=setup_for_width(int(width or 0)),
         out_types=list(out_types),
         in_types=list(in_types),
         outs_ndim=list(outs_ndim),
@@ -199,11 +207,11 @@ def gather_dense(pos, values, *, n_features: int, dtype):
     return op(pos, values)
 
 
-def to_bfloat16_bits(bits, *, n_features: int):
+def to_bfloat16_bits(bits):
     """DALI op: uint16 bfloat16 bits of a 2-D float32 batch given as uint32 (``fn.reinterpret``).
 
     DALI has no bfloat16 type: the bits leave DALI as uint16 and the framework adapter views
     them as bfloat16 (no copy).
     """
-    op = _numba_op("to_bfloat16_bits", n_features, (types.UINT16,), (types.UINT32,), (2,), (2,))
+    op = _numba_op("to_bfloat16_bits", None, (types.UINT16,), (types.UINT32,), (2,), (2,))
     return op(bits)

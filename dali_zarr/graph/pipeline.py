@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -162,12 +161,10 @@ def build_pipeline(
     and ``checkpoint`` are DALI's own (``pipe.checkpoint()`` saves, ``checkpoint=`` restores
     operator state such as the RNG of random ops in ``transform``).
     """
-    ds = source.dataset
-    to_bf16 = partial(kernels.to_bfloat16_bits, n_features=ds.n_features)
     return assemble_pipeline(
         lambda: build_graph(source),
-        dataset=ds,
-        to_bfloat16_bits=to_bf16,
+        dataset=source.dataset,
+        to_bfloat16_bits=kernels.to_bfloat16_bits,
         dtype=dtype,
         device_id=device_id,
         num_threads=num_threads,
