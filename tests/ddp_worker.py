@@ -26,9 +26,11 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 import dali_zarr as dz
+from dali_zarr.distributed import DistInfo
 
 
-def sampler_of(case: dict) -> dz.DistributedSampler:
+def sampler_of(case: dict, dist_info: DistInfo = "torch") -> dz.DistributedSampler:
+    """The case's sampler; the tests plan with it too, passing ``dist_info=lambda: (r, w)``."""
     return dz.DistributedSampler(
         dz.ChunkSampler(
             chunk_size=case["chunk_size"],
@@ -37,7 +39,7 @@ def sampler_of(case: dict) -> dz.DistributedSampler:
             drop_last=case.get("drop_last", False),
             seed=case.get("seed", 0),
         ),
-        dist_info="torch",
+        dist_info=dist_info,
         enforce_equal_batches=case.get("enforce", True),
         shard=case.get("shard", "chunks"),
     )

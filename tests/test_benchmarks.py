@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.processes import ROOT, child_env
+from tests.processes import ROOT, run_ok
 
 BENCHMARKS = ROOT / "benchmarks"
 # the charts need matplotlib (the `bench` extra); without it the scripts say so and go on
@@ -21,16 +20,7 @@ CHARTS = importlib.util.find_spec("matplotlib") is not None
 
 
 def run_script(name: str, *argv: object) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / name), *(str(a) for a in argv)],
-        cwd=BENCHMARKS,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return run_ok([sys.executable, str(BENCHMARKS / name), *(str(a) for a in argv)], timeout=600)
 
 
 def test_gpu_throughput_smoke_run(tmp_path: Path) -> None:

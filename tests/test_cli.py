@@ -22,9 +22,8 @@ import dali_zarr as dz
 from dali_zarr import synthetic
 from dali_zarr.cli import bench_summary, main, parse_size
 from dali_zarr.convert import _Appender, convert, output_permutation
+from tests.processes import ROOT, child_env
 from tests.stores import csr_reference, write_anndata
-
-REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -284,7 +283,8 @@ def test_killed_convert_is_cleaned_up_by_a_rerun(tmp_path, sc_store):
         convert({str(sc_store)!r}, {str(dst)!r}, block_rows=1000, progress=die)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True)
+    cmd = [sys.executable, "-c", code]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()
     partial = Path(f"{dst}.partial")
     assert partial.is_dir() and not dst.exists()  # half-written, and not at DST
@@ -450,7 +450,7 @@ def test_inspect_errors(tmp_path, h5ad_file, capsys):
 # ---------------------------------------------------------------------------- bench, help
 
 
-def test_bench_runs_a_few_batches(sc_store, capsys):
+def test_bench_runs_a_few_batches(tmp_path, sc_store, capsys):
     argv = ["bench", sc_store, "--batches", 3, "--batch-size", 128, "--output", "csr", "--json"]
     assert run(*argv) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -460,7 +460,7 @@ def test_bench_runs_a_few_batches(sc_store, capsys):
     assert set(summary["read_paths"].values()) == {"direct"}
     text = bench_summary(summary)
     assert "rows/s" in text and "MB/s" in text and "batches/s" in text and "sparse CSR" in text
-    cube = synthetic.make_dense_cube(sc_store.parent / "bench_cube.zarr", n_obs=64)
+    cube = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=64)
     assert run("bench", cube, "--output", "csr") == 2
     assert "needs a sparse X" in one_line_error(capsys)
     assert run("bench", cube, "--batch-size", 100) == 2
@@ -481,7 +481,9 @@ def test_no_command_is_an_error(capsys):
 def test_console_script(tmp_path, sc_store):
     script = shutil.which("dali-zarr", path=os.path.dirname(sys.executable))
     cmd = [script] if script else [sys.executable, "-m", "dali_zarr.cli"]
-    proc = subprocess.run([*cmd, "inspect", str(sc_store)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [*cmd, "inspect", str(sc_store)], env=child_env(), capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert "X/data" in proc.stdout and "gpu-decode" in proc.stdout
     assert proc.stderr == ""  # no warnings from zarr or anndata on a terminal

@@ -3,7 +3,6 @@ JAX CPU processes (jax.distributed on localhost)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ jax = pytest.importorskip("jax")
 from jax.experimental import sparse as jsparse  # noqa: E402
 
 from dali_zarr.jax_loader import JaxLoader  # noqa: E402
-from tests.processes import ROOT, child_env, free_port  # noqa: E402
+from tests.processes import child_env, free_port, start, wait_all  # noqa: E402
 
 WORKER = Path(__file__).with_name("jax_worker.py")
 
@@ -111,30 +110,17 @@ def test_two_jax_processes_disjoint_equal_complete(tmp_path: Path) -> None:
     env = child_env(JAX_PLATFORMS="cpu")
     port = free_port()
     procs = [
-        subprocess.Popen(
+        start(
             [
                 *(sys.executable, str(WORKER), "--data", data, "--out", str(out)),
                 *("--port", str(port), "--process-id", str(i), "--batch-size", str(batch)),
             ],
-            cwd=ROOT,
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
         )
         for i in range(2)
     ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=180)[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 0, log[-3000:]
+    for code, stdout, stderr in wait_all(procs, timeout=180):
+        assert code == 0, stdout[-3000:] + stderr[-3000:]
     ranks = [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
     per_rank = (n_obs // 2) // batch
     assert [int(r["rank"]) for r in ranks] == [0, 1] and {int(r["world"]) for r in ranks} == {2}

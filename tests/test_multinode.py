@@ -18,9 +18,6 @@ Every subprocess wait has a timeout, so a hang fails the test instead of blockin
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -30,8 +27,9 @@ import pytest
 
 import dali_zarr as dz
 from dali_zarr import synthetic
-from dali_zarr.planning import iter_batches
-from tests.processes import ROOT, child_env, free_port
+from dali_zarr.planning import EpochPlan, PlanSettings, Segment, iter_batches, plan_resumed_epoch
+from tests.ddp_worker import sampler_of
+from tests.processes import child_env, free_port, start, wait_all
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
 TIMEOUT = 240  # seconds for one job; a hang fails instead of blocking
@@ -41,22 +39,6 @@ pytestmark = pytest.mark.slow
 
 def _env() -> dict[str, str]:
     return child_env(GLOO_SOCKET_IFNAME="lo")
-
-
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
-    """Wait for every launcher; on a timeout kill them all (their whole process groups)."""
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-        logs = [proc.communicate()[0][-3000:] for proc in procs]
-        pytest.fail(f"torchrun job did not finish within {timeout}s (hang?):\n" + "\n".join(logs))
-    return results
 
 
 def launch(
@@ -89,20 +71,10 @@ def launch(
             ]
             for node in range(nnodes)
         ]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *args, *worker],
-            cwd=ROOT,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for args in launchers
-    ]
-    for code, log in _wait_all(procs, TIMEOUT):
-        assert code == 0, log[-4000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    procs = [start([*torchrun, *args, *worker], env=_env()) for args in launchers]
+    for code, stdout, stderr in wait_all(procs, TIMEOUT):
+        assert code == 0, stdout[-2000:] + stderr[-2000:]
     world = nnodes * nproc
     return [
         [dict(np.load(out / f"c{k}_rank{r}.npz")) for r in range(world)] for k in range(len(cases))
@@ -110,23 +82,15 @@ def launch(
 
 
 def _sampler(case: dict, rank: int, world: int) -> dz.DistributedSampler:
-    return dz.DistributedSampler(
-        dz.ChunkSampler(
-            chunk_size=case["chunk_size"],
-            preload_nchunks=case["preload_nchunks"],
-            batch_size=case["batch_size"],
-            drop_last=case.get("drop_last", False),
-            seed=case.get("seed", 0),
-        ),
-        dist_info=lambda: (rank, world),
-        enforce_equal_batches=case.get("enforce", True),
-        shard=case.get("shard", "chunks"),
-    )
+    return sampler_of(case, dist_info=lambda: (rank, world))
+
+
+def ids_of(plan: EpochPlan) -> np.ndarray:
+    return np.concatenate([np.zeros(0, np.int64), *iter_batches(plan)])
 
 
 def planned_ids(case: dict, n_obs: int, epoch: int, rank: int, world: int) -> np.ndarray:
-    plan = _sampler(case, rank, world).plan_epoch(n_obs, epoch)
-    return np.concatenate([np.zeros(0, np.int64), *iter_batches(plan)])
+    return ids_of(_sampler(case, rank, world).plan_epoch(n_obs, epoch))
 
 
 def store(tmp_path: Path, n_obs: int) -> str:
@@ -264,6 +228,14 @@ def test_resume_two_ranks_on_three(w2_job, tmp_path: Path) -> None:
     # the new ranks deliver the remainder but for fewer than 3 x 32 rows (equal batches)
     assert 0 <= remaining - sum(len(r) for r in rest) < 3 * 32
     assert steps[0] == (remaining // 3) // 32
+    # ... and each new rank exactly the rows its remainder plan gives it, in that order
+    settings = PlanSettings.of(_sampler(case, 0, 3))
+    history = (Segment(2, (7, 7)),)
+    for rank, got in enumerate(rest):
+        plan = plan_resumed_epoch(
+            settings, n_obs=W2_RESUME, epoch=1, history=history, rank=rank, world_size=3
+        )
+        np.testing.assert_array_equal(got, ids_of(plan))
     # epoch 2 follows the normal plan for 3 ranks
     for rank, r in enumerate(new):
         np.testing.assert_array_equal(r["epoch2"], planned_ids(case, W2_RESUME, 2, rank, 3))
@@ -280,15 +252,10 @@ def test_one_node_drawn_seed_disjoint_equal_complete(tmp_path: Path, shard: str)
     batch = 128
     case = {"data": str(data), "chunk_size": 64, "preload_nchunks": 4, "batch_size": batch}
     (ranks,) = launch([{**case, "seed": None, "shard": shard}], tmp_path, nnodes=1, nproc=2)
-    per_rank = (n_obs // 2) // batch  # enforce_equal_batches: complete batches only
     assert ranks[0]["seed"] == ranks[1]["seed"], "seed=None must be broadcast from rank 0"
-    for epoch in range(2):
-        a, b = (r[f"epoch{epoch}"] for r in ranks)
-        assert [int(r[f"steps{epoch}"]) for r in ranks] == [per_rank, per_rank]
-        assert int(ranks[0][f"len{epoch}"]) == per_rank
-        assert len(a) == len(b) == per_rank * batch
-        assert not set(a.tolist()) & set(b.tolist()), "ranks overlap"
-        assert len(np.unique(np.concatenate([a, b]))) == 2 * per_rank * batch
+    # every rank's ids are its plan under the broadcast seed: equal, disjoint, complete
+    drawn = {**case, "shard": shard, "seed": int(ranks[0]["seed"]), "epochs": 2}
+    check_equal_disjoint_expected(drawn, n_obs, ranks)
     if shard == "chunks":  # shards move between epochs; contiguous shards stay put
         assert set(ranks[0]["epoch0"].tolist()) != set(ranks[0]["epoch1"].tolist())
     else:

@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.processes import ROOT, child_env
+from tests.processes import run_ok
 
 
 def run(args: list[str], timeout: int = 300) -> str:
-    done = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return run_ok([sys.executable, *args], timeout=timeout)
 
 
 @pytest.mark.slow
