@@ -47,7 +47,6 @@ from dali_zarr.errors import ConfigError
 from dali_zarr.planning.partition import (
     offsets_of,
     rank_bounds,
-    rows_delivered,
     slice_ranges,
     validate_count,
     validate_int,
@@ -189,13 +188,7 @@ def plan_remainder(
     ranges = np.asarray(row_ranges, dtype=np.int64).reshape(-1, 2)
     offsets = offsets_of(ranges)
     n_rem = int(offsets[-1])
-    delivered = rows_delivered(
-        n_rem,
-        world_size,
-        s.batch_size,
-        enforce_equal_batches=s.enforce_equal_batches,
-        drop_last=s.drop_last,
-    )
+    delivered = s.rows_delivered(n_rem, world_size)
     n_rows = int(delivered[rank])
     lo = int(rank_bounds(n_rem, world_size)[rank])
     mine, mine_offsets = slice_ranges(ranges, offsets, lo, lo + n_rows)
@@ -330,14 +323,7 @@ def batch_counts(
     else:
         s.plan(n_obs=n_obs, epoch=epoch, rank=0, world_size=world_size)  # validates
         n = int(n_obs)
-    rows = rows_delivered(
-        n,
-        world_size,
-        s.batch_size,
-        enforce_equal_batches=s.enforce_equal_batches,
-        drop_last=s.drop_last,
-    )
-    return -(-rows // s.batch_size)
+    return s.batches(n, world_size)
 
 
 # --------------------------------------------------------------------------- state dicts

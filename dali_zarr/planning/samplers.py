@@ -192,14 +192,21 @@ class PlanSettings:
             batch_size=self.batch_size,
             enforce_equal_batches=self.enforce_equal_batches,
         )
-        rows = rows_delivered(
-            int(n_obs),
+        return self.batches(n_obs, world_size)
+
+    def rows_delivered(self, n_rows: int, world_size: int) -> np.ndarray:
+        """``(world_size,)`` rows each rank delivers out of ``n_rows`` (not validated)."""
+        return rows_delivered(
+            int(n_rows),
             int(world_size),
             self.batch_size,
             enforce_equal_batches=self.enforce_equal_batches,
             drop_last=self.drop_last,
         )
-        return -(-rows // self.batch_size)
+
+    def batches(self, n_rows: int, world_size: int) -> np.ndarray:
+        """``(world_size,)`` batches each rank yields out of ``n_rows`` (not validated)."""
+        return -(-self.rows_delivered(n_rows, world_size) // self.batch_size)
 
     def plan(self, *, n_obs: int, epoch: int, rank: int, world_size: int) -> EpochPlan:
         """The normal (not resumed) plan of ``epoch`` for ``rank`` of ``world_size``."""
