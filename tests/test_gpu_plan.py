@@ -329,6 +329,12 @@ def _fake_cuda_modules(monkeypatch, log):
     monkeypatch.setitem(sys.modules, "kvikio", kvikio)
     monkeypatch.setitem(sys.modules, "nvidia.nvcomp", nvcomp)
     monkeypatch.setattr(nvidia, "nvcomp", nvcomp, raising=False)
+    # the probe (which also checks CUDA and kvikio's GDS settings) reports the fakes usable
+    from dali_zarr.io import gpu
+    from dali_zarr.io.gpu import GpuSupport
+
+    fake = GpuSupport(cuda=True, dali_gpu=True, kvikio=True, gds=False, nvcomp=True, reason="")
+    monkeypatch.setattr(gpu, "probe_gpu", lambda: fake)
 
 
 @pytest.mark.parametrize(("codec", "path"), [("zstd", "device"), ("lz4", "device"),

@@ -61,12 +61,12 @@ from dali_zarr.graph.source import (
     window_arrays,
     window_dtype,
 )
-from dali_zarr.io import DirectReader
 from dali_zarr.io.gpu import (
     NotPlannable,
     describe_path,
     execute_plan_cpu,
     gpu_codec_kind,
+    plan_problem,
     plan_rows,
     probe_gpu,
     round_up,
@@ -202,10 +202,9 @@ class CudaBackend(_Backend):
 
 
 def _plan_path(reader: Any, backend: str, support: Any = None) -> str:
-    if not isinstance(reader, DirectReader):
-        return f"gpu: host read ({reader.path}: {reader.reason}), one copy to the device"
-    if tuple(reader.layout.chunk_shape[1:]) != tuple(reader.shape[1:]):
-        return "gpu: host read (chunks split rows), one copy to the device"
+    problem = plan_problem(reader)
+    if problem:
+        return f"gpu: host read ({problem}), one copy to the device"
     kind, why = gpu_codec_kind(reader.layout)
     if backend == "host":
         return f"host-backend plan: {kind}" + (f" ({why})" if why else "")

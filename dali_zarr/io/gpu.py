@@ -31,6 +31,7 @@ caller reads those with ``read_rows`` on the host and copies the window once.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import threading
@@ -43,7 +44,7 @@ import numpy as np
 
 from ..errors import ChunkReadError
 from ..planning.partition import split_at_chunks
-from .codecs import ChunkDecoder, DecodeError, _zstd_content_size
+from .codecs import DecodeError, _zstd_content_size
 from .layout import ArrayLayout
 from .readers import DirectReader, _check_ranges, _offsets, _pread_into, _run_parallel
 
@@ -56,6 +57,7 @@ __all__ = [
     "ReadPlan",
     "execute_plan_cpu",
     "gpu_codec_kind",
+    "plan_problem",
     "plan_rows",
     "probe_gpu",
 ]
@@ -142,21 +144,30 @@ class ReadPlan:
         return len(self.chunks) * self.slot_nbytes
 
 
+def plan_problem(reader: Any) -> str:
+    """Why ``reader``'s rows cannot be read as planned byte ranges ("" when they can)."""
+    if not isinstance(reader, DirectReader):
+        return f"not read by the direct path ({reader.path}: {reader.reason})"
+    shape, chunk = reader.layout.shape, reader.layout.chunk_shape
+    if tuple(chunk[1:]) != tuple(shape[1:]):
+        return (
+            f"chunks {chunk} do not span the trailing axes {shape[1:]}, so a row is not "
+            "contiguous within a chunk"
+        )
+    return ""
+
+
 def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     """The byte plan for ``reader.read_rows(ranges)`` (same rows, same order).
 
     Raises :class:`NotPlannable` when the array's rows are not contiguous within a chunk, and
     ``ChunkReadError`` for a corrupted shard index.
     """
-    if not isinstance(reader, DirectReader):
-        raise NotPlannable(f"{getattr(reader, 'name', reader)}: not read by the direct path")
+    problem = plan_problem(reader)
+    if problem:
+        raise NotPlannable(f"{getattr(reader, 'name', reader)}: {problem}")
     lay = reader.layout
     shape, chunk = lay.shape, lay.chunk_shape
-    if tuple(chunk[1:]) != tuple(shape[1:]):
-        raise NotPlannable(
-            f"{reader.name}: chunks {chunk} do not span the trailing axes {shape[1:]}, so a "
-            "row is not contiguous within a chunk"
-        )
     kind, reason = gpu_codec_kind(lay)
     dtype = np.dtype(lay.dtype)
     n, C = shape[0], int(chunk[0])
@@ -239,12 +250,6 @@ def _merge_segments(seg: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------- CPU executor
-
-
-def _decoder(plan: ReadPlan, reader: DirectReader) -> ChunkDecoder:
-    codecs = reader.layout.codecs
-    assert codecs is not None
-    return ChunkDecoder(codecs, plan.chunk_shape, plan.dtype)
 
 
 def decode_plan_cpu(
@@ -337,7 +342,7 @@ def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
             codec.decode(header + src.tobytes(), out=dst)
 
     else:
-        chunk_decoder = _decoder(plan, reader)
+        chunk_decoder = reader.decoder  # the reader's own: same codecs, chunk shape, dtype
 
         def decode_host(rd: ChunkRead, staging: np.ndarray, decoded: np.ndarray) -> None:
             src = staging[rd.staging_offset : rd.staging_offset + rd.nbytes]
@@ -474,19 +479,10 @@ class GpuPlanExecutor:
         self.device = cupy.cuda.Device(self.device_id)
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
+        # one probe decides both what runs and what read_paths() reports
         self.support = probe_gpu()
-        try:
-            import kvikio
-
-            self._kvikio = kvikio
-        except ImportError:
-            self._kvikio = None
-        try:
-            import nvidia.nvcomp as nvcomp
-
-            self._nvcomp = nvcomp
-        except ImportError:
-            self._nvcomp = None
+        self._kvikio = importlib.import_module("kvikio") if self.support.kvikio else None
+        self._nvcomp = importlib.import_module("nvidia.nvcomp") if self.support.nvcomp else None
         self._codecs: dict[str, Any] = {}
         self._files: OrderedDict[str, Any] = OrderedDict()
         self._max_open = max_open_files
@@ -551,7 +547,7 @@ class GpuPlanExecutor:
     def path_of(self, plan: ReadPlan) -> str:
         """How this executor serves ``plan``'s array: "device" or "host" decode."""
         on_device = reads_to_device(
-            plan.kind, kvikio=self._kvikio is not None, nvcomp=self._nvcomp is not None
+            plan.kind, kvikio=self.support.kvikio, nvcomp=self.support.nvcomp
         )
         return "device" if on_device else "host"
 

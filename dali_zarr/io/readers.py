@@ -320,6 +320,11 @@ class DirectReader:
     def executor(self) -> concurrent.futures.Executor:
         return self._executor or default_executor()
 
+    @property
+    def decoder(self) -> ChunkDecoder:
+        """The array's chunk decoder (thread-safe; planned reads on the host use it too)."""
+        return self._decoder
+
     # -- planning --------------------------------------------------------------------------
 
     def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
