@@ -48,7 +48,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import product
 from typing import Any, Protocol, runtime_checkable
 
@@ -364,7 +364,7 @@ class DirectReader:
         pieces = self._plan(needed, rows_needed, bufs)
         self.chunks_read += len(pieces)
         if self.layout.shard is not None:
-            self._load_shard_indexes(pieces)
+            self._load_shard_indexes(p.coords for p in pieces)
         _run_parallel(self.executor, pieces, self._load_piece)
 
         copies = np.ones(len(chunk), dtype=bool)
@@ -436,31 +436,13 @@ class DirectReader:
                     raise self._error(tuple(coords), f"stat failed ({e})") from e
                 out.append((path, 0, int(size)))
             return out
-        cps = lay.shard.chunks_per_shard
-        shards = {tuple(c // k for c, k in zip(co, cps, strict=True)) for co in chunks}
-        todo = sorted(s for s in shards if s not in self._shard_index)
-        _run_parallel(self.executor, todo, self._load_shard_index)
+        self._load_shard_indexes(chunks)
         located: list[tuple[str, int, int] | None] = []
-        for co in chunks:
-            coords = tuple(co)
-            shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
-            cached = self._shard_index.get(shard)
-            if cached is None:
-                located.append(None)  # missing shard
-                continue
-            index, size = cached
-            inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
-            offset, nbytes = (int(v) for v in index[inner])
-            if offset == _EMPTY and nbytes == _EMPTY:
-                located.append(None)
-                continue
-            if offset + nbytes > size:
-                raise self._error(
-                    coords,
-                    f"shard index says bytes [{offset}, {offset + nbytes}) but the shard file "
-                    f"is {size} bytes (truncated shard or corrupted index)",
-                )
-            located.append((self._file(lay.key(shard)), offset, nbytes))
+        for coords in chunks:
+            try:
+                located.append(self._inner_location(tuple(coords)))
+            except DecodeError as e:
+                raise self._error(tuple(coords), str(e)) from e
         return located
 
     def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
@@ -548,11 +530,13 @@ class DirectReader:
             raise DecodeError(f"read {got} of {size} bytes (file shrank while reading)")
         return buf
 
-    def _read_inner(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
+    def _inner_location(self, coords: tuple[int, ...]) -> tuple[str, int, int] | None:
+        """``(shard file, offset, nbytes)`` of an inner chunk from its (loaded) shard index;
+        None when it or its shard is not stored. Raises DecodeError for an entry past the end
+        of the shard."""
         shard_layout = self.layout.shard
         assert shard_layout is not None
         cps = shard_layout.chunks_per_shard
-        coords = piece.coords
         shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
         cached = self._shard_index.get(shard)
         if cached is None:
@@ -567,6 +551,13 @@ class DirectReader:
                 f"shard index says bytes [{offset}, {offset + nbytes}) but the shard file is "
                 f"{size} bytes (truncated shard or corrupted index)"
             )
+        return self._file(self.layout.key(shard)), offset, nbytes
+
+    def _read_inner(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
+        location = self._inner_location(piece.coords)
+        if location is None:
+            return None
+        path, offset, nbytes = location
         if into_dst:
             if nbytes != self._decoder.nbytes:
                 raise DecodeError(f"inner chunk is {nbytes} bytes, expected {self._decoder.nbytes}")
@@ -574,7 +565,7 @@ class DirectReader:
             result: np.ndarray = piece.dst
         else:
             buf = result = _scratch(nbytes)
-        fd = os.open(self._file(self.layout.key(shard)), os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
         try:
             got = _pread_into(fd, buf, offset)
         finally:
@@ -583,11 +574,12 @@ class DirectReader:
             raise DecodeError(f"read {got} of {nbytes} bytes (shard file shrank while reading)")
         return result
 
-    def _load_shard_indexes(self, pieces: list[_Piece]) -> None:
+    def _load_shard_indexes(self, chunks: Iterable[Sequence[int]]) -> None:
+        """Read (in parallel) and cache the indexes of the shards holding ``chunks``."""
         shard_layout = self.layout.shard
         assert shard_layout is not None
         cps = shard_layout.chunks_per_shard
-        shards = {tuple(c // k for c, k in zip(p.coords, cps, strict=True)) for p in pieces}
+        shards = {tuple(c // k for c, k in zip(co, cps, strict=True)) for co in chunks}
         todo = sorted(s for s in shards if s not in self._shard_index)
         _run_parallel(self.executor, todo, self._load_shard_index)
 
