@@ -36,7 +36,7 @@ from dali_zarr.data.dataset import Dataset, Source, open_dataset
 from dali_zarr.data.subset import Subset
 from dali_zarr.distributed import DistInfo, resolve_rank_world, torch_dist_initialized
 from dali_zarr.errors import ConfigError
-from dali_zarr.loader import Loader
+from dali_zarr.loader import Loader, check_device
 from dali_zarr.planning import ChunkSampler, DistributedSampler
 from dali_zarr.planning.partition import Shard
 
@@ -78,10 +78,8 @@ class TrainLoader(Loader):
 
 
 class EvalLoader(Loader):
-    """A val/test :class:`Loader` for Lightning (which reads ``batch_sampler`` from every
-    dataloader that has a ``sampler``); unshuffled, so it takes no epoch."""
-
-    batch_sampler = None
+    """The val/test :class:`Loader` of a :class:`ZarrDataModule`: unshuffled, so it takes
+    no epoch."""
 
 
 class ZarrDataModule(LightningDataModule):
@@ -160,8 +158,7 @@ class ZarrDataModule(LightningDataModule):
         self.output = output
         self.return_index = return_index
         self.dtype = dtype
-        if device not in ("cpu", "gpu", "auto"):
-            raise ConfigError(f"device={device!r}: use 'cpu', 'gpu' or 'auto'.")
+        check_device(device)
         self.device = device
         self.dist_info = dist_info
         self.loader_kwargs = dict(loader_kwargs or {})

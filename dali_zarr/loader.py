@@ -120,6 +120,7 @@ class Loader:
             "obs": self.obs,
             "return_index": return_index,
             "prefetch_windows": prefetch_windows,
+            "prefetch_queue_depth": prefetch_queue_depth,
         }
         self.device_id: int | None = None
         self._source: BatchSource
@@ -131,14 +132,11 @@ class Loader:
                 dataset,
                 sampler,
                 **source_args,
-                prefetch_queue_depth=prefetch_queue_depth,
                 backend=gpu_backend,
                 device_id=self.device_id,
             )
         else:
-            self._source = BatchSource(
-                dataset, sampler, **source_args, prefetch_queue_depth=prefetch_queue_depth
-            )
+            self._source = BatchSource(dataset, sampler, **source_args)
         log.info("%s; read paths: %s", self.device_reason, self.read_paths())
         self._iterator: Any = None  # DaliEpochIterator or a framework's DALI iterator
         self._pipe = None
@@ -440,10 +438,15 @@ def _as_torch(value: Any) -> torch.Tensor:
     return value[0] if isinstance(value, torch.Tensor) else torch.from_dlpack(value)
 
 
-def _choose_device(device: str, gpu_backend: Any) -> tuple[str, str]:
-    """("cpu" | "gpu", a sentence saying why) for ``Loader(device=...)``."""
+def check_device(device: object) -> None:
+    """``device`` must be one of the Loader's: "cpu", "gpu" or "auto"."""
     if device not in ("cpu", "gpu", "auto"):
         raise ConfigError(f"device={device!r}: use 'cpu', 'gpu' or 'auto'.")
+
+
+def _choose_device(device: str, gpu_backend: Any) -> tuple[str, str]:
+    """("cpu" | "gpu", a sentence saying why) for ``Loader(device=...)``."""
+    check_device(device)
     if device == "cpu":
         return "cpu", "dali_zarr: CPU path (device='cpu')"
     if gpu_backend is not None:
