@@ -37,20 +37,19 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
-from nvidia.dali import fn
 from nvidia.dali.pipeline import Pipeline
 
 from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset, sub_indptr
 from dali_zarr.errors import ConfigError
-from dali_zarr.graph import cuda_kernels, kernels
+from dali_zarr.graph import cuda_kernels
 from dali_zarr.graph.pipeline import (
+    GraphOps,
     Transform,
     assemble_pipeline,
-    dense_to_float32,
+    declare_ops,
     source_nodes,
 )
 from dali_zarr.graph.source import (
@@ -547,66 +546,8 @@ def _holds(future, lease: Lease) -> bool:
 # ---------------------------------------------------------------------------- the graph
 
 
-@dataclass(frozen=True)
-class _Ops:
-    """The graph's ops on the device its source keeps windows on.
-
-    The CUDA backend gets the numba.cuda twins (one launch per minibatch each) and moves the
-    small host inputs over with ``.gpu()``. The host backend gets the CPU kernels on the same
-    inputs: that is how CI runs this graph, its two sources and the ring under a real DALI
-    pipeline without a GPU.
-    """
-
-    on_gpu: bool
-    blocks: int = cuda_kernels.DEFAULT_BLOCKS
-    threads: int = cuda_kernels.DEFAULT_THREADS
-
-    @property
-    def device(self) -> str:
-        return "gpu" if self.on_gpu else "cpu"
-
-    def to_device(self, node):
-        return node.gpu() if self.on_gpu else node
-
-    @property
-    def _launch(self) -> dict:
-        return {"blocks": self.blocks, "threads": self.threads}
-
-    def densify_csr(self, pos, data, indices, indptr, **kw):
-        if self.on_gpu:
-            return cuda_kernels.densify_csr_gpu(pos, data, indices, indptr, **kw, **self._launch)
-        return kernels.densify_csr(pos, data, indices, indptr, **kw)
-
-    def gather_csr(self, nnz_hint, batch_indptr, pos, data, indices, indptr, **kw):
-        if self.on_gpu:
-            return cuda_kernels.gather_csr_gpu(
-                nnz_hint, batch_indptr, pos, data, indices, indptr, **kw, **self._launch
-            )
-        # the CPU kernel computes the batch's row starts itself
-        return kernels.gather_csr(nnz_hint, pos, data, indices, indptr, **kw)
-
-    def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype):
-        """Rows ``pos`` as float32 (the CUDA kernel casts as it copies, except float16,
-        whose bits it copies for DALI to reinterpret and cast)."""
-        wire = window_dtype("dense", stored)
-        if not self.on_gpu:
-            x = kernels.gather_dense(pos, values, n_features=n_features, dtype=wire)
-            return dense_to_float32(x, stored)
-        bits = wire != np.dtype(stored).newbyteorder("=")
-        x = cuda_kernels.gather_dense_gpu(
-            pos, values, n_features=n_features, dtype=wire,
-            out_dtype=wire if bits else np.float32, **self._launch,
-        )  # fmt: skip
-        return dense_to_float32(x, stored) if bits else x
-
-    def to_bfloat16_bits(self) -> Callable:
-        if self.on_gpu:
-            return partial(cuda_kernels.to_bfloat16_bits_gpu, **self._launch)
-        return kernels.to_bfloat16_bits
-
-
-def _ops(source: GpuBatchSource, blocks: int, threads: int) -> _Ops:
-    return _Ops(on_gpu=source.backend.on_device, blocks=blocks, threads=threads)
+def _ops(source: GpuBatchSource, blocks: int, threads: int) -> GraphOps:
+    return GraphOps(on_gpu=source.backend.on_device, blocks=blocks, threads=threads)
 
 
 def build_gpu_graph(
@@ -621,42 +562,10 @@ def build_gpu_graph(
     ``X_data``/``X_indices``/``X_indptr`` for ``output="csr"``), obs columns, ``index``.
     (With a :class:`HostBackend` source the same graph runs on DALI's CPU backend.)
     """
-    ds = source.dataset
     ops = _ops(source, blocks, threads)
     node = source_nodes(source, source.host_source, source.host_names)
     node.update(source_nodes(source, source.device_source, source.device_names, ops.device))
-    pos = ops.to_device(node["pos"])
-    csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
-    out: dict = {}
-    if ds.layout == "csr" and source.output == "csr":
-        out["X_data"], out["X_indices"], out["X_indptr"] = ops.gather_csr(
-            ops.to_device(node["nnz_hint"]),
-            ops.to_device(node["batch_indptr"]),
-            pos,
-            node["data"],
-            node["indices"],
-            node["indptr"],
-            **csr_types,
-        )
-    elif ds.layout == "csr":
-        out["X"] = ops.densify_csr(
-            pos,
-            node["data"],
-            node["indices"],
-            node["indptr"],
-            n_features=ds.n_features,
-            **csr_types,
-        )
-    else:
-        x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
-        if len(ds.feature_shape) != 1:
-            x = fn.reshape(x, shape=[-1, *ds.feature_shape])
-        out["X"] = x
-    for name in source.obs:
-        out[name] = ops.to_device(node[name])
-    if source.return_index:
-        out["index"] = ops.to_device(node["index"])
-    return out
+    return declare_ops(source, node, ops)
 
 
 def build_gpu_pipeline(
@@ -686,7 +595,7 @@ def build_gpu_pipeline(
     return assemble_pipeline(
         lambda: build_gpu_graph(source, blocks=blocks, threads=threads),
         dataset=source.dataset,
-        to_bfloat16_bits=_ops(source, blocks, threads).to_bfloat16_bits(),
+        ops=_ops(source, blocks, threads),
         dtype=dtype,
         device_id=device_id,
         num_threads=num_threads,

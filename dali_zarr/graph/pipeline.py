@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,12 +39,9 @@ def output_dtype_name(dtype: Any) -> str:
     return name
 
 
-def convert_x(x, dtype: str, feature_shape: tuple[int, ...], to_bfloat16_bits: Callable):
-    """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`).
-
-    ``to_bfloat16_bits`` is the device's op from 2-D uint32 bits to uint16 bfloat16 bits
-    (:func:`kernels.to_bfloat16_bits` on the CPU, its CUDA twin on the GPU).
-    """
+def convert_x(x, dtype: str, feature_shape: tuple[int, ...], ops: GraphOps):
+    """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`), bfloat16 by
+    ``ops``' op on X's device."""
     if dtype == "float32":
         return x
     if dtype in _CASTS:
@@ -51,7 +49,7 @@ def convert_x(x, dtype: str, feature_shape: tuple[int, ...], to_bfloat16_bits: C
     bits = fn.reinterpret(x, dtype=types.UINT32)
     if len(feature_shape) != 1:
         bits = fn.reshape(bits, shape=[-1, int(np.prod(feature_shape))])
-    out = to_bfloat16_bits(bits)
+    out = ops.to_bfloat16_bits(bits)
     if len(feature_shape) != 1:
         out = fn.reshape(out, shape=[-1, *feature_shape])
     return out
@@ -97,48 +95,111 @@ def source_nodes(source: BatchSource, callback: Callable, names: Sequence[str], 
     return dict(zip(names, nodes, strict=True))
 
 
+@dataclass(frozen=True)
+class GraphOps:
+    """Our ops on one DALI backend: the CPU kernels, or (``on_gpu``) their numba.cuda twins,
+    one launch of ``blocks`` x ``threads`` per minibatch each, with the small host inputs
+    moved over by ``.gpu()``. The GPU path's host backend runs its graph with the CPU ops:
+    that is how CI runs that graph under a real DALI pipeline without a GPU."""
+
+    on_gpu: bool = False
+    blocks: int | None = None  # None: cuda_kernels' defaults
+    threads: int | None = None
+
+    @property
+    def device(self) -> str:
+        return "gpu" if self.on_gpu else "cpu"
+
+    def to_device(self, node):
+        return node.gpu() if self.on_gpu else node
+
+    def _cuda(self) -> tuple[Any, dict]:
+        from dali_zarr.graph import cuda_kernels  # numba.cuda: only when the graph needs it
+
+        blocks = cuda_kernels.DEFAULT_BLOCKS if self.blocks is None else self.blocks
+        threads = cuda_kernels.DEFAULT_THREADS if self.threads is None else self.threads
+        return cuda_kernels, {"blocks": blocks, "threads": threads}
+
+    def densify_csr(self, pos, data, indices, indptr, **kw):
+        if self.on_gpu:
+            K, launch = self._cuda()
+            return K.densify_csr_gpu(pos, data, indices, indptr, **kw, **launch)
+        return kernels.densify_csr(pos, data, indices, indptr, **kw)
+
+    def gather_csr(self, nnz_hint, batch_indptr, pos, data, indices, indptr, **kw):
+        if self.on_gpu:
+            K, launch = self._cuda()
+            return K.gather_csr_gpu(
+                nnz_hint, batch_indptr, pos, data, indices, indptr, **kw, **launch
+            )
+        # the CPU kernel computes the batch's row starts itself (batch_indptr may be None)
+        return kernels.gather_csr(nnz_hint, pos, data, indices, indptr, **kw)
+
+    def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype):
+        """Rows ``pos`` as float32 (the CUDA kernel casts as it copies, except float16,
+        whose bits it copies for DALI to reinterpret and cast)."""
+        wire = window_dtype("dense", stored)
+        if not self.on_gpu:
+            x = kernels.gather_dense(pos, values, n_features=n_features, dtype=wire)
+            return dense_to_float32(x, stored)
+        K, launch = self._cuda()
+        bits = wire != np.dtype(stored).newbyteorder("=")
+        x = K.gather_dense_gpu(
+            pos, values, n_features=n_features, dtype=wire,
+            out_dtype=wire if bits else np.float32, **launch,
+        )  # fmt: skip
+        return dense_to_float32(x, stored) if bits else x
+
+    def to_bfloat16_bits(self, bits):
+        """uint16 bfloat16 bits of 2-D float32 ``bits`` (as uint32), shaped like them."""
+        if self.on_gpu:
+            K, launch = self._cuda()
+            return K.to_bfloat16_bits_gpu(bits, **launch)
+        return kernels.to_bfloat16_bits(bits)
+
+
+def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
+    """Our ops on the source's nodes; returns the named outputs: ``X`` float32
+    ``[B, *features]`` (sparse output: ``X_data``/``X_indices``/``X_indptr`` in the stored
+    dtypes), obs columns, ``index``, all on ``ops``' device."""
+    ds = source.dataset
+    pos = ops.to_device(node["pos"])
+    csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
+    out: dict = {}
+    if ds.layout == "csr" and source.output == "csr":
+        batch_indptr = node.get("batch_indptr")  # the GPU source's; the CPU kernel needs none
+        out["X_data"], out["X_indices"], out["X_indptr"] = ops.gather_csr(
+            ops.to_device(node["nnz_hint"]),
+            None if batch_indptr is None else ops.to_device(batch_indptr),
+            pos,
+            node["data"],
+            node["indices"],
+            node["indptr"],
+            **csr_types,
+        )
+    elif ds.layout == "csr":
+        out["X"] = ops.densify_csr(
+            pos, node["data"], node["indices"], node["indptr"], n_features=ds.n_features,
+            **csr_types,
+        )  # fmt: skip
+    else:
+        x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
+        if len(ds.feature_shape) != 1:
+            x = fn.reshape(x, shape=[-1, *ds.feature_shape])
+        out["X"] = x  # user ops then see float32 X
+    for name in source.obs:
+        out[name] = ops.to_device(node[name])
+    if source.return_index:
+        out["index"] = ops.to_device(node["index"])
+    return out
+
+
 def build_graph(source: BatchSource) -> dict:
     """Declare the graph inside an active pipeline; returns the named output nodes.
 
     ``X`` is float32 here (sparse output: the batch CSR in the stored dtypes).
     """
-    ds = source.dataset
-    data_dtype = window_dtype(ds.layout, ds.dtype)
-    node = source_nodes(source, source, source.names)
-    out: dict = {}
-    if ds.layout == "csr" and source.output == "csr":
-        out["X_data"], out["X_indices"], out["X_indptr"] = kernels.gather_csr(
-            node["nnz_hint"],
-            node["pos"],
-            node["data"],
-            node["indices"],
-            node["indptr"],
-            data_dtype=data_dtype,
-            index_dtype=ds.index_dtype,
-        )
-    elif ds.layout == "csr":
-        out["X"] = kernels.densify_csr(
-            node["pos"],
-            node["data"],
-            node["indices"],
-            node["indptr"],
-            n_features=ds.n_features,
-            data_dtype=data_dtype,
-            index_dtype=ds.index_dtype,
-        )
-    else:
-        x = kernels.gather_dense(
-            node["pos"], node["values"], n_features=ds.n_features, dtype=data_dtype
-        )
-        x = dense_to_float32(x, ds.dtype)  # user ops then see float32 X
-        if len(ds.feature_shape) != 1:
-            x = fn.reshape(x, shape=[-1, *ds.feature_shape])
-        out["X"] = x
-    for name in source.obs:
-        out[name] = node[name]
-    if source.return_index:
-        out["index"] = node["index"]
-    return out
+    return declare_ops(source, source_nodes(source, source, source.names), GraphOps())
 
 
 def build_pipeline(
@@ -164,7 +225,7 @@ def build_pipeline(
     return assemble_pipeline(
         lambda: build_graph(source),
         dataset=source.dataset,
-        to_bfloat16_bits=kernels.to_bfloat16_bits,
+        ops=GraphOps(),
         dtype=dtype,
         device_id=device_id,
         num_threads=num_threads,
@@ -179,7 +240,7 @@ def assemble_pipeline(
     declare_graph: Callable[[], dict],
     *,
     dataset: Any,
-    to_bfloat16_bits: Callable,
+    ops: GraphOps,
     dtype: Any,
     device_id: int | None,
     num_threads: int,
@@ -205,7 +266,7 @@ def assemble_pipeline(
         if transform is not None:
             outputs = transform(dict(outputs))
         if "X" in outputs:
-            outputs["X"] = convert_x(outputs["X"], want, dataset.feature_shape, to_bfloat16_bits)
+            outputs["X"] = convert_x(outputs["X"], want, dataset.feature_shape, ops)
         names = list(outputs)
         pipe.set_outputs(*outputs.values())
     return pipe, names
