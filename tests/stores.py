@@ -13,6 +13,8 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, GzipCodec, ZstdCodec
 from zarr.codecs import numcodecs as znc
 
+from dali_zarr.data.dataset import CsrRows, DenseRows
+
 
 def csr_reference(path: str | Path) -> sp.csr_matrix:
     """The store's X as scipy CSR, read with plain zarr (the oracle for our loader)."""
@@ -115,8 +117,19 @@ def compressors(codec: str, fmt: int):
             "gzip": GzipCodec(level=1),
             "none": None,
             "zstd-crc32c": [ZstdCodec(level=1), Crc32cCodec()],
+            "numcodecs-zstd": znc.Zstd(level=1),
             "numcodecs-zstd-crc32c": [znc.Zstd(level=1), znc.CRC32C()],
         }[codec]
+
+
+def as_dense(rows, n_features: int) -> np.ndarray:
+    """Rows a dataset's ``read_rows`` returned (CSR or dense) as a dense array."""
+    if isinstance(rows, CsrRows):
+        return sp.csr_matrix(
+            (rows.data, rows.indices, rows.indptr), shape=(rows.n_rows, n_features)
+        ).toarray()
+    assert isinstance(rows, DenseRows), type(rows)
+    return rows.values
 
 
 def make_data(shape, dtype, chunk0: int, shard0: int | None, seed: int = 0) -> np.ndarray:

@@ -23,7 +23,7 @@ from dali_zarr import synthetic
 from dali_zarr.cli import bench_summary, main, parse_size
 from dali_zarr.convert import _Appender, convert, output_permutation
 from tests.processes import ROOT, child_env
-from tests.stores import csr_reference, write_anndata
+from tests.stores import as_dense, csr_reference, write_anndata
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -71,11 +71,7 @@ def assert_same_obs(got: pd.DataFrame, want: pd.DataFrame) -> None:
 def loader_rows(path: Path) -> np.ndarray:
     """Every row of the store as our own dataset reads it (the direct path), dense."""
     ds = dz.open_dataset(path)
-    rows = ds.read_rows(np.array([[0, ds.n_obs]]))
-    if ds.layout == "csr":
-        shape = (ds.n_obs, ds.feature_shape[0])
-        return sp.csr_matrix((rows.data, rows.indices, rows.indptr), shape=shape).toarray()
-    return rows.values
+    return as_dense(ds.read_rows(np.array([[0, ds.n_obs]])), ds.n_features)
 
 
 def x_codecs(array: zarr.Array) -> list[str]:

@@ -429,12 +429,7 @@ def _prefix_store(tmp_path, case):
     fmt, shape, dtype, chunks, shards, codec = PREFIX_CASES[case]
     rng = np.random.default_rng(3)
     data = rng.integers(0, 50, size=shape).astype(dtype)  # compressible, not trivially
-    if codec == "numcodecs-zstd":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            chosen = znc.Zstd(level=1)
-    else:
-        chosen = compressors(codec, fmt)
+    chosen = compressors(codec, fmt)
     arr = write(
         tmp_path / "p.zarr", data, fmt=fmt, chunks=chunks, shards=shards, compressors=chosen
     )

@@ -12,24 +12,14 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr import synthetic
-from dali_zarr.data.dataset import CsrRows, DenseRows
 from dali_zarr.data.subset import _runs
-from tests.stores import csr_reference
+from tests.stores import as_dense, csr_reference
 
 
 @pytest.fixture(scope="module")
 def csr_store(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("subset") / "sc.zarr"
     return synthetic.make_single_cell(path, n_obs=1_000, n_features=32, chunk_elements=512)
-
-
-def as_dense(rows, n_features: int) -> np.ndarray:
-    if isinstance(rows, CsrRows):
-        return sp.csr_matrix(
-            (rows.data, rows.indices, rows.indptr), shape=(rows.n_rows, n_features)
-        ).toarray()
-    assert isinstance(rows, DenseRows)
-    return rows.values
 
 
 def test_runs_are_vectorized_consecutive_spans() -> None:
