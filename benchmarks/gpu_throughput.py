@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device-id", type=int, default=0)
     p.add_argument("--prefetch-windows", type=int, default=2, help="windows read ahead")
+    p.add_argument(
+        "--read-threads", type=int, default=None, help="windows read at once (default: loader's)"
+    )
     p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
     p.add_argument("--store", help="use this AnnData store instead of writing one")
     p.add_argument("--annbatch-python", default=None, help="interpreter with annbatch (see above)")
@@ -174,6 +177,7 @@ def run_dali(args, store: str, device: str) -> dict:
         gpu_backend=HostBackend() if args.smoke and device == "gpu" else None,
         output="dense",
         prefetch_windows=args.prefetch_windows,
+        read_threads=args.read_threads,
     )
     print(loader.device_reason, file=sys.stderr)
 

@@ -52,6 +52,9 @@ class Loader:
     it is usable. :attr:`device` and :attr:`device_reason` say which path runs and why.
     ``gpu_backend=HostBackend()`` runs the GPU path's source and graph on the host (for
     debugging and CI; no GPU needed). ``dtype``: float32, float16, float64 or bfloat16.
+    ``read_threads``: windows read at once (default 1 on the CPU path, whose reader is
+    parallel inside a window already, and 4 on the GPU path, where one window's file reads
+    overlap another's nvCOMP decode; the GPU path reads at least that many windows ahead).
 
     **Uneven batch counts.** Under an initialized ``torch.distributed`` with several ranks,
     iterating an epoch in which the ranks would yield different numbers of batches (only
@@ -88,6 +91,7 @@ class Loader:
         num_threads: int = 2,
         prefetch_windows: int = 2,
         prefetch_queue_depth: int = 2,
+        read_threads: int | None = None,
         transform: Transform | None = None,
         allow_uneven_batches: bool = False,
         enable_checkpointing: bool = False,
@@ -122,6 +126,8 @@ class Loader:
             "prefetch_windows": prefetch_windows,
             "prefetch_queue_depth": prefetch_queue_depth,
         }
+        if read_threads is not None:
+            source_args["read_threads"] = read_threads
         self.device_id: int | None = None
         self._source: BatchSource
         if self.device == "gpu":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -49,6 +50,23 @@ def test_gpu_throughput_smoke_run(tmp_path: Path) -> None:
     assert [v for v, _ in ceilings.values()].count("smoke run") == 2, ceilings
     assert any(isinstance(v, float) and v > 0 for v, _ in ceilings.values()), ceilings
     assert (tmp_path / "gpu_throughput.png").exists() == CHARTS
+
+
+def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
+    """``gpu_profile.py --smoke``: the stage timers and the read-threads sweep, host backend."""
+    stdout = run_script(
+        "gpu_profile.py",
+        "--smoke",
+        *("--cells", 1500, "--genes", 300, "--nnz-per-cell", 20, "--batch-size", 64),
+        *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 3, "--batches", 30),
+        *("--read-threads", "1,3", "--out", tmp_path),
+    )
+    assert "SMOKE RUN" in stdout
+    assert re.search(r"one reader: [\d.]+ ms per window", stdout), stdout
+    assert re.search(r"read \+ decode \+ copy \(host backend\) +[\d.]+ ms", stdout), stdout
+    for threads in (1, 3):
+        assert f"loader, read_threads={threads}: " in stdout
+    assert stdout.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows
 
 
 def test_throughput_cube_run(tmp_path: Path) -> None:

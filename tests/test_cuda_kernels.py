@@ -280,6 +280,31 @@ def test_kernels_compile_for_dali_argument_types(kernel, dtypes, ndims):
     assert ".entry" in ptx or ".visible" in ptx
 
 
+def test_dali_numba_plugin_accepts_the_cuda_toolkit_in_use():
+    """DALI 2.4's numba plugin lists CUDA 11 and 12 only; on a CUDA 13 toolkit (the GPU
+    image's numba-cuda) it refused to build any GPU op until ``numba_cuda_compat`` ran."""
+    from numba import cuda
+    from nvidia.dali.plugin import numba as dali_numba
+
+    from dali_zarr.graph import cuda_kernels as K
+
+    try:
+        major = cuda.runtime.get_version()[0]
+    except Exception:
+        pytest.skip("no CUDA runtime library: numba cannot tell the toolkit version")
+    table = dali_numba.minimal_numba_version
+    saved = dict(table)
+    try:
+        if major > max(saved):
+            assert not dali_numba.NumbaFunction._check_minimal_numba_version(throw=False)
+        K.numba_cuda_compat()
+        assert dali_numba.NumbaFunction._check_minimal_numba_version(throw=False)
+        assert {k: v for k, v in table.items() if k in saved} == saved
+    finally:
+        table.clear()
+        table.update(saved)
+
+
 # ---------------------------------------------------------------------------- on a GPU
 
 

@@ -39,7 +39,7 @@ STORES = [
 
 
 def sampler(**overrides) -> dz.ChunkSampler:
-    # small windows: an epoch has ~20 windows, so the GPU path's ring (7 slots) is reused
+    # small windows: an epoch has ~20 windows, so the GPU path's ring (9 slots) is reused
     settings = dict(chunk_size=16, preload_nchunks=3, batch_size=40, shuffle=True, seed=3)
     settings.update(overrides)
     return dz.ChunkSampler(**settings)
@@ -130,6 +130,28 @@ def test_dense_store(tmp_path, where, store):
     ds = dz.open_dataset(dense_store(tmp_path, *store))
     cpu, gpu = both(ds, where, return_index=True)
     assert_same_batches(cpu, gpu, where=where)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("read_threads", [1, 3, 6])
+def test_windows_read_on_several_threads_arrive_in_order(tmp_path, where, read_threads):
+    """Windows read at once (the GPU path's default is 4) change nothing in the batches."""
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    kw = dict(output="dense", obs=["cell_type"], return_index=True, read_threads=read_threads)
+    reference = dz.Loader(ds, sampler(), output="dense", obs=["cell_type"], return_index=True)
+    gpu = dz.Loader(ds, sampler(), **kw, **gpu_kwargs(where))
+    assert gpu._source._pool._max_workers == read_threads
+    assert gpu._source.prefetch_windows >= read_threads  # so that the reads can overlap
+    assert assert_same_batches(reference, gpu, where=where) > 2 * 13
+    cpu_threads = dz.Loader(ds, sampler(), **kw)
+    reference = dz.Loader(ds, sampler(), output="dense", obs=["cell_type"], return_index=True)
+    assert assert_same_batches(reference, cpu_threads) > 2 * 13
+
+
+def test_read_threads_must_be_positive(tmp_path):
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    with pytest.raises(dz.ConfigError, match="read_threads=0"):
+        dz.Loader(ds, sampler(), read_threads=0)
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -259,9 +281,12 @@ def test_cuda_read_paths_name_gds_or_compat_and_nvcomp(tmp_path):
     support = probe_gpu()
     for path in loader.read_paths().values():
         assert path.startswith("gpu: ")
-        assert "GDS" in path or "compat" in path or "pread" in path
-        # a zstd store: decoded by nvCOMP where it is installed, else on the host and said so
-        assert ("nvCOMP zstd" in path) if support.nvcomp else ("host decode" in path)
+        # a zstd store: kvikio + nvCOMP where both are installed, else a host decode, said so
+        if support.kvikio and support.nvcomp:
+            assert "kvikio GDS" in path or "kvikio compat" in path
+            assert "nvCOMP zstd" in path
+        else:
+            assert "host read and decode" in path and "unavailable" in path
     print(f"GPU read paths: {loader.read_paths()}; {loader.device_reason}")
 
 

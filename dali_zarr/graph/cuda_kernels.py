@@ -206,6 +206,38 @@ def _launch(blocks: int, threads: int) -> dict:
     return {"blocks": [int(blocks), 1, 1], "threads_per_block": [int(threads), 1, 1]}
 
 
+def numba_cuda_compat() -> None:
+    """Make numba-cuda and DALI's numba plugin work with what current GPU images ship.
+
+    * numba-cuda 0.30 registers an overload for ``np.row_stack`` while its CUDA typing
+      context loads, and numpy 2.5 removed that alias: every first compile raised
+      ``AttributeError``. The alias is restored (as ``np.vstack``) before compiling.
+    * DALI 2.4's plugin keeps a table of the minimum numba per CUDA toolkit major (11 and
+      12) and refuses any other major before compiling. numba-cuda on a CUDA 13 toolkit
+      compiles and loads these kernels fine (checked on an H100), so a missing major gets the
+      newest entry's minimum.
+    """
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+    from nvidia.dali.plugin import numba as dali_numba
+
+    table = getattr(dali_numba, "minimal_numba_version", None)
+    if not isinstance(table, dict) or not table:
+        return
+    try:
+        major = cuda.runtime.get_version()[0]
+    except Exception:  # no CUDA runtime: DALI's own check will say so
+        return
+    table.setdefault(major, table[max(table)])
+
+
+def _gpu_op(*inputs, blocks: int, threads: int, **kwargs):
+    """``numba_function(device="gpu")`` with a validated launch shape."""
+    launch = _launch(blocks, threads)
+    numba_cuda_compat()
+    return numba_function(*inputs, device="gpu", **launch, **kwargs)
+
+
 def densify_csr_gpu(
     pos,
     data,
@@ -219,7 +251,7 @@ def densify_csr_gpu(
     threads: int = DEFAULT_THREADS,
 ):
     """GPU op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions."""
-    return numba_function(
+    return _gpu_op(
         pos,
         data,
         indices,
@@ -230,8 +262,8 @@ def densify_csr_gpu(
         in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64],
         outs_ndim=[2],
         ins_ndim=[1, 1, 1, 1],
-        device="gpu",
-        **_launch(blocks, threads),
+        blocks=blocks,
+        threads=threads,
     )
 
 
@@ -249,7 +281,7 @@ def gather_csr_gpu(
     threads: int = DEFAULT_THREADS,
 ):
     """GPU op: the batch's (data, indices, indptr) from window CSR + positions + batch indptr."""
-    return numba_function(
+    return _gpu_op(
         nnz_hint,
         batch_indptr,
         pos,
@@ -269,8 +301,8 @@ def gather_csr_gpu(
         ],
         outs_ndim=[1, 1, 1],
         ins_ndim=[2, 1, 1, 1, 1, 1],
-        device="gpu",
-        **_launch(blocks, threads),
+        blocks=blocks,
+        threads=threads,
     )
 
 
@@ -285,7 +317,7 @@ def gather_dense_gpu(
     threads: int = DEFAULT_THREADS,
 ):
     """GPU op: rows ``pos`` of a 2-D ``(rows, n_features)`` window, cast to ``out_dtype``."""
-    return numba_function(
+    return _gpu_op(
         pos,
         values,
         run_fn=gather_dense_rows,
@@ -294,14 +326,14 @@ def gather_dense_gpu(
         in_types=[types.INT64, dali_type(dtype)],
         outs_ndim=[2],
         ins_ndim=[1, 2],
-        device="gpu",
-        **_launch(blocks, threads),
+        blocks=blocks,
+        threads=threads,
     )
 
 
 def to_bfloat16_bits_gpu(x_bits, *, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS):
     """GPU op: uint16 bfloat16 bits of a 2-D float32 batch given as uint32 (``fn.reinterpret``)."""
-    return numba_function(
+    return _gpu_op(
         x_bits,
         run_fn=float32_bits_to_bfloat16_bits,
         setup_fn=_same_shape_2d,
@@ -309,8 +341,8 @@ def to_bfloat16_bits_gpu(x_bits, *, blocks: int = DEFAULT_BLOCKS, threads: int =
         in_types=[types.UINT32],
         outs_ndim=[2],
         ins_ndim=[2],
-        device="gpu",
-        **_launch(blocks, threads),
+        blocks=blocks,
+        threads=threads,
     )
 
 

@@ -26,8 +26,11 @@ every window DALI may still hold, so the reader never waits on the consumer for 
 
 With a :class:`HostBackend` the same source, ring and graph run on DALI's CPU backend with
 the CPU kernels: that is how CI tests this module end to end without a GPU. The CUDA
-backend and the CUDA kernels inside DALI need a GPU and have not been run yet (see README
-"GPU path").
+backend and the CUDA kernels inside DALI need one; they ran on an H100 (README "GPU path").
+
+Windows are read on ``read_threads`` threads at once (default 4; each with its own executor,
+stream and buffers in :class:`CudaBackend`), so one window's file reads overlap another's
+decode; the source reads at least ``read_threads`` windows ahead for that.
 """
 
 from __future__ import annotations
@@ -155,7 +158,11 @@ class HostBackend(_Backend):
 
 
 class CudaBackend(_Backend):
-    """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only)."""
+    """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only).
+
+    Each reader thread gets its own executor (stream, staging buffers, nvCOMP codecs), so
+    windows read on several threads overlap one's file reads with another's decode.
+    """
 
     name = "cuda"
     on_device = True
@@ -163,11 +170,24 @@ class CudaBackend(_Backend):
     def __init__(self, device_id: int = 0) -> None:
         import cupy
 
-        from dali_zarr.io.gpu import GpuPlanExecutor
-
         self.cp = cupy
         self.device_id = device_id
-        self.executor = GpuPlanExecutor(device_id)
+        self.support = probe_gpu()
+        self._local = threading.local()
+        self._executors: list[Any] = []
+        self._executors_lock = threading.Lock()
+
+    @property
+    def executor(self) -> Any:
+        """This thread's executor (made on first use)."""
+        executor = getattr(self._local, "executor", None)
+        if executor is None:
+            from dali_zarr.io.gpu import GpuPlanExecutor
+
+            executor = self._local.executor = GpuPlanExecutor(self.device_id)
+            with self._executors_lock:
+                self._executors.append(executor)
+        return executor
 
     def alloc(self, nbytes: int) -> Any:
         with self.cp.cuda.Device(self.device_id):
@@ -194,10 +214,12 @@ class CudaBackend(_Backend):
             self.cp.cuda.runtime.deviceSynchronize()
 
     def close(self) -> None:
-        self.executor.close()  # the kvikio file handles
+        with self._executors_lock:
+            for executor in self._executors:
+                executor.close()  # the kvikio file handles, the nvCOMP codecs
 
     def path(self, reader: Any) -> str:
-        return _plan_path(reader, "cuda", self.executor.support)
+        return _plan_path(reader, "cuda", self.support)
 
 
 def _plan_path(reader: Any, backend: str, support: Any = None) -> str:
@@ -421,9 +443,12 @@ class GpuBatchSource(BatchSource):
         return_index: bool,
         prefetch_windows: int = 2,
         prefetch_queue_depth: int = 2,
+        read_threads: int = 4,
         backend: Any = None,
         device_id: int = 0,
     ) -> None:
+        # windows read at once only overlap if that many are wanted ahead of the consumer
+        prefetch_windows = max(prefetch_windows, read_threads)
         super().__init__(
             dataset,
             sampler,
@@ -432,6 +457,7 @@ class GpuBatchSource(BatchSource):
             return_index=return_index,
             prefetch_windows=prefetch_windows,
             prefetch_queue_depth=prefetch_queue_depth,
+            read_threads=read_threads,
         )
         self.host_names, self.device_names = gpu_source_names(
             dataset.layout, output, list(obs), return_index

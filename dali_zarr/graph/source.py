@@ -18,6 +18,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows
+from dali_zarr.errors import ConfigError
 from dali_zarr.planning import EpochPlan, WindowPlan
 from dali_zarr.planning.resume import Segment, plan_resumed_epoch
 from dali_zarr.planning.samplers import PlanSettings
@@ -110,6 +111,7 @@ class BatchSource:
         return_index: bool,
         prefetch_windows: int = 2,
         prefetch_queue_depth: int = 2,
+        read_threads: int = 1,
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
@@ -118,7 +120,12 @@ class BatchSource:
         self.return_index = return_index
         self.names = source_names(dataset.layout, output, list(obs), return_index)
         self.prefetch_windows = max(0, prefetch_windows)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dali_zarr-window")
+        if read_threads < 1:
+            raise ConfigError(f"read_threads={read_threads}: need at least 1")
+        # windows read at once (up to prefetch_windows + 1 are wanted at a time)
+        self._pool = ThreadPoolExecutor(
+            max_workers=int(read_threads), thread_name_prefix="dali_zarr-window"
+        )
         self._lock = threading.Lock()
         self._epochs: dict[int, tuple[PlanKey, int]] = {}  # DALI epoch_idx -> (plan, start)
         self._stop_at: dict[int, int] = {}  # DALI epoch_idx -> iteration where it was cut short

@@ -31,6 +31,7 @@ caller reads those with ``read_rows`` on the host and copies the window once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
@@ -466,7 +467,8 @@ def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
 class GpuPlanExecutor:
     """Runs :class:`ReadPlan`s on one CUDA device (kvikio reads, nvCOMP decode, one copy kernel).
 
-    Never exercised on a GPU by this repository's CI (see README "GPU path"). Imports kvikio,
+    CI has no GPU: this ran on an H100 (README "GPU path"), one executor per reader thread
+    (it is not shared: one plan at a time, reused buffers). Imports kvikio,
     cupy and nvCOMP when constructed; without kvikio it reads with ``os.preadv`` into pinned
     memory and copies; without nvCOMP every chunk takes the host decode path.
     """
@@ -541,6 +543,20 @@ class GpuPlanExecutor:
             for f in self._files.values():
                 f.close()
             self._files.clear()
+            self._drop_codecs()
+
+    def _drop_codecs(self) -> None:
+        """Destroy the nvCOMP codecs while their stream still exists: a codec outliving its
+        stream crashed the process (seen on an H100 when the garbage collector freed the
+        stream first)."""
+        if self._codecs:
+            self.stream.synchronize()
+            self._codecs.clear()
+
+    def __del__(self) -> None:
+        # runs before the collector clears this object's attributes (PEP 442)
+        with contextlib.suppress(Exception):
+            self._drop_codecs()
 
     # -- running a plan -------------------------------------------------------------------------
 
@@ -616,7 +632,12 @@ class GpuPlanExecutor:
         self._trim_files()
 
     def _nvcomp_decode(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:
-        """All chunks of the plan in one batched nvCOMP call (raw zstd frames / LZ4 blocks)."""
+        """All chunks of the plan in one batched nvCOMP call (raw zstd frames / LZ4 blocks).
+
+        nvCOMP 5.3 parses every frame's header and synchronises the stream inside ``decode``
+        while holding the GIL (its size-built DecompressConfig serves single arrays only).
+        On an H100 this was the largest cost of a window: ~25 ms per array of 131 MB decoded.
+        """
         if not plan.reads:
             return
         nv = self._nvcomp
@@ -624,9 +645,11 @@ class GpuPlanExecutor:
             [staging[r.staging_offset : r.staging_offset + r.nbytes] for r in plan.reads],
             self.stream.ptr,
         )
-        dsts = [
-            decoded[r.decoded_offset : r.decoded_offset + plan.chunk_nbytes] for r in plan.reads
-        ]
+        # as nvCOMP arrays: nvCOMP 5.3 segfaults when ``out`` holds cupy arrays directly
+        dsts = nv.as_arrays(
+            [decoded[r.decoded_offset : r.decoded_offset + plan.chunk_nbytes] for r in plan.reads],
+            self.stream.ptr,
+        )
         try:
             results = self._codec(plan.kind).decode(srcs, data_type="|u1", out=dsts)
         except Exception as e:
@@ -648,7 +671,10 @@ _JITTED: dict[Any, Any] = {}
 def _jit(fn):
     from numba import cuda
 
+    from dali_zarr.graph.cuda_kernels import numba_cuda_compat
+
     kernel = _JITTED.get(fn)
     if kernel is None:
+        numba_cuda_compat()
         kernel = _JITTED[fn] = cuda.jit(fn)
     return kernel

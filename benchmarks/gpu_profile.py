@@ -1,0 +1,166 @@
+"""Where the GPU path spends its time, per window, and how it scales with read threads.
+
+    python benchmarks/gpu_profile.py --cells 400000 --genes 20000 --nnz-per-cell 2000
+    python benchmarks/gpu_profile.py --smoke --cells 3000 --genes 200 --nnz-per-cell 20
+
+Same store as ``gpu_throughput.py`` (same arguments, same cache under ``--out``). Two parts:
+
+1. **One window reader, no DALI.** ``GpuBatchSource.read_window`` over ``--windows``
+   windows, the device synchronised after each stage so that each stage's time is its own:
+   the byte plan (host), the reads into device memory (kvikio), the nvCOMP decode and the
+   row copies. Prints milliseconds per window for each stage and the reader's rows/s.
+2. **The loader end to end** for each ``--read-threads`` value: rows/s of dense batches over
+   ``--batches`` batches after ``--warmup``. Keep ``--batches`` far above the batches of the
+   windows read ahead: reads done during the warm-up are free for the clock. (On 2026-11-22
+   an 18-batch measurement of a 6-window epoch gave 919k rows/s where the 50-batch
+   benchmark gave 214k.)
+
+``--smoke`` runs both parts on the host backend (no GPU): a check that the script works, not
+a measurement of anything the GPU does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+from gpu_throughput import HERE, ROOT, make_store, require_gpu, sampler, synchronize
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cells", type=int, default=400_000)
+    p.add_argument("--genes", type=int, default=20_000)
+    p.add_argument("--nnz-per-cell", type=float, default=2_000)
+    p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--preload-nchunks", type=int, default=64)
+    p.add_argument("--windows", type=int, default=8, help="windows timed in part 1")
+    p.add_argument("--batches", type=int, default=200, help="batches timed per loader")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--read-threads", default="1,2,4,8", help="comma-separated")
+    p.add_argument("--device-id", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
+    p.add_argument("--store", help="use this AnnData store instead of writing one")
+    p.add_argument("--smoke", action="store_true", help="host backend, no GPU (a check)")
+    args = p.parse_args(argv)
+    args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
+    return args
+
+
+def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
+    """Wrap the reader's stages so that each adds its own time (device synchronised after
+    it) to the returned dict, keyed by stage name."""
+    import dali_zarr.graph.gpu_pipeline as gpu_pipeline
+
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            result = inner(*a, **kw)
+            synchronize(args)
+            totals[label] += time.perf_counter() - start
+            return result
+
+        setattr(owner, name, wrapper)
+
+    timed(gpu_pipeline, "plan_rows", "byte plan (host)")
+    if args.smoke:
+        timed(backend, "run_plan", "read + decode + copy (host backend)")
+    else:
+        executor = backend.executor  # the calling thread's: part 1 reads on this thread
+        timed(executor, "_read_to_device", "reads into device memory")
+        timed(executor, "_nvcomp_decode", "nvCOMP decode")
+        timed(executor, "copy_segments", "row copies")
+    return totals
+
+
+def profile_reader(args: argparse.Namespace, dataset) -> None:
+    from dali_zarr.graph.gpu_pipeline import GpuBatchSource, HostBackend
+
+    source = GpuBatchSource(
+        dataset,
+        sampler(args),
+        output="dense",
+        obs=[],
+        return_index=False,
+        read_threads=1,
+        backend=HostBackend() if args.smoke else None,
+        device_id=args.device_id,
+    )
+    n_windows = source.plan(0).n_windows
+    keys = [divmod(i, n_windows) for i in range(1 + args.windows)]  # (epoch, window)
+    source.read_window((0, ()), 0)  # warm: kernels compiled, buffers grown, files open
+    source._reclaim()
+    totals = stage_timers(args, source.backend)
+    rows = 0
+    start = time.perf_counter()
+    for epoch, w in keys[1:]:
+        window = source.read_window((epoch, ()), w)
+        rows += window.plan.n_rows
+        source._reclaim()
+    seconds = time.perf_counter() - start
+    per = 1e3 / args.windows
+    print(f"one reader: {per * seconds:.1f} ms per window, {rows / seconds:,.0f} rows/s")
+    for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:38s} {per * total:8.1f} ms per window")
+    source.close()
+
+
+def profile_loader(args: argparse.Namespace, dataset) -> None:
+    import dali_zarr as dz
+    from dali_zarr.graph.gpu_pipeline import HostBackend
+
+    for threads in [int(t) for t in args.read_threads.split(",")]:
+        loader = dz.Loader(
+            dataset,
+            sampler(args),
+            device="gpu",
+            device_id=args.device_id,
+            gpu_backend=HostBackend() if args.smoke else None,
+            output="dense",
+            read_threads=threads,
+        )
+        batches = _endless(loader)
+        for _ in range(args.warmup):
+            next(batches)
+        synchronize(args)
+        rows, start = 0, time.perf_counter()
+        for _ in range(args.batches):
+            rows += next(batches)["X"].shape[0]
+        synchronize(args)
+        seconds = time.perf_counter() - start
+        print(f"loader, read_threads={threads}: {rows / seconds:,.0f} rows/s ({rows:,} rows)")
+        loader.close()
+
+
+def _endless(loader):
+    epoch = 0
+    while True:
+        loader.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if not args.smoke:
+        require_gpu()
+    sys.path.insert(0, ROOT)
+    import dali_zarr as dz
+
+    dataset = dz.open_dataset(make_store(args))
+    kind = "SMOKE RUN on the host backend: not GPU figures" if args.smoke else "GPU"
+    print(f"{kind}; store {dataset.name}: {dataset.n_obs:,} rows")
+    profile_reader(args, dataset)
+    profile_loader(args, dataset)
+
+
+if __name__ == "__main__":
+    main()
