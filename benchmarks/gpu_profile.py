@@ -22,29 +22,26 @@ a measurement of anything the GPU does.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections import defaultdict
 
-from gpu_throughput import HERE, ROOT, make_store, require_gpu, sampler, synchronize
+from gpu_throughput import (
+    ROOT,
+    add_store_and_sampler_arguments,
+    make_store,
+    require_gpu,
+    sampler,
+    synchronize,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cells", type=int, default=400_000)
-    p.add_argument("--genes", type=int, default=20_000)
-    p.add_argument("--nnz-per-cell", type=float, default=2_000)
-    p.add_argument("--batch-size", type=int, default=4096)
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--preload-nchunks", type=int, default=64)
+    add_store_and_sampler_arguments(p, cells=400_000, genes=20_000)
     p.add_argument("--windows", type=int, default=8, help="windows timed in part 1")
     p.add_argument("--batches", type=int, default=200, help="batches timed per loader")
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--read-threads", default="1,2,4,8", help="comma-separated")
-    p.add_argument("--device-id", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
-    p.add_argument("--store", help="use this AnnData store instead of writing one")
     p.add_argument("--smoke", action="store_true", help="host backend, no GPU (a check)")
     args = p.parse_args(argv)
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"

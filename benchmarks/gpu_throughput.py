@@ -46,23 +46,29 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cells", type=int, default=200_000)
-    p.add_argument("--genes", type=int, default=62_710)
+def add_store_and_sampler_arguments(p: argparse.ArgumentParser, cells: int, genes: int) -> None:
+    """The store (written by :func:`make_store`), the sampler and the device: shared with
+    ``gpu_profile.py``, which measures on the same stores."""
+    p.add_argument("--cells", type=int, default=cells)
+    p.add_argument("--genes", type=int, default=genes)
     p.add_argument("--nnz-per-cell", type=float, default=2_000)
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--preload-nchunks", type=int, default=64)
-    p.add_argument("--batches", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device-id", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
+    p.add_argument("--store", help="use this AnnData store instead of writing one")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_store_and_sampler_arguments(p, cells=200_000, genes=62_710)
+    p.add_argument("--batches", type=int, default=50)
     p.add_argument("--prefetch-windows", type=int, default=2, help="windows read ahead")
     p.add_argument(
         "--read-threads", type=int, default=None, help="windows read at once (default: loader's)"
     )
-    p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
-    p.add_argument("--store", help="use this AnnData store instead of writing one")
     p.add_argument("--annbatch-python", default=None, help="interpreter with annbatch (see above)")
     p.add_argument(
         "--smoke",
