@@ -235,10 +235,14 @@ def test_probe_reports_without_raising():
     [(3, c, s) for c in ("zstd", "lz4", "blosc", "none") for s in (False, True)]
     + [(2, c, False) for c in ("zstd", "lz4", "blosc", "none")],
 )
-def test_gpu_executor_matches_direct_reader(tmp_path, fmt, codec, sharded):
+@pytest.mark.parametrize("nvcomp_api", ["python", "c"])  # c: dali_zarr.io.nvcomp_batched
+def test_gpu_executor_matches_direct_reader(tmp_path, monkeypatch, fmt, codec, sharded, nvcomp_api):
     import cupy
 
+    from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import GpuPlanExecutor
+
+    monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "1" if nvcomp_api == "c" else "0")
 
     _, arr = write_layout(
         tmp_path / "a.zarr", SHAPES["3d-rowchunks"], fmt=fmt, codec=codec, sharded=sharded

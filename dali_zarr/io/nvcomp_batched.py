@@ -1,0 +1,185 @@
+"""nvCOMP's low-level batched decode (zstd frames, LZ4 blocks), called through ctypes.
+
+Why not nvCOMP's Python ``Codec.decode``: it parses every frame's header and synchronises
+the stream inside the call, holding the GIL all the while. On an H100 (2026-11-22) that was
+~25 ms per array of 131 MB decoded, the largest cost of a window, and it kept the reader
+threads from overlapping. The C API below takes the decoded sizes instead (the read plan
+knows them: a zarr chunk always decodes to ``chunk_nbytes``), only enqueues work on our
+stream, and ctypes releases the GIL for the call.
+
+**Status: experimental, off by default.** Written against nvCOMP 5.3's headers
+(``nvcomp/zstd.h``, ``nvcomp/lz4.h``); the library loads and sizes its temporary memory on
+any machine (tests do that in CI), but the decode itself has not run on a GPU yet. Turn it on
+with ``DALI_ZARR_NVCOMP_BATCHED=1``; the ``gpu`` tests compare it with the CPU decode.
+
+One call decodes a whole plan: the host builds one table (source pointers, source sizes,
+destination pointers, destination sizes) with NumPy, uploads it once, and nvCOMP writes one
+status and one decoded size per chunk, checked after the executor's stream sync.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import os
+from typing import Any
+
+import numpy as np
+
+#: environment switch for :class:`BatchedDecoder` in the GPU executor (experimental)
+ENV_SWITCH = "DALI_ZARR_NVCOMP_BATCHED"
+_ALGORITHM = {"zstd": "Zstd", "lz4": "LZ4"}
+_STATUS = {
+    0: "success",
+    10: "invalid value",
+    11: "not supported",
+    12: "cannot decompress",
+    13: "bad checksum",
+    15: "output buffer too small",
+    17: "alignment",
+    18: "chunk size too large",
+    20: "wrong input length",
+    21: "batch size too large",
+    1000: "CUDA error",
+    10000: "internal error",
+}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "") == "1"
+
+
+class DecompressOpts(ctypes.Structure):
+    """``nvcompBatched{Zstd,LZ4}DecompressOpts_t``: 64 bytes of 32-bit fields in both headers;
+    all zero means the defaults (automatic backend; for LZ4 no bitshuffle)."""
+
+    _fields_ = [("words", ctypes.c_int32 * 16)]
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """``libnvcomp.so.5`` from the nvidia-libnvcomp wheel (the one nvidia-nvcomp loads)."""
+    lib = importlib.import_module("nvidia.libnvcomp").load_library()
+    if lib is None:
+        raise OSError("nvidia-libnvcomp is installed but libnvcomp.so.5 did not load")
+    return lib
+
+
+@functools.cache
+def functions(kind: str) -> tuple[Any, Any]:
+    """``(GetTempSizeAsync, DecompressAsync)`` of ``kind`` ("zstd" or "lz4"), typed."""
+    lib = library()
+    name = _ALGORITHM[kind]
+    size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
+    temp_size = getattr(lib, f"nvcompBatched{name}DecompressGetTempSizeAsync")
+    temp_size.restype = ctypes.c_int
+    # (num_chunks, max_uncompressed_chunk_bytes, opts, *temp_bytes, max_total_uncompressed)
+    temp_size.argtypes = [size_t, size_t, DecompressOpts, ctypes.POINTER(size_t), size_t]
+    decompress = getattr(lib, f"nvcompBatched{name}DecompressAsync")
+    decompress.restype = ctypes.c_int
+    # (src ptrs, src bytes, dst buffer bytes, *actual dst bytes, num_chunks, temp, temp bytes,
+    #  dst ptrs, opts, *statuses, stream) -- every array in device memory
+    decompress.argtypes = [ptr, ptr, ptr, ptr, size_t, ptr, size_t, ptr, DecompressOpts, ptr, ptr]
+    return temp_size, decompress
+
+
+def temp_nbytes(kind: str, n_chunks: int, chunk_nbytes: int) -> int:
+    """Device scratch one call needs for ``n_chunks`` chunks of ``chunk_nbytes`` decoded."""
+    temp_size, _ = functions(kind)
+    out = ctypes.c_size_t(0)
+    status = temp_size(n_chunks, chunk_nbytes, DecompressOpts(), out, n_chunks * chunk_nbytes)
+    _raise_for(status, f"nvCOMP {kind}: temporary-size query")
+    return int(out.value)
+
+
+def call_table(
+    src_base: int, src_offsets: np.ndarray, src_nbytes: np.ndarray, dst_base: int,
+    dst_offsets: np.ndarray, chunk_nbytes: int,
+) -> np.ndarray:  # fmt: skip
+    """The per-chunk arguments of one call as one ``(6, n)`` uint64 table, uploaded at once:
+    source pointers and sizes, destination pointers and sizes, then room for the decoded
+    sizes and statuses nvCOMP writes back."""
+    n = len(src_offsets)
+    table = np.zeros((6, n), dtype=np.uint64)
+    table[0] = np.uint64(src_base) + np.asarray(src_offsets, dtype=np.uint64)
+    table[1] = np.asarray(src_nbytes, dtype=np.uint64)
+    table[2] = np.uint64(dst_base) + np.asarray(dst_offsets, dtype=np.uint64)
+    table[3] = chunk_nbytes
+    return table
+
+
+def failed_chunks(table_back: np.ndarray, chunk_nbytes: int) -> list[tuple[int, str]]:
+    """``(chunk index in the call, why)`` for every chunk whose status is not success or
+    that decoded to a size other than ``chunk_nbytes`` (rows 4 and 5 of the table, read
+    back after the stream sync; statuses are 32-bit)."""
+    n = table_back.shape[1]
+    statuses = table_back[5].view(np.int32)[:n]  # nvcompStatus_t is 32-bit: n in a row of 2n
+    sizes = table_back[4]
+    bad = np.flatnonzero((statuses != 0) | (sizes != chunk_nbytes))
+    out = []
+    for i in bad.tolist():  # errors only: a handful at most
+        status = int(statuses[i])
+        why = (
+            f"nvCOMP status {status} ({_STATUS.get(status, 'unknown')})"
+            if status
+            else f"decoded to {int(sizes[i])} bytes, expected {chunk_nbytes}"
+        )
+        out.append((i, why))
+    return out
+
+
+class BatchedDecoder:
+    """One (kind, device stream) pair: grows its scratch and argument buffers, never shrinks."""
+
+    def __init__(self, kind: str, cupy: Any, stream: Any) -> None:
+        self.kind = kind
+        self.cp = cupy
+        self.stream = stream
+        self._decompress = functions(kind)[1]
+        self._temp = None
+        self._table = None
+        self._pending: tuple[Any, int, int] | None = None  # (device table, n, chunk bytes)
+
+    def _buffer(self, current, nbytes: int):
+        if current is None or current.size < nbytes:
+            self.stream.synchronize()  # the old buffer may still be in use by queued work
+            current = self.cp.empty(max(nbytes, 1), dtype=self.cp.uint8)
+        return current
+
+    def enqueue(
+        self, staging: Any, src_offsets: np.ndarray, src_nbytes: np.ndarray, decoded: Any,
+        dst_offsets: np.ndarray, chunk_nbytes: int,
+    ) -> None:  # fmt: skip
+        """Queue the decode of every chunk on the stream; :meth:`check` after syncing it."""
+        n = len(src_offsets)
+        if n == 0:
+            return
+        host = call_table(
+            staging.data.ptr, src_offsets, src_nbytes, decoded.data.ptr, dst_offsets, chunk_nbytes
+        )
+        self._table = self._buffer(self._table, host.nbytes)
+        table = self._table[: host.nbytes].view(self.cp.uint64).reshape(6, n)
+        table.set(host, stream=self.stream)
+        temp = temp_nbytes(self.kind, n, chunk_nbytes)
+        self._temp = self._buffer(self._temp, temp)
+        status = self._decompress(
+            table[0].data.ptr, table[1].data.ptr, table[3].data.ptr, table[4].data.ptr, n,
+            self._temp.data.ptr, temp, table[2].data.ptr, DecompressOpts(), table[5].data.ptr,
+            self.stream.ptr,
+        )  # fmt: skip
+        _raise_for(status, f"nvCOMP {self.kind}: batched decode of {n} chunks")
+        self._pending = (table, n, chunk_nbytes)
+
+    def check(self) -> list[tuple[int, str]]:
+        """Failed chunks of the last :meth:`enqueue` (call after the stream was synced)."""
+        if self._pending is None:
+            return []
+        table, _, chunk_nbytes = self._pending
+        self._pending = None
+        return failed_chunks(table.get(), chunk_nbytes)
+
+
+def _raise_for(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"{what} failed: nvCOMP status {status} ({_STATUS.get(status, '?')})")

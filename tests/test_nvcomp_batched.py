@@ -1,0 +1,97 @@
+"""nvCOMP's C API through ctypes (``dali_zarr.io.nvcomp_batched``), checked without a GPU.
+
+libnvcomp loads and sizes its scratch memory on any machine, so CI checks the binding against
+the installed nvCOMP: its headers' prototypes and option structs, the temporary-size query,
+the argument table and the failure report. The decode itself needs a GPU: the ``gpu``
+executor tests in test_gpu_plan.py run it against ``DirectReader`` (``nvcomp_api="c"``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+nvcomp_batched = pytest.importorskip("dali_zarr.io.nvcomp_batched")
+
+
+def _include_dir() -> Path:
+    libnvcomp = pytest.importorskip("nvidia.libnvcomp")
+    include = Path(libnvcomp.__file__).parent / "include" / "nvcomp"
+    if not include.is_dir():
+        pytest.skip("this nvidia-libnvcomp wheel ships no headers")
+    return include
+
+
+def _library():
+    try:
+        return nvcomp_batched.library()
+    except (ImportError, OSError) as e:
+        pytest.skip(f"libnvcomp unavailable: {e}")
+
+
+@pytest.mark.parametrize(("kind", "header"), [("zstd", "zstd.h"), ("lz4", "lz4.h")])
+def test_binding_matches_the_installed_headers(kind, header):
+    """Same parameter count as the header's prototype, and an options struct of 64 bytes."""
+    _library()
+    text = (_include_dir() / header).read_text()
+    name = nvcomp_batched._ALGORITHM[kind]
+    proto = re.search(rf"nvcompBatched{name}DecompressAsync\s*\(([^;]*)\)\s*;", text)
+    assert proto, f"no nvcompBatched{name}DecompressAsync in {header}"
+    params = [p for p in proto.group(1).split(",") if p.strip()]
+    temp_size, decompress = nvcomp_batched.functions(kind)
+    assert len(params) == len(decompress.argtypes) == 11
+    assert f"nvcompBatched{name}DecompressOpts_t decompress_opts" in " ".join(params[8].split())
+    # the options struct: 32-bit enum/int fields, then reserved bytes, 64 bytes in all
+    end = re.search(rf"\}}\s*nvcompBatched{name}DecompressOpts_t;", text).start()
+    body = text[text.index("{", text.rindex("typedef struct", 0, end)) + 1 : end]
+    body = re.sub(r"/\*.*?\*/", "", body, flags=re.S)
+    fields = [f.split() for f in body.split(";") if f.strip()]
+    reserved = int(re.search(r"reserved\[(\d+)\]", body).group(1))
+    assert 4 * (len(fields) - 1) + reserved == ctypes.sizeof(nvcomp_batched.DecompressOpts) == 64
+    temp = re.search(rf"nvcompBatched{name}DecompressGetTempSizeAsync\s*\(([^;]*)\)\s*;", text)
+    assert len([p for p in temp.group(1).split(",") if p.strip()]) == len(temp_size.argtypes)
+
+
+@pytest.mark.parametrize("kind", ["zstd", "lz4"])
+def test_temporary_size_query_runs_without_a_gpu(kind):
+    _library()
+    small = nvcomp_batched.temp_nbytes(kind, 10, 64 << 10)
+    large = nvcomp_batched.temp_nbytes(kind, 1000, 64 << 10)
+    assert 0 <= small <= large
+
+
+def test_call_table_points_at_each_chunk():
+    table = nvcomp_batched.call_table(
+        1 << 20, np.array([0, 512, 1536]), np.array([100, 900, 7]), 1 << 30,
+        np.array([0, 4096, 8192]), 4000,
+    )  # fmt: skip
+    assert table.dtype == np.uint64 and table.shape == (6, 3)
+    assert table[0].tolist() == [(1 << 20), (1 << 20) + 512, (1 << 20) + 1536]
+    assert table[1].tolist() == [100, 900, 7]
+    assert table[2].tolist() == [(1 << 30), (1 << 30) + 4096, (1 << 30) + 8192]
+    assert table[3].tolist() == [4000] * 3
+    assert not table[4:].any()  # nvCOMP writes decoded sizes and statuses there
+
+
+def test_failed_chunks_names_bad_statuses_and_short_chunks():
+    table = np.zeros((6, 4), dtype=np.uint64)
+    table[4] = [4000, 4000, 3999, 4000]  # decoded sizes
+    statuses = table[5].view(np.int32)  # n 32-bit statuses at the start of the row
+    statuses[:4] = [0, 12, 0, 0]
+    assert nvcomp_batched.failed_chunks(table, 4000) == [
+        (1, "nvCOMP status 12 (cannot decompress)"),
+        (2, "decoded to 3999 bytes, expected 4000"),
+    ]
+    table[4, 2], statuses[1] = 4000, 0
+    assert nvcomp_batched.failed_chunks(table, 4000) == []
+
+
+def test_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv(nvcomp_batched.ENV_SWITCH, raising=False)
+    assert not nvcomp_batched.enabled()
+    monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "1")
+    assert nvcomp_batched.enabled()
