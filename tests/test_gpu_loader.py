@@ -148,10 +148,13 @@ def test_windows_read_on_several_threads_arrive_in_order(tmp_path, where, read_t
     assert assert_same_batches(reference, cpu_threads) > 2 * 13
 
 
-def test_read_threads_must_be_positive(tmp_path):
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+@pytest.mark.parametrize("where", ["cpu", "host"])
+def test_read_threads_must_be_a_positive_integer(tmp_path, bad, where):
     ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
-    with pytest.raises(dz.ConfigError, match="read_threads=0"):
-        dz.Loader(ds, sampler(), read_threads=0)
+    kw = {} if where == "cpu" else gpu_kwargs(where)
+    with pytest.raises(dz.ConfigError, match="read_threads must be a positive integer, got"):
+        dz.Loader(ds, sampler(), read_threads=bad, **kw)
 
 
 @pytest.mark.parametrize("where", WHERE)

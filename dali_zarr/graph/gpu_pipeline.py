@@ -73,7 +73,7 @@ from dali_zarr.io.gpu import (
     probe_gpu,
     round_up,
 )
-from dali_zarr.planning.partition import ranges_to_rows
+from dali_zarr.planning.partition import ranges_to_rows, validate_count
 
 # ---------------------------------------------------------------------------- host helpers
 
@@ -184,7 +184,8 @@ class CudaBackend(_Backend):
         if executor is None:
             from dali_zarr.io.gpu import GpuPlanExecutor
 
-            executor = self._local.executor = GpuPlanExecutor(self.device_id)
+            executor = GpuPlanExecutor(self.device_id, support=self.support)
+            self._local.executor = executor
             with self._executors_lock:
                 self._executors.append(executor)
         return executor
@@ -448,7 +449,7 @@ class GpuBatchSource(BatchSource):
         device_id: int = 0,
     ) -> None:
         # windows read at once only overlap if that many are wanted ahead of the consumer
-        prefetch_windows = max(prefetch_windows, read_threads)
+        prefetch_windows = max(prefetch_windows, validate_count("read_threads", read_threads))
         super().__init__(
             dataset,
             sampler,

@@ -18,8 +18,8 @@ from typing import Literal, Protocol
 import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows
-from dali_zarr.errors import ConfigError
 from dali_zarr.planning import EpochPlan, WindowPlan
+from dali_zarr.planning.partition import validate_count
 from dali_zarr.planning.resume import Segment, plan_resumed_epoch
 from dali_zarr.planning.samplers import PlanSettings
 
@@ -120,11 +120,10 @@ class BatchSource:
         self.return_index = return_index
         self.names = source_names(dataset.layout, output, list(obs), return_index)
         self.prefetch_windows = max(0, prefetch_windows)
-        if read_threads < 1:
-            raise ConfigError(f"read_threads={read_threads}: need at least 1")
         # windows read at once (up to prefetch_windows + 1 are wanted at a time)
         self._pool = ThreadPoolExecutor(
-            max_workers=int(read_threads), thread_name_prefix="dali_zarr-window"
+            max_workers=validate_count("read_threads", read_threads),
+            thread_name_prefix="dali_zarr-window",
         )
         self._lock = threading.Lock()
         self._epochs: dict[int, tuple[PlanKey, int]] = {}  # DALI epoch_idx -> (plan, start)
@@ -220,6 +219,8 @@ class BatchSource:
 
     def row_outputs(self, window: Window, j: int) -> list[np.ndarray]:
         """The obs columns and (``return_index``) global ids of batch ``j``'s rows."""
+        if not self.obs and not self.return_index:
+            return []  # the window's global row map is not even built
         rows = window.plan.batch_global_rows(j)
         outputs = [np.ascontiguousarray(values[rows]) for values in self.obs.values()]
         if self.return_index:

@@ -475,7 +475,9 @@ class GpuPlanExecutor:
     memory and copies; without nvCOMP every chunk takes the host decode path.
     """
 
-    def __init__(self, device_id: int = 0, *, max_open_files: int = 256) -> None:
+    def __init__(
+        self, device_id: int = 0, *, max_open_files: int = 256, support: GpuSupport | None = None
+    ) -> None:
         import cupy
 
         self.cp = cupy
@@ -483,8 +485,9 @@ class GpuPlanExecutor:
         self.device = cupy.cuda.Device(self.device_id)
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
-        # one probe decides both what runs and what read_paths() reports
-        self.support = probe_gpu()
+        # one probe decides both what runs and what read_paths() reports: the caller's
+        # (CudaBackend shares its own with every reader thread's executor), else a new one
+        self.support = support if support is not None else probe_gpu()
         self._kvikio = importlib.import_module("kvikio") if self.support.kvikio else None
         self._nvcomp = importlib.import_module("nvidia.nvcomp") if self.support.nvcomp else None
         self._codecs: dict[str, Any] = {}
