@@ -280,9 +280,11 @@ def test_kernels_compile_for_dali_argument_types(kernel, dtypes, ndims):
     assert ".entry" in ptx or ".visible" in ptx
 
 
-def test_dali_numba_plugin_accepts_the_cuda_toolkit_in_use():
-    """DALI 2.4's numba plugin lists CUDA 11 and 12 only; on a CUDA 13 toolkit (the GPU
-    image's numba-cuda) it refused to build any GPU op until ``numba_cuda_compat`` ran."""
+def test_numba_cuda_compat_mends_what_broke_on_the_gpu_image(monkeypatch):
+    """On the H100 image (numba-cuda 0.30.4 on CUDA 13, numpy 2.5.2) no GPU op compiled:
+    DALI 2.4's numba plugin lists CUDA 11 and 12 only, and numba-cuda overloads the
+    ``np.row_stack`` that numpy 2.5 removed. Both are taken away here whatever this machine
+    has, and ``numba_cuda_compat`` must give them back."""
     from numba import cuda
     from nvidia.dali.plugin import numba as dali_numba
 
@@ -294,12 +296,17 @@ def test_dali_numba_plugin_accepts_the_cuda_toolkit_in_use():
         pytest.skip("no CUDA runtime library: numba cannot tell the toolkit version")
     table = dali_numba.minimal_numba_version
     saved = dict(table)
+    others = {k: v for k, v in saved.items() if k != major}
+    assert others, "the plugin's table knows no other toolkit to take the minimum from"
+    monkeypatch.setattr(np, "row_stack", None, raising=False)  # restored after the test
+    monkeypatch.delattr(np, "row_stack")
     try:
-        if major > max(saved):
-            assert not dali_numba.NumbaFunction._check_minimal_numba_version(throw=False)
+        table.pop(major, None)  # a DALI that does not know this toolkit
+        assert not dali_numba.NumbaFunction._check_minimal_numba_version(throw=False)
         K.numba_cuda_compat()
         assert dali_numba.NumbaFunction._check_minimal_numba_version(throw=False)
-        assert {k: v for k, v in table.items() if k in saved} == saved
+        assert table == {**others, major: others[max(others)]}  # the newest known minimum
+        assert np.row_stack is np.vstack
     finally:
         table.clear()
         table.update(saved)

@@ -133,6 +133,11 @@ def test_dense_nd_rows_equal_source(tmp_path: Path, zarr_format, codec, shard_ch
     assert_rows_match(got, reference, 333)
 
 
+def _cube_loader(path: Path, **kw) -> dz.Loader:
+    """A loader of the 25-row-chunked dense cubes below, with the global index."""
+    return dz.Loader(dz.open_dataset(path), sampler(chunk_size=25), return_index=True, **kw)
+
+
 def test_dense_float16_output_and_transform(tmp_path: Path) -> None:
     path = synthetic.make_dense_cube(tmp_path / "c.zarr", n_obs=200, shape=(6,), chunk_obs=25)
     reference = zarr.open_array(path)[...]
@@ -141,14 +146,7 @@ def test_dense_float16_output_and_transform(tmp_path: Path) -> None:
         outputs["X"] = outputs["X"] * 2
         return outputs
 
-    loader = dz.Loader(
-        dz.open_dataset(path),
-        sampler(chunk_size=25),
-        dtype=torch.float16,
-        transform=double,
-        return_index=True,
-    )
-    got = run_epoch(loader)
+    got = run_epoch(_cube_loader(path, dtype=torch.float16, transform=double))
     assert got["X"].dtype == np.float16
     np.testing.assert_allclose(got["X"], 2 * reference[got["index"]].astype(np.float16), rtol=1e-3)
 
@@ -163,13 +161,7 @@ def test_bfloat16_follows_a_transform_that_narrows_x(tmp_path: Path) -> None:
         outputs["X"] = outputs["X"][:, :4]
         return outputs
 
-    loader = dz.Loader(
-        dz.open_dataset(path),
-        sampler(chunk_size=25),
-        dtype=torch.bfloat16,
-        transform=first_four,
-        return_index=True,
-    )
+    loader = _cube_loader(path, dtype=torch.bfloat16, transform=first_four)
     loader.set_epoch(0)
     rows = 0
     for batch in loader:
