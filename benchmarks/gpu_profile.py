@@ -7,13 +7,19 @@ Same store as ``gpu_throughput.py`` (same arguments, same cache under ``--out``)
 
 1. **One window reader, no DALI.** ``GpuBatchSource.read_window`` over ``--windows``
    windows, the device synchronised after each stage so that each stage's time is its own:
-   the byte plan (host), the reads into device memory (kvikio), the nvCOMP decode and the
-   row copies. Prints milliseconds per window for each stage and the reader's rows/s.
+   the byte plan (host), the reads into device memory, the nvCOMP decode and the row
+   copies. Prints milliseconds per window for each stage and the reader's rows/s.
 2. **The loader end to end** for each ``--read-threads`` value: rows/s of dense batches over
    ``--batches`` batches after ``--warmup``. Keep ``--batches`` far above the batches of the
    windows read ahead: reads done during the warm-up are free for the clock. (On 2026-11-22
    an 18-batch measurement of a 6-window epoch gave 919k rows/s where the 50-batch
    benchmark gave 214k.)
+
+Both parts run once per ``--configs`` entry, ``READS/API``: READS is how chunk bytes reach
+the GPU (``kvikio``: ``CuFile.pread``; ``pinned``: ``os.preadv`` into pinned memory and one
+copy; env ``DALI_ZARR_GPU_READS``), API the nvCOMP decode call (``python``: nvCOMP's
+``Codec.decode``; ``c``: its batched C API, env ``DALI_ZARR_NVCOMP_BATCHED=1``). One call
+of this script on a GPU machine compares them all on the same store.
 
 ``--smoke`` runs both parts on the host backend (no GPU): a check that the script works, not
 a measurement of anything the GPU does.
@@ -22,6 +28,7 @@ a measurement of anything the GPU does.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import defaultdict
@@ -41,11 +48,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_store_and_sampler_arguments(p, cells=400_000, genes=20_000)
     p.add_argument("--windows", type=int, default=8, help="windows timed in part 1")
     p.add_argument("--batches", type=int, default=200, help="batches timed per loader")
-    p.add_argument("--read-threads", default="1,2,4,8", help="comma-separated")
+    p.add_argument("--read-threads", default="1,4,8", help="comma-separated")
+    p.add_argument(
+        "--configs",
+        default="kvikio/python,kvikio/c,pinned/python,pinned/c",
+        help="comma-separated READS/API pairs (see above)",
+    )
     p.add_argument("--smoke", action="store_true", help="host backend, no GPU (a check)")
     args = p.parse_args(argv)
+    args.configs = [parse_config(c) for c in args.configs.split(",")]
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
     return args
+
+
+def parse_config(text: str) -> tuple[str, str]:
+    reads, _, api = text.strip().partition("/")
+    if reads not in ("kvikio", "pinned") or api not in ("python", "c"):
+        sys.exit(f"--configs: {text!r} is not READS/API with READS kvikio|pinned, API python|c")
+    return reads, api
+
+
+def use_config(reads: str, api: str) -> None:
+    """Set the switches the GPU executor reads when it is built (one per reader thread)."""
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import READS_ENV
+
+    os.environ[READS_ENV] = reads
+    os.environ[nvcomp_batched.ENV_SWITCH] = "1" if api == "c" else "0"
 
 
 def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
@@ -72,7 +101,7 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
         timed(backend, "run_plan", "read + decode + copy (host backend)")
     else:
         executor = backend.executor  # the calling thread's: part 1 reads on this thread
-        timed(executor, "_read_to_device", "reads into device memory")
+        timed(executor, "_read_to_device", f"reads into device memory ({executor.reads})")
         timed(executor, "_nvcomp_decode", "nvCOMP decode")
         timed(executor, "copy_segments", "row copies")
     return totals
@@ -151,12 +180,24 @@ def main(argv=None) -> None:
         require_gpu()
     sys.path.insert(0, ROOT)
     import dali_zarr as dz
+    from dali_zarr.io.gpu import kvikio_threads
 
     dataset = dz.open_dataset(make_store(args))
     kind = "SMOKE RUN on the host backend: not GPU figures" if args.smoke else "GPU"
     print(f"{kind}; store {dataset.name}: {dataset.n_obs:,} rows")
-    profile_reader(args, dataset)
-    profile_loader(args, dataset)
+    failed = []
+    for reads, api in args.configs:
+        use_config(reads, api)
+        print(f"\n== reads {reads}, nvCOMP {api} API")
+        try:
+            profile_reader(args, dataset)
+            print(f"kvikio thread pool: {kvikio_threads() or 'n/a'}")
+            profile_loader(args, dataset)
+        except Exception as e:  # one configuration failing must not hide the others
+            failed.append(f"{reads}/{api}")
+            print(f"FAILED: {type(e).__name__}: {e}")
+    if failed:
+        sys.exit(f"configurations that failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -59,14 +59,16 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         "--smoke",
         *("--cells", 1500, "--genes", 300, "--nnz-per-cell", 20, "--batch-size", 64),
         *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 3, "--batches", 30),
-        *("--read-threads", "1,3", "--out", tmp_path),
+        *("--read-threads", "1,3", "--configs", "pinned/c,kvikio/python", "--out", tmp_path),
     )
-    assert "SMOKE RUN" in stdout
-    assert re.search(r"one reader: [\d.]+ ms per window", stdout), stdout
-    assert re.search(r"read \+ decode \+ copy \(host backend\) +[\d.]+ ms", stdout), stdout
-    for threads in (1, 3):
-        assert f"loader, read_threads={threads}: " in stdout
-    assert stdout.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows
+    assert "SMOKE RUN" in stdout and "FAILED" not in stdout
+    for config in ("reads pinned, nvCOMP c API", "reads kvikio, nvCOMP python API"):
+        part = stdout.split(f"== {config}")[1].split("==")[0]
+        assert re.search(r"one reader: [\d.]+ ms per window", part), stdout
+        assert re.search(r"read \+ decode \+ copy \(host backend\) +[\d.]+ ms", part), stdout
+        for threads in (1, 3):
+            assert f"loader, read_threads={threads}: " in part
+        assert part.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows
 
 
 def test_throughput_cube_run(tmp_path: Path) -> None:

@@ -82,23 +82,43 @@ def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
 
 
 def _check_plan_invariants(plan, reader) -> None:
+    reads, ext = plan.reads, plan.extents
     # every chunk read at most once, in increasing chunk order, to its own slot
-    chunks = [r.chunk for r in plan.reads]
+    chunks = reads["chunk"].tolist()
     assert chunks == sorted(set(chunks))
     slots = {int(c): i for i, c in enumerate(plan.chunks)}
-    for r in plan.reads:
-        assert r.decoded_offset == slots[r.chunk] * plan.slot_nbytes
-        assert r.decoded_offset % 256 == 0
+    assert reads["decoded_offset"].tolist() == [slots[c] * plan.slot_nbytes for c in chunks]
+    # slots start on 256-byte boundaries for nvCOMP; uncompressed ones follow each other
+    assert (
+        reads["decoded_offset"] % (plan.dtype.itemsize if plan.kind == "none" else 256) == 0
+    ).all()
+    sizes = [os.path.getsize(f) for f in plan.files]
+    for r in reads.tolist():
+        _, file, offset, nbytes, staging, _ = r
+        assert offset + nbytes <= sizes[file]
         if plan.kind == "none":
-            assert r.staging_offset == -1 and r.nbytes == plan.chunk_nbytes
+            assert staging == -1 and nbytes == plan.chunk_nbytes
         else:
-            assert r.staging_offset % 256 == 0
-            assert r.staging_offset + r.nbytes <= plan.staging_nbytes
-        assert r.file_offset + r.nbytes <= os.path.getsize(r.path)
+            assert staging >= 0 and staging + nbytes <= plan.staging_nbytes
+    assert plan.header_nbytes == (4 if plan.kind == "lz4" else 0)
     # staging regions never overlap
-    regions = sorted((r.staging_offset, r.nbytes) for r in plan.reads if r.staging_offset >= 0)
-    for (a, n), (b, _) in itertools.pairwise(regions):
+    regions = sorted(zip(reads["staging_offset"].tolist(), reads["nbytes"].tolist(), strict=True))
+    for (a, n), (b, _) in itertools.pairwise(r for r in regions if r[0] >= 0):
         assert a + n <= b
+    # the extents cover the reads once, in order; inside one, chunks follow each other in
+    # their file and in the buffer read into, and an extent starts on a 256-byte boundary
+    assert ext["first"].tolist() == np.cumsum([0, *ext["count"][:-1]]).tolist()
+    assert int(ext["count"].sum()) == len(reads)
+    dest = reads["decoded_offset"] if plan.kind == "none" else reads["staging_offset"]
+    for e in ext.tolist():
+        file, offset, nbytes, dest_offset, first, count = e
+        run = reads[first : first + count]
+        assert (run["file"] == file).all()
+        assert dest_offset % 256 == 0 or plan.kind == "none"  # "none": into its slot
+        starts = np.cumsum([0, *run["nbytes"][:-1]])
+        assert (run["file_offset"] == offset + starts).all()
+        assert (dest[first : first + count] == dest_offset + starts).all()
+        assert nbytes == int(run["nbytes"].sum())
     # segments stay inside both buffers and cover the window exactly once
     seg = plan.segments
     if len(seg):
@@ -110,17 +130,70 @@ def _check_plan_invariants(plan, reader) -> None:
         assert (covered == 1).all()
 
 
-def test_lz4_plan_reads_the_bare_block(tmp_path):
+def test_lz4_plan_reads_the_header_and_decodes_the_bare_block(tmp_path):
     data = np.arange(4096, dtype=np.float32)
     arr = write(tmp_path / "a.zarr", data, chunks=(512,), compressors=compressors("lz4", 3))
     reader = open_reader(arr, name="a")
     plan = plan_rows(reader, np.array([[0, 4096]]))
-    locations = reader.chunk_locations([(int(c),) for c in plan.chunks])
-    for rd, (path, offset, nbytes) in zip(plan.reads, locations, strict=True):
-        assert (rd.path, rd.file_offset, rd.nbytes) == (path, offset + 4, nbytes - 4)
-        with open(path, "rb") as f:  # the skipped header is numcodecs' decoded size
+    src_offset, src_nbytes = plan.decode_sources()
+    assert (src_offset == plan.reads["staging_offset"] + 4).all()
+    assert (src_nbytes == plan.reads["nbytes"] - 4).all()
+    for r in plan.reads.tolist():
+        _, file, offset, nbytes, _, _ = r
+        with open(plan.files[file], "rb") as f:  # the skipped header is numcodecs' size
             f.seek(offset)
             assert int.from_bytes(f.read(4), "little") == plan.chunk_nbytes
+        assert nbytes == os.path.getsize(plan.files[file])  # unsharded: the whole file
+
+
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_adjacent_chunks_of_a_shard_are_one_read(tmp_path, monkeypatch, codec):
+    """Chunks that follow each other in a shard file are read with one call (an extent);
+    runs are cut near MAX_EXTENT. A chunk that is not stored leaves no gap in the shard, but
+    uncompressed chunks are read straight into their slots, where it does leave one."""
+    from dali_zarr.io import gpu
+
+    data = np.arange(640 * 4, dtype=np.float32).reshape(640, 4)  # 64 chunks of 10 rows
+    data[100:110] = 0  # chunk 10 equals the fill value: zarr does not store it
+    arr = write(tmp_path / "a.zarr", data, chunks=(10, 4), shards=(160, 4),
+                compressors=compressors(codec, 3))  # fmt: skip
+    reader = open_reader(arr, name="a")
+    plan = plan_rows(reader, np.array([[0, 640]]))  # 4 shards, chunk 10 not stored
+    assert plan.slot_nbytes == (160 if codec == "none" else 256)  # 160-byte chunks
+    assert plan.fill_slots == (10,)
+    want = [10, 5, 16, 16, 16] if codec == "none" else [15, 16, 16, 16]
+    assert plan.extents["count"].tolist() == want
+    np.testing.assert_array_equal(execute_plan_cpu(plan, reader), data)
+    _check_plan_invariants(plan, reader)
+    # small MAX_EXTENT: runs are cut (a read starts a new extent once MAX_EXTENT is passed)
+    largest = int(plan.reads["nbytes"].max())
+    monkeypatch.setattr(gpu, "MAX_EXTENT", 3 * largest)
+    small = plan_rows(reader, np.array([[0, 640]]))
+    assert len(small.extents) > len(plan.extents)
+    assert (small.extents["nbytes"] < 4 * largest).all()  # reads start within MAX_EXTENT
+    np.testing.assert_array_equal(execute_plan_cpu(small, reader), data)
+    _check_plan_invariants(small, reader)
+    # a shuffled window of 3-chunk ranges: reads still follow in sorted chunk order
+    rng = np.random.default_rng(0)
+    ranges = np.array([[s, s + 30] for s in rng.permutation(np.arange(0, 640, 30)[:-1])])
+    window = plan_rows(reader, ranges)
+    np.testing.assert_array_equal(execute_plan_cpu(window, reader), reader.read_rows(ranges))
+    _check_plan_invariants(window, reader)
+
+
+def test_short_read_names_the_chunk_where_the_file_ends(tmp_path):
+    """A shard that shrinks after planning: the error names the first chunk not read."""
+    data = np.arange(64 * 40, dtype=np.float32).reshape(640, 4)
+    arr = write(tmp_path / "a.zarr", data, chunks=(10, 4), shards=(160, 4),
+                compressors=compressors("zstd", 3))  # fmt: skip
+    reader = open_reader(arr, name="a")
+    plan = plan_rows(reader, np.array([[0, 160]]))  # shard 0: one extent of 16 chunks
+    assert len(plan.extents) == 1
+    cut = int(plan.reads["file_offset"][5]) + 3  # inside chunk 5
+    with open(plan.files[0], "r+b") as f:
+        f.truncate(cut)
+    with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*file shrank"):
+        execute_plan_cpu(plan, reader)
 
 
 def test_contiguous_window_is_one_segment(tmp_path):
@@ -164,22 +237,48 @@ def test_host_kinds_say_why(tmp_path):
 
 @pytest.mark.parametrize("kind", ["none", "zstd", "lz4", "host"])
 @pytest.mark.parametrize(("kvikio", "gds", "nvcomp"), [(1, 1, 1), (1, 0, 1), (1, 0, 0), (0, 0, 1)])
-def test_described_path_is_the_path_taken(kind, kvikio, gds, nvcomp):
-    """read_paths() says "device" exactly when the executor reads to the device."""
-    from dali_zarr.io.gpu import GpuSupport, describe_path, reads_to_device
+@pytest.mark.parametrize("reads", ["", "pinned"])
+def test_described_path_is_the_path_taken(monkeypatch, kind, kvikio, gds, nvcomp, reads):
+    """read_paths() says "device" exactly when the executor decodes on the device, and names
+    the read method the executor uses."""
+    from dali_zarr.io.gpu import (
+        READS_ENV,
+        GpuSupport,
+        decodes_on_device,
+        describe_path,
+        read_method,
+    )
 
+    monkeypatch.setenv(READS_ENV, reads)
     support = GpuSupport(True, True, bool(kvikio), bool(gds), bool(nvcomp), "")
     line = describe_path(kind, "blosc" if kind == "host" else "", support)
-    on_device = reads_to_device(kind, kvikio=bool(kvikio), nvcomp=bool(nvcomp))
-    assert on_device == (kind in ("none", "zstd", "lz4") and kvikio and (kind == "none" or nvcomp))
+    on_device = decodes_on_device(kind, nvcomp=bool(nvcomp))
+    assert on_device == (kind in ("none", "zstd", "lz4") and (kind == "none" or nvcomp))
     assert ("→ device" in line) == on_device, line
     assert ("host read and decode" in line) == (not on_device), line
+    method = read_method(support)
+    assert method == ("kvikio" if kvikio and not reads else "pinned")
     if on_device:
-        assert ("GDS" if gds else "compat") in line
+        if method == "kvikio":
+            assert ("GDS" if gds else "compat") in line
+        else:
+            assert "pinned" in line and ("kvikio unavailable" in line) == (not kvikio)
         assert ("nvCOMP" in line) == (kind != "none")
     else:
-        why = "blosc" if kind == "host" else ("kvikio" if not kvikio else "nvCOMP")
-        assert why in line
+        assert ("blosc" if kind == "host" else "nvCOMP") in line
+
+
+def test_read_method_switch_is_checked(monkeypatch):
+    from dali_zarr.errors import ConfigError
+    from dali_zarr.io.gpu import READS_ENV, GpuSupport, read_method
+
+    without = GpuSupport(True, True, False, False, True, "")
+    monkeypatch.setenv(READS_ENV, "gds")
+    with pytest.raises(ConfigError, match=r"DALI_ZARR_GPU_READS='gds'.*'kvikio' or 'pinned'"):
+        read_method(without)
+    monkeypatch.setenv(READS_ENV, "kvikio")
+    with pytest.raises(ConfigError, match="kvikio is not installed"):
+        read_method(without)
 
 
 def test_rows_split_across_chunks_are_not_plannable(tmp_path):
@@ -236,13 +335,17 @@ def test_probe_reports_without_raising():
     + [(2, c, False) for c in ("zstd", "lz4", "blosc", "none")],
 )
 @pytest.mark.parametrize("nvcomp_api", ["python", "c"])  # c: dali_zarr.io.nvcomp_batched
-def test_gpu_executor_matches_direct_reader(tmp_path, monkeypatch, fmt, codec, sharded, nvcomp_api):
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_gpu_executor_matches_direct_reader(
+    tmp_path, monkeypatch, fmt, codec, sharded, nvcomp_api, reads
+):
     import cupy
 
     from dali_zarr.io import nvcomp_batched
-    from dali_zarr.io.gpu import GpuPlanExecutor
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
 
     monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "1" if nvcomp_api == "c" else "0")
+    monkeypatch.setenv(READS_ENV, reads)
 
     _, arr = write_layout(
         tmp_path / "a.zarr", SHAPES["3d-rowchunks"], fmt=fmt, codec=codec, sharded=sharded
@@ -344,13 +447,18 @@ def _fake_cuda_modules(monkeypatch, log):
 @pytest.mark.parametrize(("codec", "path"), [("zstd", "device"), ("lz4", "device"),
                                              ("none", "device"), ("blosc", "host")])  # fmt: skip
 @pytest.mark.parametrize("sharded", [False, True])
-def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec, path, sharded):
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_gpu_executor_control_flow_with_faked_cuda(
+    tmp_path, monkeypatch, codec, path, sharded, reads
+):
     """GpuPlanExecutor.run with cupy/kvikio/nvCOMP replaced by NumPy stand-ins: exercises its
-    buffers, offsets, path choice, fills and segment copies (not the libraries themselves)."""
-    from dali_zarr.io.gpu import GpuPlanExecutor
+    buffers, offsets, path and read-method choice, fills and segment copies (not the
+    libraries themselves)."""
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
 
     log: list = []
     _fake_cuda_modules(monkeypatch, log)
+    monkeypatch.setenv(READS_ENV, reads)
     monkeypatch.setattr(
         GpuPlanExecutor,
         "copy_segments",
@@ -360,6 +468,7 @@ def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec,
     shp, _, chunks, _ = SHAPES["3d-rowchunks"]
     reader = open_reader(arr, name="a")
     executor = GpuPlanExecutor(0, max_open_files=2)
+    assert executor.reads == reads
     rng = np.random.default_rng(3)
     for _ in range(3):
         ranges = random_ranges(rng, shp[0], chunks[0])
@@ -370,11 +479,40 @@ def test_gpu_executor_control_flow_with_faked_cuda(tmp_path, monkeypatch, codec,
         assert executor.run(plan, reader, out) is out
         np.testing.assert_array_equal(out, reader.read_rows(ranges))
         if path == "device":
-            assert [e for e in log if e[0] == "pread"] == [("pread", r.nbytes) for r in plan.reads]
+            preads = [("pread", n) for n in plan.extents["nbytes"].tolist()]  # one per extent
+            assert [e for e in log if e[0] == "pread"] == (preads if reads == "kvikio" else [])
             decodes = [e for e in log if e[0] == "decode"]
             assert decodes == ([("decode", {"zstd": "Zstd", "lz4": "LZ4"}[codec], len(plan.reads))]
-                               if codec != "none" and plan.reads else [])  # fmt: skip
+                               if codec != "none" and len(plan.reads) else [])  # fmt: skip
         else:
             assert not log  # host decode: no kvikio, no nvCOMP
     assert len(executor._files) <= 2
     executor.close()
+
+
+def test_kvikio_pool_is_raised_but_never_lowered_or_overridden(monkeypatch):
+    """kvikio's pool (1 thread by default) is raised for the GPU path, through kvikio's own
+    config API (a stand-in here: kvikio needs libcuda to import)."""
+    import sys
+    import types
+
+    from dali_zarr.io.gpu import kvikio_threads
+
+    config = {"num_threads": 1}
+    defaults = types.ModuleType("kvikio.defaults")
+    defaults.get = config.__getitem__
+    defaults.set = config.__setitem__
+    kvikio = types.ModuleType("kvikio")
+    kvikio.defaults = defaults
+    monkeypatch.setitem(sys.modules, "kvikio", kvikio)
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", defaults)
+    monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
+    assert kvikio_threads() == 1
+    assert kvikio_threads(8) == 8 and config["num_threads"] == 8
+    assert kvikio_threads(4) == 8  # never lowered
+    config["num_threads"] = 2
+    monkeypatch.setenv("KVIKIO_NTHREADS", "2")  # the user's choice stands
+    assert kvikio_threads(8) == 2
+    monkeypatch.delitem(sys.modules, "kvikio.defaults")
+    monkeypatch.setitem(sys.modules, "kvikio", None)  # not installed
+    assert kvikio_threads(8) == 0

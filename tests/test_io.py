@@ -591,6 +591,14 @@ def test_shard_index_points_past_end(tmp_path):
         reader.read_rows(np.array([[1024 + 512, 1024 + 600]]))
     # the other inner chunks of that shard are fine
     np.testing.assert_array_equal(reader.read_rows(np.array([[1024, 1500]])), data[1024:1500])
+    # the GPU path's byte plan locates chunks with one vectorized lookup: same error
+    from dali_zarr.io.gpu import execute_plan_cpu, plan_rows
+
+    with pytest.raises(ChunkReadError, match=r"inner chunk \(2,\).*shard 'c/1'.*shard file is"):
+        plan_rows(reader, np.array([[0, 10], [1024 + 512, 1024 + 600]]))
+    ok = np.array([[1024, 1500], [0, 300]])
+    want = np.concatenate([data[1024:1500], data[0:300]])
+    np.testing.assert_array_equal(execute_plan_cpu(plan_rows(reader, ok), reader), want)
 
 
 def test_truncated_shard(tmp_path):

@@ -2,31 +2,35 @@
 
 :func:`plan_rows` turns the ``[start, stop)`` row ranges of one window of a
 :class:`~dali_zarr.io.DirectReader` array into a :class:`ReadPlan`, without reading chunk
-data: which stored bytes to read (file, offset, nbytes; shard indexes are read and
-crc32c-checked on the host through the reader), where each chunk's bytes land in a staging
-buffer, where each decoded chunk lands in a chunk buffer, which chunks are missing (fill
-value), and the copy segments that assemble the window's rows from the decoded chunks.
+data and without Python work per chunk (NumPy arrays throughout): which stored bytes to read
+(file, offset, nbytes; shard indexes are read and crc32c-checked on the host through the
+reader), coalesced into *extents* (chunks adjacent in a shard file are one read), where each
+chunk's bytes land in a staging buffer, where each decoded chunk lands in a chunk buffer,
+which chunks are missing (fill value), and the copy segments that assemble the window's rows
+from the decoded chunks.
 
 Two executors run the same plan:
 
-* :func:`execute_plan_cpu` (NumPy, any machine): ``os.preadv`` into one contiguous host
-  staging buffer, then decode — the CPU stand-in for exactly what the GPU does, so tests can
-  compare it with ``DirectReader.read_rows`` on every codec and layout.
-* :class:`GpuPlanExecutor` (needs CUDA; imports kvikio, cupy and nvCOMP lazily): kvikio
-  ``CuFile.pread`` of every stored range straight into device memory (GPUDirect Storage where
-  the system has it, kvikio's compat mode otherwise), all reads in flight at once; one nvCOMP
-  batched decode call for all chunks of the array in the window; chunks nvCOMP cannot decode
-  are decoded on the CPU into pinned memory and copied once; then one launch of
-  ``cuda_kernels.copy_segments`` assembles the rows.
+* :func:`execute_plan_cpu` (NumPy, any machine): ``os.preadv`` of every extent into one
+  contiguous host staging buffer, then decode — the CPU stand-in for exactly what the GPU
+  does, so tests can compare it with ``DirectReader.read_rows`` on every codec and layout.
+* :class:`GpuPlanExecutor` (needs CUDA; imports kvikio, cupy and nvCOMP lazily): every extent
+  read into device memory, all in flight at once — kvikio ``CuFile.pread`` (GPUDirect
+  Storage where the system has it, kvikio's compat mode otherwise), or ``os.preadv`` into
+  pinned memory and one copy (:func:`read_method`); one nvCOMP batched decode call for all
+  chunks of the array in the window; chunks nvCOMP cannot decode are decoded on the CPU into
+  pinned memory and copied once; then one launch of ``cuda_kernels.copy_segments`` assembles
+  the rows.
 
 Per-array decode path (:func:`gpu_codec_kind`): ``"none"`` (only the ``bytes`` codec, native
 byte order: disk → GPU with no decode), ``"zstd"`` (zarr v3's default; nvCOMP zstd), ``"lz4"``
 (numcodecs' LZ4: a 4-byte little-endian size header before a raw LZ4 block; the plan reads
-only the block, and the decoded size is checked instead of the header), and ``"host"`` for
-everything else (blosc, gzip, filters, big-endian, per-chunk crc32c, F order...), decoded by
-the same :class:`~dali_zarr.io.ChunkDecoder` as the CPU path. Arrays whose chunks do not
-span all non-leading axes cannot be planned (rows would not be contiguous in a chunk); the
-caller reads those with ``read_rows`` on the host and copies the window once.
+the header with the block but the decoder gets only the block, and the decoded size is
+checked instead of the header), and ``"host"`` for everything else (blosc, gzip, filters,
+big-endian, per-chunk crc32c, F order...), decoded by the same
+:class:`~dali_zarr.io.ChunkDecoder` as the CPU path. Arrays whose chunks do not span all
+non-leading axes cannot be planned (rows would not be contiguous in a chunk); the caller
+reads those with ``read_rows`` on the host and copies the window once.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import Any
 import numcodecs
 import numpy as np
 
-from ..errors import ChunkReadError
+from ..errors import ChunkReadError, ConfigError
 from ..planning.partition import split_at_chunks
 from . import nvcomp_batched
 from .codecs import DecodeError, _zstd_content_size
@@ -52,7 +56,6 @@ from .readers import DirectReader, _check_ranges, _offsets, _pread_into, _run_pa
 
 __all__ = [
     "GPU_KINDS",
-    "ChunkRead",
     "GpuPlanExecutor",
     "GpuSupport",
     "NotPlannable",
@@ -110,21 +113,44 @@ def gpu_codec_kind(layout: ArrayLayout) -> tuple[str, str]:
 # ---------------------------------------------------------------------------- the plan
 
 
-@dataclass(frozen=True)
-class ChunkRead:
-    """One stored chunk (inner chunk when sharded) to read."""
-
-    chunk: int  # chunk index along axis 0
-    path: str
-    file_offset: int
-    nbytes: int
-    staging_offset: int  # where the bytes go in the staging buffer; -1: into the chunk buffer
-    decoded_offset: int  # byte offset of the decoded chunk in the chunk buffer
+#: one entry per stored chunk of a plan, in slot order (:attr:`ReadPlan.reads`)
+READ_FIELDS = np.dtype(
+    [
+        ("chunk", "<i8"),  # chunk index along axis 0
+        ("file", "<i4"),  # index into ReadPlan.files
+        ("file_offset", "<i8"),  # first stored byte (for lz4: its 4-byte size header)
+        ("nbytes", "<i8"),  # stored bytes
+        ("staging_offset", "<i8"),  # where they land in the staging buffer; -1: chunk buffer
+        ("decoded_offset", "<i8"),  # byte offset of the decoded chunk in the chunk buffer
+    ]
+)
+#: one entry per coalesced read: a run of chunks that follow each other in one file and in
+#: the buffer they are read into (:attr:`ReadPlan.extents`)
+EXTENT_FIELDS = np.dtype(
+    [
+        ("file", "<i4"),
+        ("file_offset", "<i8"),
+        ("nbytes", "<i8"),
+        ("dest_offset", "<i8"),  # in the staging buffer (chunk buffer when uncompressed)
+        ("first", "<i8"),  # first read (index into ReadPlan.reads) of the run
+        ("count", "<i8"),
+    ]
+)
+#: kvikio thread pool size the GPU path asks for (unless KVIKIO_NTHREADS is set)
+KVIKIO_THREADS = min(16, os.cpu_count() or 1)
+#: a run of adjacent chunks is cut into reads of about this many bytes, so that a window's
+#: reads still spread over a thread pool (kvikio splits each read into its own tasks too)
+MAX_EXTENT = 16 << 20
 
 
 @dataclass(frozen=True)
 class ReadPlan:
-    """Everything needed to read one window of one array, without touching chunk data."""
+    """Everything needed to read one window of one array, without touching chunk data.
+
+    Per-chunk facts are NumPy arrays (:data:`READ_FIELDS`), not Python objects: a window of
+    a Tahoe-like store holds ~250 chunks per array, and per-chunk Python on the reader
+    threads competes for the GIL with everything else that feeds the GPU.
+    """
 
     name: str
     kind: str  # "none" | "zstd" | "lz4" | "host"
@@ -133,9 +159,12 @@ class ReadPlan:
     out_shape: tuple[int, ...]  # (rows in the window, *trailing shape)
     chunk_shape: tuple[int, ...]
     chunk_nbytes: int  # decoded bytes of one (full) chunk
-    slot_nbytes: int  # chunk-buffer stride (chunk_nbytes rounded up to ALIGN)
+    slot_nbytes: int  # chunk-buffer stride (chunk_nbytes, rounded up to ALIGN unless "none")
     chunks: np.ndarray  # chunk indices held by the chunk buffer, in slot order
-    reads: tuple[ChunkRead, ...]
+    files: tuple[str, ...]
+    reads: np.ndarray  # READ_FIELDS, one per stored chunk, in slot order
+    extents: np.ndarray  # EXTENT_FIELDS: the reads as file-contiguous runs, one I/O call each
+    header_nbytes: int  # bytes at the start of each stored chunk the decoder skips (lz4: 4)
     fill_slots: tuple[int, ...]  # slots of chunks that are not stored (fill value)
     fill_value: Any
     staging_nbytes: int
@@ -144,6 +173,32 @@ class ReadPlan:
     @property
     def decoded_nbytes(self) -> int:
         return len(self.chunks) * self.slot_nbytes
+
+    @property
+    def reads_into_chunk_buffer(self) -> bool:
+        """Uncompressed chunks are read straight into their slots (no staging, no decode)."""
+        return self.kind == "none"
+
+    def decode_sources(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(staging offsets, sizes)`` of what each chunk's decoder gets: the stored bytes
+        after the header (numcodecs' LZ4 size header is read but not decoded)."""
+        return (
+            self.reads["staging_offset"] + self.header_nbytes,
+            self.reads["nbytes"] - self.header_nbytes,
+        )
+
+    def extent_jobs(self) -> list[tuple[int, int, int, int, int]]:
+        """``(extent, file, file_offset, nbytes, dest_offset)`` per extent, as Python ints."""
+        e = self.extents
+        cols = (e["file"], e["file_offset"], e["nbytes"], e["dest_offset"])
+        return list(zip(range(len(e)), *(c.tolist() for c in cols), strict=True))
+
+    def chunk_at(self, extent: int, byte: int) -> int:
+        """The chunk holding byte ``byte`` of extent ``extent`` (to name it in errors)."""
+        e = self.extents[extent]
+        run = self.reads["nbytes"][e["first"] : e["first"] + e["count"]]
+        i = min(int(np.searchsorted(np.cumsum(run), byte, side="right")), len(run) - 1)
+        return int(self.reads["chunk"][e["first"] + i])
 
 
 def plan_problem(reader: Any) -> str:
@@ -175,7 +230,12 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     n, C = shape[0], int(chunk[0])
     row_elems = math.prod(shape[1:])
     chunk_nbytes = math.prod(chunk) * dtype.itemsize
-    slot_nbytes = round_up(max(chunk_nbytes, 1))
+    # decoded chunks start on ALIGN boundaries (nvCOMP writes faster there); uncompressed
+    # ones are read straight into their slots, back to back, so that adjacent chunks of a
+    # file are one read (the copy kernel needs only the dtype's alignment)
+    slot_nbytes = max(chunk_nbytes, dtype.itemsize)
+    if kind != "none":
+        slot_nbytes = round_up(slot_nbytes)
     slot_elems = slot_nbytes // dtype.itemsize
 
     r = _check_ranges(ranges, n, reader.name)
@@ -197,31 +257,27 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     ).astype(np.int64)
     seg = _merge_segments(seg)
 
-    other = (0,) * (len(shape) - 1)
-    locations = reader.chunk_locations([(int(c), *other) for c in chunks])
-    reads: list[ChunkRead] = []
-    fill: list[int] = []
-    staging = 0
-    for slot, (c, loc) in enumerate(zip(chunks.tolist(), locations, strict=True)):
-        if loc is None:
-            fill.append(slot)
-            continue
-        path, offset, nbytes = loc
-        if kind == "none":
-            if nbytes != chunk_nbytes:
-                raise reader.chunk_error(
-                    (c, *other), f"stored {nbytes} bytes, expected {chunk_nbytes} (uncompressed)"
-                )
-            reads.append(ChunkRead(c, path, offset, nbytes, -1, slot * slot_nbytes))
-            continue
-        if kind == "lz4":
-            if nbytes < _LZ4_HEADER:
-                raise reader.chunk_error(
-                    (c, *other), f"lz4 chunk is {nbytes} bytes, shorter than its 4-byte header"
-                )
-            offset, nbytes = offset + _LZ4_HEADER, nbytes - _LZ4_HEADER
-        reads.append(ChunkRead(c, path, offset, nbytes, staging, slot * slot_nbytes))
-        staging += round_up(max(nbytes, 1))
+    loc = reader.chunk_locations(chunks)
+    slots = np.flatnonzero(loc.file >= 0)
+    nbytes = loc.nbytes[slots]
+    header = _LZ4_HEADER if kind == "lz4" else 0
+    if kind == "none":
+        _refuse_chunks(
+            reader, chunks[slots], nbytes, nbytes != chunk_nbytes,
+            lambda n: f"stored {n} bytes, expected {chunk_nbytes} (uncompressed)",
+        )  # fmt: skip
+    if kind == "lz4":
+        _refuse_chunks(
+            reader, chunks[slots], nbytes, nbytes < _LZ4_HEADER,
+            lambda n: f"lz4 chunk is {n} bytes, shorter than its 4-byte header",
+        )  # fmt: skip
+    reads = np.empty(len(slots), dtype=READ_FIELDS)
+    reads["chunk"] = chunks[slots]
+    reads["file"] = loc.file[slots]
+    reads["file_offset"] = loc.offset[slots]
+    reads["nbytes"] = nbytes
+    reads["decoded_offset"] = slots * slot_nbytes
+    extents, staging_nbytes = _coalesce(reads, into_chunk_buffer=kind == "none")
     return ReadPlan(
         name=reader.name,
         kind=kind,
@@ -232,12 +288,67 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
         chunk_nbytes=chunk_nbytes,
         slot_nbytes=slot_nbytes,
         chunks=chunks.astype(np.int64),
-        reads=tuple(reads),
-        fill_slots=tuple(fill),
+        files=loc.files,
+        reads=reads,
+        extents=extents,
+        header_nbytes=header,
+        fill_slots=tuple(np.flatnonzero(loc.file < 0).tolist()),
         fill_value=lay.fill_value,
-        staging_nbytes=staging,
+        staging_nbytes=staging_nbytes,
         segments=seg,
     )
+
+
+def _refuse_chunks(
+    reader: DirectReader, chunks: np.ndarray, nbytes: np.ndarray, bad: np.ndarray, why
+) -> None:
+    """Raise the reader's chunk error for the first chunk flagged in ``bad``."""
+    hits = np.flatnonzero(bad)
+    if len(hits):
+        i = hits[0]
+        raise reader.chunk_error(_coords(reader, chunks[i]), why(int(nbytes[i])))
+
+
+def _coalesce(reads: np.ndarray, *, into_chunk_buffer: bool) -> tuple[np.ndarray, int]:
+    """Group ``reads`` into extents (runs adjacent in their file and in the buffer they land
+    in, cut near :data:`MAX_EXTENT`); fills ``reads["staging_offset"]``. Returns the extents
+    and the staging bytes. Each extent starts on an :data:`ALIGN` boundary; the chunks inside
+    one follow each other unpadded (nvCOMP's zstd and LZ4 decoders take inputs at any byte:
+    ``nvcompBatched*DecompressGetRequiredAlignments`` reports 1)."""
+    nb = reads["nbytes"]
+    n = len(nb)
+    before = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(nb, out=before[1:])
+    new = np.ones(n, dtype=bool)
+    if n > 1:
+        follows = (reads["file"][1:] == reads["file"][:-1]) & (
+            reads["file_offset"][1:] == reads["file_offset"][:-1] + nb[:-1]
+        )
+        if into_chunk_buffer:
+            dst = reads["decoded_offset"]
+            follows &= dst[1:] == dst[:-1] + nb[:-1]
+        new[1:] = ~follows
+        run_start = before[:-1][new][np.cumsum(new) - 1]
+        piece = (before[:-1] - run_start) // MAX_EXTENT
+        new[1:] |= piece[1:] != piece[:-1]
+    heads = np.flatnonzero(new)
+    of = np.cumsum(new) - 1  # extent of each read
+    ext = np.empty(len(heads), dtype=EXTENT_FIELDS)
+    ext["file"] = reads["file"][heads]
+    ext["file_offset"] = reads["file_offset"][heads]
+    ext["nbytes"] = np.diff(np.append(before[heads], before[-1]))
+    ext["first"] = heads
+    ext["count"] = np.diff(np.append(heads, n))
+    if into_chunk_buffer:
+        ext["dest_offset"] = reads["decoded_offset"][heads]
+        reads["staging_offset"] = -1
+        return ext, 0
+    padded = -(-np.maximum(ext["nbytes"], 1) // ALIGN) * ALIGN
+    starts = np.zeros(len(heads) + 1, dtype=np.int64)
+    np.cumsum(padded, out=starts[1:])
+    ext["dest_offset"] = starts[:-1]
+    reads["staging_offset"] = starts[:-1][of] + before[:-1] - before[heads][of]
+    return ext, int(starts[-1])
 
 
 def _merge_segments(seg: np.ndarray) -> np.ndarray:
@@ -267,31 +378,49 @@ def decode_plan_cpu(
     """
     staging = np.empty(plan.staging_nbytes, np.uint8) if staging is None else staging
     decoded = np.empty(plan.decoded_nbytes, np.uint8) if decoded is None else decoded
-
-    def read(rd: ChunkRead) -> None:
-        if rd.staging_offset < 0:
-            buf = decoded[rd.decoded_offset : rd.decoded_offset + rd.nbytes]
-        else:
-            buf = staging[rd.staging_offset : rd.staging_offset + rd.nbytes]
-        try:
-            fd = os.open(rd.path, os.O_RDONLY)
-            try:
-                got = _pread_into(fd, buf, rd.file_offset)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise reader.chunk_error(_coords(reader, rd.chunk), f"reading failed ({e})") from e
-        if got != rd.nbytes:
-            raise reader.chunk_error(
-                _coords(reader, rd.chunk), f"read {got} of {rd.nbytes} bytes (file shrank)"
-            )
-
-    _run_parallel(reader.executor, plan.reads, read)
+    read_extents_cpu(plan, reader, decoded if plan.reads_into_chunk_buffer else staging)
     decode = _cpu_decoder(plan, reader)
-    _run_parallel(reader.executor, plan.reads, lambda rd: decode(rd, staging, decoded))
+    src_off, src_nbytes = plan.decode_sources()
+    jobs = list(zip(plan.reads["chunk"].tolist(), src_off.tolist(), src_nbytes.tolist(),
+                    plan.reads["decoded_offset"].tolist(), strict=True))  # fmt: skip
+    _run_parallel(reader.executor, jobs, lambda job: decode(*job, staging, decoded))
     for slot in plan.fill_slots:
         _chunk_view(decoded, plan, slot * plan.slot_nbytes)[...] = plan.fill_value
     return decoded[: plan.decoded_nbytes]
+
+
+def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -> None:
+    """``os.preadv`` of every extent of ``plan`` into ``target`` (staging, or the chunk buffer
+    when uncompressed) on the reader's thread pool; each file is opened once."""
+    fds: dict[int, int] = {}
+    try:
+        for f in np.unique(plan.extents["file"]).tolist():
+            try:
+                fds[f] = os.open(plan.files[f], os.O_RDONLY)
+            except OSError as e:
+                first = int(np.flatnonzero(plan.extents["file"] == f)[0])
+                raise _extent_error(reader, plan, first, 0, f"opening failed ({e})") from e
+
+        def read(job: tuple[int, int, int, int, int]) -> None:
+            i, f, offset, nbytes, dest = job
+            try:
+                got = _pread_into(fds[f], target[dest : dest + nbytes], offset)
+            except OSError as e:
+                raise _extent_error(reader, plan, i, 0, f"reading failed ({e})") from e
+            if got != nbytes:
+                raise _extent_error(
+                    reader, plan, i, got, f"read {got} of {nbytes} bytes (file shrank)"
+                )
+
+        _run_parallel(reader.executor, plan.extent_jobs(), read)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _extent_error(reader: DirectReader, plan: ReadPlan, extent: int, byte: int, why: str):
+    """The reader's chunk error for a failed read, naming the chunk at ``byte`` of it."""
+    return reader.chunk_error(_coords(reader, plan.chunk_at(extent, byte)), why)
 
 
 def execute_plan_cpu(
@@ -326,51 +455,51 @@ def _chunk_view(decoded: np.ndarray, plan: ReadPlan, offset: int) -> np.ndarray:
 
 
 def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
-    """decode(read, staging, decoded) for the plan's kind, raising ChunkReadError."""
+    """``decode(chunk, src_offset, src_nbytes, dst_offset, staging, decoded)`` for the plan's
+    kind, raising ChunkReadError that names the chunk."""
     if plan.kind == "none":
-        return lambda rd, staging, decoded: None
+        return lambda *job: None
+    n_out = plan.chunk_nbytes
     if plan.kind == "zstd":
         codec = numcodecs.Zstd()
 
-        def raw(rd: ChunkRead, src: np.ndarray, dst: np.ndarray) -> None:
+        def raw(src: np.ndarray, dst: np.ndarray) -> None:
+            # numcodecs fills only a zstd frame's content size: check it (the GPU executor
+            # checks nvCOMP's decompressed sizes instead)
+            size = _zstd_content_size(src)
+            if size is not None and size != n_out:
+                raise DecodeError(f"zstd frame holds {size} bytes, expected {n_out}")
             codec.decode(src, out=dst)
 
     elif plan.kind == "lz4":
         codec = numcodecs.LZ4()
-        header = plan.chunk_nbytes.to_bytes(4, "little")
+        header = n_out.to_bytes(4, "little")
 
-        def raw(rd: ChunkRead, src: np.ndarray, dst: np.ndarray) -> None:
-            # the plan read the bare LZ4 block (what nvCOMP gets); numcodecs wants its header
+        def raw(src: np.ndarray, dst: np.ndarray) -> None:
+            # the decoder gets the bare LZ4 block (what nvCOMP gets), with the size the plan
+            # expects in front: numcodecs' header as stored is not trusted
             codec.decode(header + src.tobytes(), out=dst)
 
     else:
         chunk_decoder = reader.decoder  # the reader's own: same codecs, chunk shape, dtype
 
-        def decode_host(rd: ChunkRead, staging: np.ndarray, decoded: np.ndarray) -> None:
-            src = staging[rd.staging_offset : rd.staging_offset + rd.nbytes]
+        def decode_host(chunk, src_off, src_nbytes, dst_off, staging, decoded) -> None:
+            src = staging[src_off : src_off + src_nbytes]
             try:
-                chunk_decoder.decode_into(src, _chunk_view(decoded, plan, rd.decoded_offset))
+                chunk_decoder.decode_into(src, _chunk_view(decoded, plan, dst_off))
             except DecodeError as e:
-                raise reader.chunk_error(_coords(reader, rd.chunk), str(e)) from e
+                raise reader.chunk_error(_coords(reader, chunk), str(e)) from e
 
         return decode_host
 
-    def decode(rd: ChunkRead, staging: np.ndarray, decoded: np.ndarray) -> None:
-        src = staging[rd.staging_offset : rd.staging_offset + rd.nbytes]
-        dst = decoded[rd.decoded_offset : rd.decoded_offset + plan.chunk_nbytes]
+    def decode(chunk, src_off, src_nbytes, dst_off, staging, decoded) -> None:
         try:
-            # numcodecs fills only a zstd frame's content size: check it (the GPU executor
-            # checks nvCOMP's decompressed sizes instead)
-            if plan.kind == "zstd":
-                size = _zstd_content_size(src)
-                if size is not None and size != plan.chunk_nbytes:
-                    raise DecodeError(f"zstd frame holds {size} bytes, expected {dst.size}")
-            raw(rd, src, dst)
+            raw(staging[src_off : src_off + src_nbytes], decoded[dst_off : dst_off + n_out])
         except DecodeError as e:
-            raise reader.chunk_error(_coords(reader, rd.chunk), str(e)) from e
+            raise reader.chunk_error(_coords(reader, chunk), str(e)) from e
         except Exception as e:  # numcodecs raises RuntimeError/ValueError
             raise reader.chunk_error(
-                _coords(reader, rd.chunk), f"{plan.kind} decoding failed ({e})"
+                _coords(reader, chunk), f"{plan.kind} decoding failed ({e})"
             ) from e
 
     return decode
@@ -442,37 +571,79 @@ def probe_gpu() -> GpuSupport:
     return GpuSupport(cuda, dali_gpu and has_cupy, kvikio, gds, nvcomp, "; ".join(why))
 
 
-def reads_to_device(plan_kind: str, *, kvikio: bool, nvcomp: bool) -> bool:
-    """Whether a plan of ``plan_kind`` is read into device memory (and decoded there):
-    kvikio must be there, and nvCOMP too unless the chunks are uncompressed. Otherwise the
-    window is read and decoded on the host and copied once."""
-    if not kvikio or plan_kind not in GPU_KINDS:
-        return False
-    return plan_kind == "none" or nvcomp
+#: environment switch: how chunk bytes reach device memory (:func:`read_method`)
+READS_ENV = "DALI_ZARR_GPU_READS"
+
+
+def decodes_on_device(plan_kind: str, *, nvcomp: bool) -> bool:
+    """Whether a plan of ``plan_kind`` is read into device memory and decoded there: its
+    chunks are uncompressed, or nvCOMP decodes them. Otherwise the window is read and decoded
+    on the host and copied once."""
+    return plan_kind in GPU_KINDS and (plan_kind == "none" or nvcomp)
+
+
+def read_method(support: GpuSupport) -> str:
+    """How chunk bytes reach device memory: ``"kvikio"`` (``CuFile.pread``: GPUDirect Storage
+    where the system has it, compat mode otherwise) when kvikio is installed, else
+    ``"pinned"`` (``os.preadv`` of the plan's extents on the reader's threads into pinned
+    memory, then one copy). ``DALI_ZARR_GPU_READS=pinned`` (or ``kvikio``) chooses."""
+    want = os.environ.get(READS_ENV, "").strip().lower()
+    if want not in ("", "kvikio", "pinned"):
+        raise ConfigError(f"{READS_ENV}={want!r}: use 'kvikio' or 'pinned', or leave it unset")
+    if want == "kvikio" and not support.kvikio:
+        raise ConfigError(
+            f"{READS_ENV}=kvikio, but kvikio is not installed (pip install kvikio-cu12)"
+        )
+    return "pinned" if want == "pinned" or not support.kvikio else "kvikio"
 
 
 def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
     """One line for ``read_paths()``: how an array's windows reach the GPU."""
-    if not reads_to_device(plan_kind, kvikio=support.kvikio, nvcomp=support.nvcomp):
-        if plan_kind not in GPU_KINDS:
-            why = reason or plan_kind
-        else:
-            why = "kvikio unavailable" if not support.kvikio else "nvCOMP unavailable"
+    if not decodes_on_device(plan_kind, nvcomp=support.nvcomp):
+        why = reason or plan_kind if plan_kind not in GPU_KINDS else "nvCOMP unavailable"
         return f"gpu: host read and decode ({why}) into pinned memory, one copy to the device"
-    io = "kvikio GDS" if support.gds else "kvikio compat"
+    if read_method(support) == "pinned":
+        io = "pread into pinned memory, one copy"
+        if not support.kvikio:
+            io += " (kvikio unavailable)"
+    else:
+        io = "kvikio GDS" if support.gds else "kvikio compat"
+        threads = kvikio_threads()
+        io += f", {threads} threads" if threads else ""
     if plan_kind == "none":
         return f"gpu: {io} → device, no decode (uncompressed)"
     api = " (C API, experimental)" if nvcomp_batched.enabled() else ""
     return f"gpu: {io} → device, nvCOMP {plan_kind}{api}"
 
 
+def kvikio_threads(want: int | None = None) -> int:
+    """kvikio's thread pool size (0 when unknown), first raised to ``want`` threads if it is
+    smaller and the user did not set ``KVIKIO_NTHREADS``.
+
+    kvikio serves every ``CuFile.pread`` of the process from one pool of 1 thread by default,
+    so the reads of all reader threads queued behind each other (compat mode on the H100:
+    ~6 GB/s, a third of a window's time).
+    """
+    try:
+        import kvikio.defaults as kd
+
+        have = int(kd.get("num_threads"))
+        if want is not None and want > have and "KVIKIO_NTHREADS" not in os.environ:
+            kd.set("num_threads", want)
+            have = int(kd.get("num_threads"))
+        return have
+    except Exception:  # no kvikio, or one without defaults.get/set (before 25.x)
+        return 0
+
+
 class GpuPlanExecutor:
     """Runs :class:`ReadPlan`s on one CUDA device (kvikio reads, nvCOMP decode, one copy kernel).
 
     CI has no GPU: this ran on an H100 (README "GPU path"), one executor per reader thread
-    (it is not shared: one plan at a time, reused buffers). Imports kvikio,
-    cupy and nvCOMP when constructed; without kvikio it reads with ``os.preadv`` into pinned
-    memory and copies; without nvCOMP every chunk takes the host decode path.
+    (it is not shared: one plan at a time, reused buffers). Imports kvikio, cupy and nvCOMP
+    when constructed; without kvikio (or with ``DALI_ZARR_GPU_READS=pinned``) it reads with
+    ``os.preadv`` into pinned memory and copies; without nvCOMP, compressed chunks take the
+    host decode path.
     """
 
     def __init__(
@@ -488,7 +659,11 @@ class GpuPlanExecutor:
         # one probe decides both what runs and what read_paths() reports: the caller's
         # (CudaBackend shares its own with every reader thread's executor), else a new one
         self.support = support if support is not None else probe_gpu()
-        self._kvikio = importlib.import_module("kvikio") if self.support.kvikio else None
+        #: "kvikio" or "pinned" (:func:`read_method`)
+        self.reads = read_method(self.support)
+        self._kvikio = importlib.import_module("kvikio") if self.reads == "kvikio" else None
+        if self._kvikio is not None:
+            kvikio_threads(KVIKIO_THREADS)
         self._nvcomp = importlib.import_module("nvidia.nvcomp") if self.support.nvcomp else None
         self._codecs: dict[str, Any] = {}
         # experimental: nvCOMP's C API instead of its Python codecs (see nvcomp_batched)
@@ -570,10 +745,7 @@ class GpuPlanExecutor:
 
     def path_of(self, plan: ReadPlan) -> str:
         """How this executor serves ``plan``'s array: "device" or "host" decode."""
-        on_device = reads_to_device(
-            plan.kind, kvikio=self.support.kvikio, nvcomp=self.support.nvcomp
-        )
-        return "device" if on_device else "host"
+        return "device" if decodes_on_device(plan.kind, nvcomp=self.support.nvcomp) else "host"
 
     def run(self, plan: ReadPlan, reader: DirectReader, out: Any) -> Any:
         """Fill the device array ``out`` (``plan.out_shape``, ``plan.dtype``) with the window.
@@ -604,7 +776,7 @@ class GpuPlanExecutor:
             self.stream.synchronize()
             decoder = self._batched.get(plan.kind)
             for i, why in decoder.check() if decoder is not None else ():
-                raise reader.chunk_error(_coords(reader, plan.reads[i].chunk), why)
+                raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
         return out
 
     def copy_segments(self, out: Any, src: Any, segments: np.ndarray) -> None:
@@ -622,23 +794,28 @@ class GpuPlanExecutor:
         kernel[blocks, 256, cuda.external_stream(self.stream.ptr)](out, src, seg[0], seg[1], seg[2])
 
     def _read_to_device(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:
+        """Every extent of ``plan`` into ``staging`` (``decoded`` when uncompressed), all in
+        flight at once: kvikio ``CuFile.pread`` (its thread pool), or with ``reads="pinned"``
+        ``os.preadv`` on the reader's threads into pinned memory and one copy."""
+        target = decoded if plan.reads_into_chunk_buffer else staging
+        nbytes = plan.decoded_nbytes if plan.reads_into_chunk_buffer else plan.staging_nbytes
+        if self.reads == "pinned":
+            host = self._pinned_buffer("reads", nbytes)
+            read_extents_cpu(plan, reader, host)
+            target[:nbytes].set(host, stream=self.stream)
+            return
         pending = []
-        for rd in plan.reads:  # every read in flight at once (kvikio's thread pool)
-            if rd.staging_offset < 0:
-                target = decoded[rd.decoded_offset : rd.decoded_offset + rd.nbytes]
-            else:
-                target = staging[rd.staging_offset : rd.staging_offset + rd.nbytes]
-            pending.append((rd, self._cufile(rd.path).pread(target, rd.nbytes, rd.file_offset)))
-        for rd, future in pending:
+        for i, f, offset, size, dest in plan.extent_jobs():
+            future = self._cufile(plan.files[f]).pread(target[dest : dest + size], size, offset)
+            pending.append((i, size, future))
+        for i, size, future in pending:
             try:
                 got = future.get()
             except Exception as e:
-                raise reader.chunk_error(
-                    _coords(reader, rd.chunk), f"kvikio read failed ({e})"
-                ) from e
-            if got != rd.nbytes:
-                raise reader.chunk_error(
-                    _coords(reader, rd.chunk), f"read {got} of {rd.nbytes} bytes (file shrank)"
+                raise _extent_error(reader, plan, i, 0, f"kvikio read failed ({e})") from e
+            if got != size:
+                raise _extent_error(
+                    reader, plan, i, got, f"read {got} of {size} bytes (file shrank)"
                 )
         self._trim_files()
 
@@ -649,45 +826,34 @@ class GpuPlanExecutor:
         while holding the GIL (its size-built DecompressConfig serves single arrays only).
         On an H100 this was the largest cost of a window: ~25 ms per array of 131 MB decoded.
         """
-        if not plan.reads:
+        if not len(plan.reads):
             return
+        src_off, src_nbytes = plan.decode_sources()
+        dst_off = plan.reads["decoded_offset"]
         if self._use_batched:
             decoder = self._batched.get(plan.kind)
             if decoder is None:
                 decoder = nvcomp_batched.BatchedDecoder(plan.kind, self.cp, self.stream)
                 self._batched[plan.kind] = decoder
-            n = len(plan.reads)
-            decoder.enqueue(
-                staging,
-                np.fromiter((r.staging_offset for r in plan.reads), np.int64, n),
-                np.fromiter((r.nbytes for r in plan.reads), np.int64, n),
-                decoded,
-                np.fromiter((r.decoded_offset for r in plan.reads), np.int64, n),
-                plan.chunk_nbytes,
-            )
+            decoder.enqueue(staging, src_off, src_nbytes, decoded, dst_off, plan.chunk_nbytes)
             return
-        nv = self._nvcomp
-        srcs = nv.as_arrays(
-            [staging[r.staging_offset : r.staging_offset + r.nbytes] for r in plan.reads],
-            self.stream.ptr,
-        )
+        nv, n_out = self._nvcomp, plan.chunk_nbytes
+        pairs = list(zip(src_off.tolist(), src_nbytes.tolist(), dst_off.tolist(), strict=True))
+        srcs = nv.as_arrays([staging[s : s + n] for s, n, _ in pairs], self.stream.ptr)
         # as nvCOMP arrays: nvCOMP 5.3 segfaults when ``out`` holds cupy arrays directly
-        dsts = nv.as_arrays(
-            [decoded[r.decoded_offset : r.decoded_offset + plan.chunk_nbytes] for r in plan.reads],
-            self.stream.ptr,
-        )
+        dsts = nv.as_arrays([decoded[d : d + n_out] for _, _, d in pairs], self.stream.ptr)
         try:
             results = self._codec(plan.kind).decode(srcs, data_type="|u1", out=dsts)
         except Exception as e:
             raise ChunkReadError(
                 f"{plan.name}: nvCOMP {plan.kind} decoding of {len(srcs)} chunks failed ({e})"
             ) from e
-        for rd, res in zip(plan.reads, results, strict=True):
-            size = getattr(res, "buffer_size", plan.chunk_nbytes)
-            if size != plan.chunk_nbytes:
+        for chunk, res in zip(plan.reads["chunk"].tolist(), results, strict=True):
+            size = getattr(res, "buffer_size", n_out)
+            if size != n_out:
                 raise reader.chunk_error(
-                    _coords(reader, rd.chunk),
-                    f"{plan.kind} chunk decoded to {size} bytes, expected {plan.chunk_nbytes}",
+                    _coords(reader, chunk),
+                    f"{plan.kind} chunk decoded to {size} bytes, expected {n_out}",
                 )
 
 

@@ -50,7 +50,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from itertools import product
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -61,6 +61,7 @@ from .layout import ArrayLayout, parse_layout
 
 __all__ = [
     "ArrayReader",
+    "ChunkLocations",
     "DirectReader",
     "ZarrReader",
     "default_executor",
@@ -72,6 +73,15 @@ _ADVICE = (
     "The store may be truncated or corrupted: re-write the array, or restore this chunk "
     "from an intact copy of the dataset."
 )
+
+
+class ChunkLocations(NamedTuple):
+    """Stored bytes of a list of chunks (:meth:`DirectReader.chunk_locations`), as arrays."""
+
+    files: tuple[str, ...]
+    file: np.ndarray  # int32 index into ``files``; -1: not stored (reads as the fill value)
+    offset: np.ndarray  # int64 byte offset in the file
+    nbytes: np.ndarray  # int64 stored bytes
 
 
 @runtime_checkable
@@ -413,37 +423,61 @@ class DirectReader:
 
     # -- byte locations (public: planned reads such as dali_zarr.io.gpu use them) -----------
 
-    def chunk_locations(
-        self, chunks: Sequence[tuple[int, ...]]
-    ) -> list[tuple[str, int, int] | None]:
-        """``(file, offset, nbytes)`` of the stored bytes of each chunk (inner chunk when
-        sharded), or None for a chunk that is not stored (it reads as the fill value).
+    def chunk_locations(self, chunks: np.ndarray) -> ChunkLocations:
+        """Where the stored bytes of row chunks ``chunks`` (indices along axis 0, coordinates
+        ``(c, 0, ..., 0)``; inner chunks when sharded) are, as arrays: vectorized so that a
+        window of hundreds of chunks costs a few NumPy calls per shard, not Python per chunk.
 
-        Shard indexes are read, crc32c-checked and cached exactly as ``read_rows`` does;
-        an index entry pointing past the end of its shard raises ``ChunkReadError``.
+        Shard indexes are read, crc32c-checked and cached exactly as ``read_rows`` does; an
+        index entry pointing past the end of its shard raises ``ChunkReadError``. A chunk
+        that is not stored (it reads as the fill value) gets ``file == -1``.
         """
+        chunks = np.asarray(chunks, dtype=np.int64).reshape(-1)
         lay = self.layout
-        if lay.shard is None:
-            out: list[tuple[str, int, int] | None] = []
-            for coords in chunks:
-                path = self._file(lay.key(tuple(coords)))
+        zeros = (0,) * (len(self.shape) - 1)
+        file = np.full(len(chunks), -1, dtype=np.int32)
+        offset = np.zeros(len(chunks), dtype=np.int64)
+        nbytes = np.zeros(len(chunks), dtype=np.int64)
+        files: list[str] = []
+        if lay.shard is None:  # a file per chunk: its size is its stored bytes
+            for i, c in enumerate(chunks.tolist()):
+                path = self._file(lay.key((c, *zeros)))
                 try:
                     size = os.stat(path).st_size
                 except FileNotFoundError:
-                    out.append(None)
                     continue
                 except OSError as e:
-                    raise self._error(tuple(coords), f"stat failed ({e})") from e
-                out.append((path, 0, int(size)))
-            return out
-        self._load_shard_indexes(chunks)
-        located: list[tuple[str, int, int] | None] = []
-        for coords in chunks:
-            try:
-                located.append(self._inner_location(tuple(coords)))
-            except DecodeError as e:
-                raise self._error(tuple(coords), str(e)) from e
-        return located
+                    raise self._error((c, *zeros), f"stat failed ({e})") from e
+                file[i], nbytes[i] = len(files), size
+                files.append(path)
+            return ChunkLocations(tuple(files), file, offset, nbytes)
+        per_shard = lay.shard.chunks_per_shard[0]
+        order = np.argsort(chunks, kind="stable")
+        shard_of = chunks[order] // per_shard
+        shards, starts = np.unique(shard_of, return_index=True)
+        self._load_shard_indexes((s * per_shard, *zeros) for s in shards.tolist())  # by chunk
+        bounds = [*starts.tolist(), len(chunks)]
+        for k, shard in enumerate(shards.tolist()):
+            cached = self._shard_index.get((shard, *zeros))
+            if cached is None:
+                continue  # missing shard: every chunk in it reads as the fill value
+            index, size = cached
+            at = order[bounds[k] : bounds[k + 1]]
+            # index is (*chunks_per_shard, 2); trailing inner coordinates are all 0
+            entries = index.reshape(per_shard, -1, 2)[chunks[at] % per_shard, 0]
+            stored = ~((entries[:, 0] == _EMPTY) & (entries[:, 1] == _EMPTY))
+            at, entries = at[stored], entries[stored].astype(np.int64)
+            past = np.flatnonzero(entries[:, 0] + entries[:, 1] > size)
+            if len(past):
+                o, n = entries[past[0]].tolist()
+                raise self._error(
+                    (int(chunks[at[past[0]]]), *zeros),
+                    f"shard index says bytes [{o}, {o + n}) but the shard file is {size} bytes "
+                    "(truncated shard or corrupted index)",
+                )
+            file[at], offset[at], nbytes[at] = len(files), entries[:, 0], entries[:, 1]
+            files.append(self._file(lay.key((shard, *zeros))))
+        return ChunkLocations(tuple(files), file, offset, nbytes)
 
     def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
         """The error ``read_rows`` raises for a bad chunk (names the array, key and file)."""
