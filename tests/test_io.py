@@ -599,6 +599,15 @@ def test_shard_index_points_past_end(tmp_path):
     ok = np.array([[1024, 1500], [0, 300]])
     want = np.concatenate([data[1024:1500], data[0:300]])
     np.testing.assert_array_equal(execute_plan_cpu(plan_rows(reader, ok), reader), want)
+    # an entry near 2**64 must not wrap around into a plausible range
+    index[2] = (2**64 - 2, 10)
+    raw[-68:] = index.tobytes() + struct.pack("<I", crc32c.crc32c(index.tobytes()))
+    shard.write_bytes(bytes(raw))
+    reader = open_reader(arr, name="s")
+    with pytest.raises(ChunkReadError, match=r"inner chunk \(2,\).*shard file is"):
+        plan_rows(reader, np.array([[1024 + 512, 1024 + 600]]))
+    with pytest.raises(ChunkReadError, match=r"inner chunk \(2,\).*shard file is"):
+        reader.read_rows(np.array([[1024 + 512, 1024 + 600]]))
 
 
 def test_truncated_shard(tmp_path):

@@ -136,16 +136,17 @@ class DenseDataset(_StoreDataset):
             raise DatasetError(
                 f"{name}: dtype {reader.dtype} is not numeric; only numeric arrays can be batched."
             )
-        self._reader = reader
+        #: the array's reader (public: the GPU path plans byte reads through it)
+        self.values_reader = reader
         self.n_obs = int(reader.shape[0])
         self.feature_shape = tuple(int(s) for s in reader.shape[1:])
         self.dtype = np.dtype(reader.dtype)
 
     def read_rows(self, ranges: np.ndarray) -> DenseRows:
-        return DenseRows(self._reader.read_rows(ranges))
+        return DenseRows(self.values_reader.read_rows(ranges))
 
     def read_paths(self) -> dict[str, str]:
-        return {self._reader.name: _describe(self._reader)}
+        return {self.values_reader.name: _describe(self.values_reader)}
 
 
 class CsrDataset(_StoreDataset):
@@ -174,17 +175,18 @@ class CsrDataset(_StoreDataset):
             raise DatasetError(f"{name}: csr_matrix group has no valid 'shape' attribute.")
         self.n_obs, n_features = int(shape[0]), int(shape[1])
         self.feature_shape = (n_features,)
-        self._data = open_reader(
+        # the arrays' readers (public: the GPU path plans byte reads through them)
+        self.data_reader = open_reader(
             group["data"], name=f"{name}/data", executor=executor, force_zarr=force_zarr
         )
-        self._indices = open_reader(
+        self.indices_reader = open_reader(
             group["indices"], name=f"{name}/indices", executor=executor, force_zarr=force_zarr
         )
-        self.dtype = np.dtype(self._data.dtype)
-        self.index_dtype = np.dtype(self._indices.dtype)
-        if self.dtype.kind not in "biuf" or self._indices.dtype.kind not in "iu":
+        self.dtype = np.dtype(self.data_reader.dtype)
+        self.index_dtype = np.dtype(self.indices_reader.dtype)
+        if self.dtype.kind not in "biuf" or self.indices_reader.dtype.kind not in "iu":
             raise DatasetError(
-                f"{name}: data dtype {self.dtype} / indices dtype {self._indices.dtype} "
+                f"{name}: data dtype {self.dtype} / indices dtype {self.indices_reader.dtype} "
                 "are not numeric/integer."
             )
         self.indptr = np.asarray(group["indptr"][...]).astype(np.int64, copy=False)
@@ -200,7 +202,7 @@ class CsrDataset(_StoreDataset):
         if indptr[0] != 0 or np.any(np.diff(indptr) < 0):
             raise DatasetError(f"{name}/indptr: must start at 0 and never decrease.")
         nnz = int(indptr[-1])
-        for reader in (self._data, self._indices):
+        for reader in (self.data_reader, self.indices_reader):
             if reader.shape[0] < nnz:
                 raise DatasetError(
                     f"{reader.name}: has {reader.shape[0]} elements but indptr ends at {nnz}; "
@@ -211,8 +213,8 @@ class CsrDataset(_StoreDataset):
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
         indptr = sub_indptr(self.indptr, ranges_to_rows(ranges))
-        data = self._data.read_rows(element_ranges)
-        indices = self._indices.read_rows(element_ranges)
+        data = self.data_reader.read_rows(element_ranges)
+        indices = self.indices_reader.read_rows(element_ranges)
         self._check_indices(indices, ranges)
         return CsrRows(data, indices, indptr)
 
@@ -226,13 +228,13 @@ class CsrDataset(_StoreDataset):
         n = self.feature_shape[0]
         if low < 0 or high >= n:
             raise DatasetError(
-                f"{self._indices.name}: column index {high if high >= n else low} is outside "
+                f"{self.indices_reader.name}: column index {high if high >= n else low} is outside "
                 f"[0, {n}) in rows of ranges {ranges[:4].tolist()}...; "
                 "the store is corrupted or its 'shape' attribute is wrong."
             )
 
     def read_paths(self) -> dict[str, str]:
-        return {r.name: _describe(r) for r in (self._data, self._indices)}
+        return {r.name: _describe(r) for r in (self.data_reader, self.indices_reader)}
 
 
 def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:

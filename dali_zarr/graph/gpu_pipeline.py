@@ -305,15 +305,14 @@ class DeviceWindow(Window):
 
 
 def _csr_parts(dataset: Dataset):
-    # NB: CsrDataset/DenseDataset expose no public accessor for their readers yet.
     if isinstance(dataset, CsrDataset):
-        return dataset._data, dataset._indices, dataset.indptr
+        return dataset.data_reader, dataset.indices_reader, dataset.indptr
     return None
 
 
 def _dense_reader(dataset: Dataset):
     if isinstance(dataset, DenseDataset):
-        return dataset._reader
+        return dataset.values_reader
     return None
 
 

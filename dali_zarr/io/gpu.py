@@ -391,31 +391,23 @@ def decode_plan_cpu(
 
 def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -> None:
     """``os.preadv`` of every extent of ``plan`` into ``target`` (staging, or the chunk buffer
-    when uncompressed) on the reader's thread pool; each file is opened once."""
-    fds: dict[int, int] = {}
-    try:
-        for f in np.unique(plan.extents["file"]).tolist():
-            try:
-                fds[f] = os.open(plan.files[f], os.O_RDONLY)
-            except OSError as e:
-                first = int(np.flatnonzero(plan.extents["file"] == f)[0])
-                raise _extent_error(reader, plan, first, 0, f"opening failed ({e})") from e
+    when uncompressed) on the reader's thread pool. Each read opens its file (a window of an
+    unsharded array can touch more chunk files than a process may hold open)."""
 
-        def read(job: tuple[int, int, int, int, int]) -> None:
-            i, f, offset, nbytes, dest = job
+    def read(job: tuple[int, int, int, int, int]) -> None:
+        i, f, offset, nbytes, dest = job
+        try:
+            fd = os.open(plan.files[f], os.O_RDONLY)
             try:
-                got = _pread_into(fds[f], target[dest : dest + nbytes], offset)
-            except OSError as e:
-                raise _extent_error(reader, plan, i, 0, f"reading failed ({e})") from e
-            if got != nbytes:
-                raise _extent_error(
-                    reader, plan, i, got, f"read {got} of {nbytes} bytes (file shrank)"
-                )
+                got = _pread_into(fd, target[dest : dest + nbytes], offset)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _extent_error(reader, plan, i, 0, f"reading failed ({e})") from e
+        if got != nbytes:
+            raise _extent_error(reader, plan, i, got, f"read {got} of {nbytes} bytes (file shrank)")
 
-        _run_parallel(reader.executor, plan.extent_jobs(), read)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    _run_parallel(reader.executor, plan.extent_jobs(), read)
 
 
 def _extent_error(reader: DirectReader, plan: ReadPlan, extent: int, byte: int, why: str):
@@ -600,7 +592,7 @@ def read_method(support: GpuSupport) -> str:
 def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
     """One line for ``read_paths()``: how an array's windows reach the GPU."""
     if not decodes_on_device(plan_kind, nvcomp=support.nvcomp):
-        why = reason or plan_kind if plan_kind not in GPU_KINDS else "nvCOMP unavailable"
+        why = (reason or plan_kind) if plan_kind not in GPU_KINDS else "nvCOMP unavailable"
         return f"gpu: host read and decode ({why}) into pinned memory, one copy to the device"
     if read_method(support) == "pinned":
         io = "pread into pinned memory, one copy"
@@ -616,6 +608,9 @@ def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
     return f"gpu: {io} → device, nvCOMP {plan_kind}{api}"
 
 
+_KVIKIO_POOL_LOCK = threading.Lock()
+
+
 def kvikio_threads(want: int | None = None) -> int:
     """kvikio's thread pool size (0 when unknown), first raised to ``want`` threads if it is
     smaller and the user did not set ``KVIKIO_NTHREADS``.
@@ -627,10 +622,11 @@ def kvikio_threads(want: int | None = None) -> int:
     try:
         import kvikio.defaults as kd
 
-        have = int(kd.get("num_threads"))
-        if want is not None and want > have and "KVIKIO_NTHREADS" not in os.environ:
-            kd.set("num_threads", want)
+        with _KVIKIO_POOL_LOCK:  # reader threads build their executors concurrently
             have = int(kd.get("num_threads"))
+            if want is not None and want > have and "KVIKIO_NTHREADS" not in os.environ:
+                kd.set("num_threads", want)
+                have = int(kd.get("num_threads"))
         return have
     except Exception:  # no kvikio, or one without defaults.get/set (before 25.x)
         return 0

@@ -466,8 +466,10 @@ class DirectReader:
             # index is (*chunks_per_shard, 2); trailing inner coordinates are all 0
             entries = index.reshape(per_shard, -1, 2)[chunks[at] % per_shard, 0]
             stored = ~((entries[:, 0] == _EMPTY) & (entries[:, 1] == _EMPTY))
-            at, entries = at[stored], entries[stored].astype(np.int64)
-            past = np.flatnonzero(entries[:, 0] + entries[:, 1] > size)
+            at, entries = at[stored], entries[stored]
+            start, n_stored, end = entries[:, 0], entries[:, 1], np.uint64(size)
+            # in uint64 without overflow: a corrupted entry can hold any 64-bit value
+            past = np.flatnonzero((start > end) | (n_stored > end - np.minimum(start, end)))
             if len(past):
                 o, n = entries[past[0]].tolist()
                 raise self._error(
@@ -475,7 +477,7 @@ class DirectReader:
                     f"shard index says bytes [{o}, {o + n}) but the shard file is {size} bytes "
                     "(truncated shard or corrupted index)",
                 )
-            file[at], offset[at], nbytes[at] = len(files), entries[:, 0], entries[:, 1]
+            file[at], offset[at], nbytes[at] = len(files), start, n_stored
             files.append(self._file(lay.key((shard, *zeros))))
         return ChunkLocations(tuple(files), file, offset, nbytes)
 
