@@ -146,6 +146,18 @@ def test_lz4_plan_reads_the_header_and_decodes_the_bare_block(tmp_path):
         assert nbytes == os.path.getsize(plan.files[file])  # unsharded: the whole file
 
 
+def test_lz4_header_that_disagrees_with_the_chunk_shape_is_refused(tmp_path):
+    data = np.arange(4096, dtype=np.float32)
+    arr = write(tmp_path / "a.zarr", data, chunks=(512,), compressors=compressors("lz4", 3))
+    path = tmp_path / "a.zarr" / "c" / "3"
+    raw = bytearray(path.read_bytes())
+    raw[:4] = (512 * 4 + 8).to_bytes(4, "little")  # a header 8 bytes too large
+    path.write_bytes(bytes(raw))
+    reader = open_reader(arr, name="arr")
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/3'.*header says 2056 bytes"):
+        execute_plan_cpu(plan_rows(reader, np.array([[0, 4096]])), reader)
+
+
 @pytest.mark.parametrize("codec", ["zstd", "none"])
 def test_adjacent_chunks_of_a_shard_are_one_read(tmp_path, monkeypatch, codec):
     """Chunks that follow each other in a shard file are read with one call (an extent);

@@ -455,7 +455,7 @@ def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
     if plan.kind == "zstd":
         codec = numcodecs.Zstd()
 
-        def raw(src: np.ndarray, dst: np.ndarray) -> None:
+        def raw(src: np.ndarray, dst: np.ndarray) -> None:  # header_nbytes is 0: the frame
             # numcodecs fills only a zstd frame's content size: check it (the GPU executor
             # checks nvCOMP's decompressed sizes instead)
             size = _zstd_content_size(src)
@@ -465,12 +465,14 @@ def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
 
     elif plan.kind == "lz4":
         codec = numcodecs.LZ4()
-        header = n_out.to_bytes(4, "little")
 
-        def raw(src: np.ndarray, dst: np.ndarray) -> None:
-            # the decoder gets the bare LZ4 block (what nvCOMP gets), with the size the plan
-            # expects in front: numcodecs' header as stored is not trusted
-            codec.decode(header + src.tobytes(), out=dst)
+        def raw(stored: np.ndarray, dst: np.ndarray) -> None:
+            # nvCOMP gets the bare block; numcodecs wants the 4-byte size header in front of
+            # it, which the plan read too: decode in place once it says what the plan expects
+            size = int.from_bytes(stored[:_LZ4_HEADER].tobytes(), "little")
+            if size != n_out:
+                raise DecodeError(f"lz4 header says {size} bytes, expected {n_out}")
+            codec.decode(stored, out=dst)
 
     else:
         chunk_decoder = reader.decoder  # the reader's own: same codecs, chunk shape, dtype
@@ -484,9 +486,12 @@ def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
 
         return decode_host
 
+    header = plan.header_nbytes
+
     def decode(chunk, src_off, src_nbytes, dst_off, staging, decoded) -> None:
+        stored = staging[src_off - header : src_off + src_nbytes]  # with the lz4 header
         try:
-            raw(staging[src_off : src_off + src_nbytes], decoded[dst_off : dst_off + n_out])
+            raw(stored, decoded[dst_off : dst_off + n_out])
         except DecodeError as e:
             raise reader.chunk_error(_coords(reader, chunk), str(e)) from e
         except Exception as e:  # numcodecs raises RuntimeError/ValueError
