@@ -34,7 +34,7 @@ import numpy as np
 import zarr
 
 from dali_zarr.errors import ConfigError, DatasetError
-from dali_zarr.planning.partition import concat_aranges, ranges_to_rows
+from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
 __all__ = [
     "CODECS",
@@ -373,7 +373,7 @@ def _read_csr(inputs, offsets, ranges, dtype: np.dtype, index_dtype: np.dtype):
 
 def _permute_csr(data, indices, lengths, perm):
     """Rows of a CSR block in the order ``perm`` (one vectorized gather)."""
-    starts = np.cumsum(lengths) - lengths
+    starts = run_offsets(lengths)[:-1]
     new_lengths = lengths[perm]
     gather = concat_aranges(starts[perm], new_lengths)
     return data[gather], indices[gather], new_lengths

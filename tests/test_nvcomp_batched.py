@@ -38,7 +38,7 @@ def test_binding_matches_the_installed_headers(kind, header):
     """Same parameter count as the header's prototype, and an options struct of 64 bytes."""
     _library()
     text = (_include_dir() / header).read_text()
-    name = nvcomp_batched._ALGORITHM[kind]
+    name = nvcomp_batched.ALGORITHM[kind]
     proto = re.search(rf"nvcompBatched{name}DecompressAsync\s*\(([^;]*)\)\s*;", text)
     assert proto, f"no nvcompBatched{name}DecompressAsync in {header}"
     params = [p for p in proto.group(1).split(",") if p.strip()]

@@ -48,11 +48,11 @@ import numcodecs
 import numpy as np
 
 from ..errors import ChunkReadError, ConfigError
-from ..planning.partition import split_at_chunks
+from ..planning.partition import run_offsets, split_at_chunks
 from . import nvcomp_batched
 from .codecs import DecodeError, _zstd_content_size
 from .layout import ArrayLayout
-from .readers import DirectReader, _check_ranges, _offsets, _pread_into, _run_parallel
+from .readers import DirectReader, _check_ranges, _pread_into, _run_parallel
 
 __all__ = [
     "GPU_KINDS",
@@ -189,9 +189,8 @@ class ReadPlan:
 
     def extent_jobs(self) -> list[tuple[int, int, int, int, int]]:
         """``(extent, file, file_offset, nbytes, dest_offset)`` per extent, as Python ints."""
-        e = self.extents
-        cols = (e["file"], e["file_offset"], e["nbytes"], e["dest_offset"])
-        return list(zip(range(len(e)), *(c.tolist() for c in cols), strict=True))
+        rows = self.extents[["file", "file_offset", "nbytes", "dest_offset"]].tolist()
+        return [(i, *row) for i, row in enumerate(rows)]
 
     def chunk_at(self, extent: int, byte: int) -> int:
         """The chunk holding byte ``byte`` of extent ``extent`` (to name it in errors)."""
@@ -243,7 +242,7 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     total = int(lens.sum())
     nz = np.flatnonzero(lens)
     starts, stops = r[nz, 0], r[nz, 1]
-    outs = _offsets(lens)[nz]
+    outs = run_offsets(lens)[:-1][nz]
     # one entry per (range, chunk) intersection, in window order
     rep, seg_chunk, lo, hi = split_at_chunks(starts, stops, C)
     chunks, slot_of = np.unique(seg_chunk, return_inverse=True)
@@ -317,8 +316,7 @@ def _coalesce(reads: np.ndarray, *, into_chunk_buffer: bool) -> tuple[np.ndarray
     ``nvcompBatched*DecompressGetRequiredAlignments`` reports 1)."""
     nb = reads["nbytes"]
     n = len(nb)
-    before = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(nb, out=before[1:])
+    before = run_offsets(nb)  # where each read would start with all of them end to end
     new = np.ones(n, dtype=bool)
     if n > 1:
         follows = (reads["file"][1:] == reads["file"][:-1]) & (
@@ -332,20 +330,19 @@ def _coalesce(reads: np.ndarray, *, into_chunk_buffer: bool) -> tuple[np.ndarray
         piece = (before[:-1] - run_start) // MAX_EXTENT
         new[1:] |= piece[1:] != piece[:-1]
     heads = np.flatnonzero(new)
+    bounds = np.append(heads, n)
     of = np.cumsum(new) - 1  # extent of each read
     ext = np.empty(len(heads), dtype=EXTENT_FIELDS)
     ext["file"] = reads["file"][heads]
     ext["file_offset"] = reads["file_offset"][heads]
-    ext["nbytes"] = np.diff(np.append(before[heads], before[-1]))
+    ext["nbytes"] = np.diff(before[bounds])
     ext["first"] = heads
-    ext["count"] = np.diff(np.append(heads, n))
+    ext["count"] = np.diff(bounds)
     if into_chunk_buffer:
         ext["dest_offset"] = reads["decoded_offset"][heads]
         reads["staging_offset"] = -1
         return ext, 0
-    padded = -(-np.maximum(ext["nbytes"], 1) // ALIGN) * ALIGN
-    starts = np.zeros(len(heads) + 1, dtype=np.int64)
-    np.cumsum(padded, out=starts[1:])
+    starts = run_offsets(round_up(np.maximum(ext["nbytes"], 1)))
     ext["dest_offset"] = starts[:-1]
     reads["staging_offset"] = starts[:-1][of] + before[:-1] - before[heads][of]
     return ext, int(starts[-1])
@@ -379,11 +376,10 @@ def decode_plan_cpu(
     staging = np.empty(plan.staging_nbytes, np.uint8) if staging is None else staging
     decoded = np.empty(plan.decoded_nbytes, np.uint8) if decoded is None else decoded
     read_extents_cpu(plan, reader, decoded if plan.reads_into_chunk_buffer else staging)
-    decode = _cpu_decoder(plan, reader)
-    src_off, src_nbytes = plan.decode_sources()
-    jobs = list(zip(plan.reads["chunk"].tolist(), src_off.tolist(), src_nbytes.tolist(),
-                    plan.reads["decoded_offset"].tolist(), strict=True))  # fmt: skip
-    _run_parallel(reader.executor, jobs, lambda job: decode(*job, staging, decoded))
+    if not plan.reads_into_chunk_buffer:  # uncompressed chunks were read into their slots
+        decode = _cpu_decoder(plan, reader)
+        jobs = plan.reads[["chunk", "staging_offset", "nbytes", "decoded_offset"]].tolist()
+        _run_parallel(reader.executor, jobs, lambda job: decode(*job, staging, decoded))
     for slot in plan.fill_slots:
         _chunk_view(decoded, plan, slot * plan.slot_nbytes)[...] = plan.fill_value
     return decoded[: plan.decoded_nbytes]
@@ -447,21 +443,20 @@ def _chunk_view(decoded: np.ndarray, plan: ReadPlan, offset: int) -> np.ndarray:
 
 
 def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
-    """``decode(chunk, src_offset, src_nbytes, dst_offset, staging, decoded)`` for the plan's
-    kind, raising ChunkReadError that names the chunk."""
-    if plan.kind == "none":
-        return lambda *job: None
+    """``decode(chunk, staging_offset, nbytes, decoded_offset, staging, decoded)``: one
+    chunk's stored bytes into its slot, for a plan of a compressed kind, raising
+    ChunkReadError that names the chunk."""
     n_out = plan.chunk_nbytes
     if plan.kind == "zstd":
         codec = numcodecs.Zstd()
 
-        def raw(src: np.ndarray, dst: np.ndarray) -> None:  # header_nbytes is 0: the frame
+        def raw(stored: np.ndarray, dst: np.ndarray) -> None:
             # numcodecs fills only a zstd frame's content size: check it (the GPU executor
             # checks nvCOMP's decompressed sizes instead)
-            size = _zstd_content_size(src)
+            size = _zstd_content_size(stored)
             if size is not None and size != n_out:
                 raise DecodeError(f"zstd frame holds {size} bytes, expected {n_out}")
-            codec.decode(src, out=dst)
+            codec.decode(stored, out=dst)
 
     elif plan.kind == "lz4":
         codec = numcodecs.LZ4()
@@ -474,24 +469,15 @@ def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
                 raise DecodeError(f"lz4 header says {size} bytes, expected {n_out}")
             codec.decode(stored, out=dst)
 
-    else:
-        chunk_decoder = reader.decoder  # the reader's own: same codecs, chunk shape, dtype
+    else:  # "host": the reader's own decoder (same codecs, chunk shape, dtype)
+        chunk_decoder = reader.decoder
 
-        def decode_host(chunk, src_off, src_nbytes, dst_off, staging, decoded) -> None:
-            src = staging[src_off : src_off + src_nbytes]
-            try:
-                chunk_decoder.decode_into(src, _chunk_view(decoded, plan, dst_off))
-            except DecodeError as e:
-                raise reader.chunk_error(_coords(reader, chunk), str(e)) from e
+        def raw(stored: np.ndarray, dst: np.ndarray) -> None:
+            chunk_decoder.decode_into(stored, dst.view(plan.dtype).reshape(plan.chunk_shape))
 
-        return decode_host
-
-    header = plan.header_nbytes
-
-    def decode(chunk, src_off, src_nbytes, dst_off, staging, decoded) -> None:
-        stored = staging[src_off - header : src_off + src_nbytes]  # with the lz4 header
+    def decode(chunk, offset, nbytes, dst_offset, staging, decoded) -> None:
         try:
-            raw(stored, decoded[dst_off : dst_off + n_out])
+            raw(staging[offset : offset + nbytes], decoded[dst_offset : dst_offset + n_out])
         except DecodeError as e:
             raise reader.chunk_error(_coords(reader, chunk), str(e)) from e
         except Exception as e:  # numcodecs raises RuntimeError/ValueError
@@ -714,7 +700,7 @@ class GpuPlanExecutor:
         if codec is None:
             nv = self._nvcomp
             codec = nv.Codec(
-                algorithm={"zstd": "Zstd", "lz4": "LZ4"}[kind],
+                algorithm=nvcomp_batched.ALGORITHM[kind],
                 bitstream_kind=nv.BitstreamKind.RAW,
                 device_id=self.device_id,
                 cuda_stream=self.stream.ptr,
@@ -800,8 +786,10 @@ class GpuPlanExecutor:
         ``os.preadv`` on the reader's threads into pinned memory and one copy."""
         target = decoded if plan.reads_into_chunk_buffer else staging
         nbytes = plan.decoded_nbytes if plan.reads_into_chunk_buffer else plan.staging_nbytes
-        if self.reads == "pinned":
-            host = self._pinned_buffer("reads", nbytes)
+        if self.reads == "pinned":  # the same pinned buffer the host decode path reads into
+            host = self._pinned_buffer(
+                "decoded" if plan.reads_into_chunk_buffer else "staging", nbytes
+            )
             read_extents_cpu(plan, reader, host)
             target[:nbytes].set(host, stream=self.stream)
             return

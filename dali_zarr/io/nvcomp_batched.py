@@ -29,7 +29,8 @@ import numpy as np
 
 #: environment switch for :class:`BatchedDecoder` in the GPU executor (experimental)
 ENV_SWITCH = "DALI_ZARR_NVCOMP_BATCHED"
-_ALGORITHM = {"zstd": "Zstd", "lz4": "LZ4"}
+#: nvCOMP's name of each plan kind it decodes (Python codecs and C symbols alike)
+ALGORITHM = {"zstd": "Zstd", "lz4": "LZ4"}
 _STATUS = {
     0: "success",
     10: "invalid value",
@@ -70,7 +71,7 @@ def library() -> ctypes.CDLL:
 def functions(kind: str) -> tuple[Any, Any]:
     """``(GetTempSizeAsync, DecompressAsync)`` of ``kind`` ("zstd" or "lz4"), typed."""
     lib = library()
-    name = _ALGORITHM[kind]
+    name = ALGORITHM[kind]
     size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
     temp_size = getattr(lib, f"nvcompBatched{name}DecompressGetTempSizeAsync")
     temp_size.restype = ctypes.c_int

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import ChunkReadError, DatasetError
-from ..planning.partition import concat_aranges, split_at_chunks
+from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
 from .codecs import ChunkDecoder, DecodeError, verify_crc32c
 from .layout import ArrayLayout, parse_layout
 
@@ -73,6 +73,14 @@ _ADVICE = (
     "The store may be truncated or corrupted: re-write the array, or restore this chunk "
     "from an intact copy of the dataset."
 )
+
+
+def _past_end(offset: int, nbytes: int, size: int) -> str:
+    """The problem with a shard index entry that points past the end of its shard."""
+    return (
+        f"shard index says bytes [{offset}, {offset + nbytes}) but the shard file is {size} "
+        "bytes (truncated shard or corrupted index)"
+    )
 
 
 class ChunkLocations(NamedTuple):
@@ -238,16 +246,10 @@ def _copy_rows(
             out[d : d + k] = bufs[c][s : s + k]
         return
     src_rows, dst_rows = concat_aranges(src, lens), concat_aranges(dst, lens)
-    row_bounds = np.append(_offsets(lens)[heads], len(src_rows)).tolist()
+    row_bounds = run_offsets(lens)[np.append(heads, len(lens))].tolist()
     for i, c in enumerate(chunk[heads].tolist()):
         a, b = row_bounds[i], row_bounds[i + 1]
         out[dst_rows[a:b]] = bufs[c][src_rows[a:b]]
-
-
-def _offsets(lens: np.ndarray) -> np.ndarray:
-    offs = np.zeros(len(lens), dtype=np.int64)
-    np.cumsum(lens[:-1], out=offs[1:])
-    return offs
 
 
 # ---------------------------------------------------------------------------- direct reader
@@ -347,7 +349,7 @@ class DirectReader:
             return out
         C = self.rows_per_chunk
         nz = np.flatnonzero(lens)
-        starts, stops, outs = r[nz, 0], r[nz, 1], _offsets(lens)[nz]
+        starts, stops, outs = r[nz, 0], r[nz, 1], run_offsets(lens)[:-1][nz]
         # global rows [lo, hi) of chunk `chunk` go to out[dst : dst + hi - lo]
         pair_range, chunk, lo, hi = split_at_chunks(starts, stops, C)
         dst = outs[pair_range] + lo - starts[pair_range]
@@ -455,7 +457,7 @@ class DirectReader:
         order = np.argsort(chunks, kind="stable")
         shard_of = chunks[order] // per_shard
         shards, starts = np.unique(shard_of, return_index=True)
-        self._load_shard_indexes((s * per_shard, *zeros) for s in shards.tolist())  # by chunk
+        self._load_shards((s, *zeros) for s in shards.tolist())
         bounds = [*starts.tolist(), len(chunks)]
         for k, shard in enumerate(shards.tolist()):
             cached = self._shard_index.get((shard, *zeros))
@@ -471,11 +473,8 @@ class DirectReader:
             # in uint64 without overflow: a corrupted entry can hold any 64-bit value
             past = np.flatnonzero((start > end) | (n_stored > end - np.minimum(start, end)))
             if len(past):
-                o, n = entries[past[0]].tolist()
                 raise self._error(
-                    (int(chunks[at[past[0]]]), *zeros),
-                    f"shard index says bytes [{o}, {o + n}) but the shard file is {size} bytes "
-                    "(truncated shard or corrupted index)",
+                    (int(chunks[at[past[0]]]), *zeros), _past_end(*entries[past[0]].tolist(), size)
                 )
             file[at], offset[at], nbytes[at] = len(files), start, n_stored
             files.append(self._file(lay.key((shard, *zeros))))
@@ -583,10 +582,7 @@ class DirectReader:
         if offset == _EMPTY and nbytes == _EMPTY:
             return None
         if offset + nbytes > size:
-            raise DecodeError(
-                f"shard index says bytes [{offset}, {offset + nbytes}) but the shard file is "
-                f"{size} bytes (truncated shard or corrupted index)"
-            )
+            raise DecodeError(_past_end(offset, nbytes, size))
         return self._file(self.layout.key(shard)), offset, nbytes
 
     def _read_inner(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
@@ -615,8 +611,11 @@ class DirectReader:
         shard_layout = self.layout.shard
         assert shard_layout is not None
         cps = shard_layout.chunks_per_shard
-        shards = {tuple(c // k for c, k in zip(co, cps, strict=True)) for co in chunks}
-        todo = sorted(s for s in shards if s not in self._shard_index)
+        self._load_shards(tuple(c // k for c, k in zip(co, cps, strict=True)) for co in chunks)
+
+    def _load_shards(self, shards: Iterable[tuple[int, ...]]) -> None:
+        """Read (in parallel) and cache the indexes of ``shards`` (shard coordinates)."""
+        todo = sorted(set(shards).difference(self._shard_index))
         _run_parallel(self.executor, todo, self._load_shard_index)
 
     def _load_shard_index(self, shard: tuple[int, ...]) -> None:
@@ -698,7 +697,7 @@ class ZarrReader:
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
         if total == 0:
             return out
-        offs = _offsets(lens)
+        offs = run_offsets(lens)[:-1]
         nz = np.flatnonzero(lens)
         C = self.rows_per_chunk
         # Merge ranges into spans so that no chunk is read by two zarr calls.

@@ -30,6 +30,7 @@ __all__ = [
     "ranges_to_rows",
     "rank_bounds",
     "rows_delivered",
+    "run_offsets",
     "slice_ranges",
     "validate_count",
     "validate_plan_inputs",
@@ -197,13 +198,19 @@ def chunk_ranges(chunk_ids: np.ndarray, chunk_size: int, n_obs: int) -> np.ndarr
     return np.stack([starts, stops], axis=1)
 
 
-def offsets_of(row_ranges: np.ndarray) -> np.ndarray:
-    """``(k + 1,)`` positions of each range in the concatenated sequence."""
-    lengths = row_ranges[:, 1] - row_ranges[:, 0]
+def run_offsets(lengths: np.ndarray) -> np.ndarray:
+    """``(k + 1,)`` int64 start of each of ``k`` runs of ``lengths`` laid end to end, then
+    their total (``[0, l0, l0 + l1, ...]``)."""
+    lengths = np.asarray(lengths)
     out = np.empty(lengths.shape[0] + 1, dtype=np.int64)
     out[0] = 0
     np.cumsum(lengths, out=out[1:])
     return out
+
+
+def offsets_of(row_ranges: np.ndarray) -> np.ndarray:
+    """``(k + 1,)`` positions of each range in the concatenated sequence."""
+    return run_offsets(row_ranges[:, 1] - row_ranges[:, 0])
 
 
 def slice_ranges(
@@ -301,10 +308,10 @@ def concat_aranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """``concatenate([arange(s, s + k) for s, k in zip(starts, lengths)])`` as int64,
     without the loop (``lengths`` >= 0)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    local_starts = np.cumsum(lengths) - lengths
+    local = run_offsets(lengths)
     # the element at local position p of run i is start_i + (p - local_start_i)
-    shift = np.repeat(np.asarray(starts, dtype=np.int64) - local_starts, lengths)
-    return shift + np.arange(int(lengths.sum()), dtype=np.int64)
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - local[:-1], lengths)
+    return shift + np.arange(int(local[-1]), dtype=np.int64)
 
 
 def split_at_chunks(
