@@ -122,13 +122,13 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
     )
     n_windows = source.plan(0).n_windows
     keys = [divmod(i, n_windows) for i in range(1 + args.windows)]  # (epoch, window)
-    source.read_window((0, ()), 0)  # warm: kernels compiled, buffers grown, files open
+    source.read_window((0, (0, ()), 0))  # warm: kernels compiled, buffers grown, files open
     source._reclaim()
     totals = stage_timers(args, source.backend)
     rows = 0
     start = time.perf_counter()
     for epoch, w in keys[1:]:
-        window = source.read_window((epoch, ()), w)
+        window = source.read_window((epoch, (epoch, ()), w))
         rows += window.plan.n_rows
         source._reclaim()
     seconds = time.perf_counter() - start

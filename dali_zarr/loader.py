@@ -119,6 +119,7 @@ class Loader:
         self.allow_uneven_batches = bool(allow_uneven_batches)
         self.enable_checkpointing = bool(enable_checkpointing)
         self.epoch = 0
+        self._epoch_set = False  # set_epoch called since the last epoch started
         source_args = {
             "output": output,
             "obs": self.obs,
@@ -164,6 +165,7 @@ class Loader:
         if epoch < 0:
             raise ConfigError(f"set_epoch({epoch}): epochs are counted from 0.")
         self.epoch = int(epoch)
+        self._epoch_set = True
 
     def __len__(self) -> int:
         """Batches this rank yields in the current epoch (after :meth:`load_state_dict`:
@@ -348,13 +350,20 @@ class Loader:
             )
         self._pending = None
         self._run = (self.epoch, history, start)
+        # the epoch the next iteration will likely follow: the one after this if the caller
+        # steps epochs with set_epoch, else this one again; its first windows are read while
+        # this epoch ends (a wrong guess costs those reads, never the batches)
+        next_epoch = self.epoch + 1 if self._epoch_set else self.epoch
+        self._epoch_set = False
         if self._iterator is None:
             restore, self._restore = self._restore, None
             pipe, self._names = self._build_pipeline(restore["checkpoint"] if restore else None)
             self._pipe = pipe
             if restore is None:
                 self._dali_epoch = 0
-                self._source.bind_epoch(0, self.epoch, history=history, start=start)
+                self._source.bind_epoch(
+                    0, self.epoch, history=history, start=start, next_epoch=next_epoch
+                )
                 self._iterator = self._make_iterator(pipe, self._names)
                 self._open_epoch, self._consumed, self._iter0 = True, 0, 0
                 return self._iterator
@@ -363,7 +372,11 @@ class Loader:
             if restore.get("bound") and pending is not None and pending.epoch == self.epoch:
                 # ... and that position is the saved batch `start` of this epoch: go on
                 self._source.bind_epoch(
-                    self._dali_epoch, self.epoch, history=history, start=start - self._iter0
+                    self._dali_epoch,
+                    self.epoch,
+                    history=history,
+                    start=start - self._iter0,
+                    next_epoch=next_epoch,
                 )
                 self._iterator = self._make_iterator(pipe, self._names)
                 self._open_epoch, self._consumed = True, 0
@@ -383,7 +396,9 @@ class Loader:
                 except StopIteration:
                     break
         self._dali_epoch += 1
-        self._source.bind_epoch(self._dali_epoch, self.epoch, history=history, start=start)
+        self._source.bind_epoch(
+            self._dali_epoch, self.epoch, history=history, start=start, next_epoch=next_epoch
+        )
         self._iterator.reset()
         self._open_epoch = True
         self._consumed = 0

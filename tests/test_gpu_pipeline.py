@@ -70,8 +70,16 @@ def dense_store(tmp_path_factory):
     return path
 
 
-def _run_epochs(ds, *, output, obs=(), return_index=True, epochs=2, cut=None, **kw):
-    """Serve every batch of ``epochs`` epochs from both sources; compare them as we go."""
+def _run_epochs(
+    ds, *, output, obs=(), return_index=True, epochs=2, cut=None, plans=None, guesses=None, **kw
+):
+    """Serve every batch of ``epochs`` epochs from both sources; compare them as we go.
+
+    DALI epoch ``e`` follows user epoch ``plans[e]`` (default ``e``); the GPU source is told
+    to expect ``guesses[e]`` next (default: the right one), the CPU reference nothing.
+    """
+    plans = list(range(epochs)) if plans is None else list(plans)
+    guesses = [*plans[1:], None] if guesses is None else list(guesses)
     cpu = BatchSource(ds, _sampler(), output=output, obs=list(obs), return_index=return_index)
     gpu = GpuBatchSource(
         ds,
@@ -84,9 +92,10 @@ def _run_epochs(ds, *, output, obs=(), return_index=True, epochs=2, cut=None, **
     )
     history: list[tuple[int, list, list]] = []  # (serve count, live arrays, copies)
     served = 0
-    for epoch in range(epochs):
-        cpu.bind_epoch(epoch, epoch)
-        gpu.bind_epoch(epoch, epoch)
+    for epoch, (plan, guess) in enumerate(zip(plans, guesses, strict=True)):
+        cpu.bind_epoch(epoch, plan)
+        gpu.bind_epoch(epoch, plan, next_epoch=guess)
+        assert all(k[0] != epoch or k[1] == (plan, ()) for k in gpu._windows), "stale read-ahead"
         if cut is not None and epoch == 0:
             cpu.cut_epoch(0, cut)
             gpu.cut_epoch(0, cut)
@@ -182,7 +191,26 @@ def test_epoch_cut_short_frees_its_slots(csr_store):
     assert ring.n_free + len(gpu._leases) == ring.n_slots  # every slot free or held once
     # epoch 0 was cut with windows read ahead and never served: none of them still holds a
     # slot, only the last epoch's most recent windows do
-    assert gpu._leases and {lease.key[0] for lease in gpu._leases} == {(2, ())}
+    assert gpu._leases and {lease.key[:2] for lease in gpu._leases} == {(2, (2, ()))}
+
+
+@pytest.mark.parametrize(
+    ("plans", "guesses"),
+    [
+        pytest.param([0, 1, 2], [1, 2, None], id="stepped"),
+        pytest.param([0, 0, 0], [0, 0, None], id="same-plan-again"),
+        pytest.param([0, 3, 3, 1], [1, 4, 1, 2], id="wrong-guesses"),
+    ],
+)
+def test_next_epoch_read_ahead_never_serves_a_recycled_slot(csr_store, plans, guesses):
+    """Windows of the expected next epoch are read into ring slots while an epoch ends. A
+    repeated plan is read again (its served windows' slots are recycled), a wrong guess is
+    dropped, and every batch still equals the CPU source's, no slot DALI holds overwritten."""
+    ds = dz.open_dataset(csr_store)
+    gpu, _ = _run_epochs(
+        ds, output="dense", plans=plans, guesses=guesses, epochs=len(plans), prefetch_windows=3
+    )
+    assert gpu.ring.waits == 0, "read-ahead of the next epoch made the reader wait for a slot"
 
 
 def test_names_split():

@@ -240,6 +240,32 @@ def test_break_mid_epoch_then_next_epoch_is_complete(sc_store: Path) -> None:
     np.testing.assert_array_equal(run_epoch(again, epoch=1)["index"], full["index"])
 
 
+def test_next_epoch_read_ahead_follows_any_epoch_order(sc_store: Path) -> None:
+    """The first windows of the epoch the loader expects next are read while an epoch ends;
+    whether the guess was right (set_epoch stepping by one, or no set_epoch: the same plan
+    again) or wrong (a jump, or stepping stopped), every epoch is its own plan."""
+    loader = dz.Loader(dz.open_dataset(sc_store), sampler(), return_index=True)
+
+    def reference(epoch: int) -> np.ndarray:
+        fresh = dz.Loader(dz.open_dataset(sc_store), sampler(), return_index=True)
+        return run_epoch(fresh, epoch)["index"]
+
+    def iterate(epoch: int | None) -> np.ndarray:
+        if epoch is not None:
+            loader.set_epoch(epoch)
+        return np.concatenate([batch["index"].numpy() for batch in loader])
+
+    np.testing.assert_array_equal(iterate(0), reference(0))
+    # epoch 0 stepped with set_epoch: epoch 1's first windows (DALI epoch 1) were read ahead
+    ahead = [k for k in loader._source._windows if k[0] == 1]
+    assert ahead and all(k[1] == (1, ()) for k in ahead)
+    np.testing.assert_array_equal(iterate(1), reference(1))  # guessed right
+    np.testing.assert_array_equal(iterate(5), reference(5))  # guessed 2
+    np.testing.assert_array_equal(iterate(None), reference(5))  # guessed 6: no set_epoch now
+    np.testing.assert_array_equal(iterate(None), reference(5))  # guessed 5, the same plan
+    assert {k[1] for k in loader._source._windows} <= {(5, ())}
+
+
 def test_drop_last_and_unshuffled(sc_store: Path) -> None:
     loader = dz.Loader(
         dz.open_dataset(sc_store), sampler(drop_last=True, shuffle=False), return_index=True

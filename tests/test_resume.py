@@ -147,11 +147,14 @@ def test_same_world_resume_is_identical(store, reference, world, rank, stop, ove
             np.testing.assert_array_equal(a["X"], b["X"])
     for b in rest:
         np.testing.assert_array_equal(b["X"], reference[b["index"]])
-    # windows before the resume point were never read (none at all after the last batch)
+    # windows before the resume point were never read (none at all after the last batch),
+    # the others once; near the end the loader may have read epoch 2's first windows ahead
     w0 = stop // BPW if stop < plan1.n_batches else plan1.n_windows
-    expected = cat(plan1.window(w).global_rows() for w in range(w0, plan1.n_windows))
-    read = cat(r for ranges in reads for r in (np.arange(a, b) for a, b in ranges))
-    assert np.array_equal(np.sort(read), np.sort(expected))
+    read = [r.tobytes() for r in reads]
+    wanted = [plan1.window(w).row_ranges.tobytes() for w in range(w0, plan1.n_windows)]
+    n_ahead = min(second._source.prefetch_windows, plan2.n_windows)
+    ahead = {plan2.window(w).row_ranges.tobytes() for w in range(n_ahead)}
+    assert sorted(r for r in read if r not in ahead) == sorted(wanted)
     # later epochs as usual
     assert [b["index"].tolist() for b in take(second, 2)] == [b.tolist() for b in plan_ids(plan2)]
     with pytest.raises(ConfigError, match="fresh Loader"):

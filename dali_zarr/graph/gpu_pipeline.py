@@ -60,6 +60,7 @@ from dali_zarr.graph.source import (
     Output,
     Planner,
     Window,
+    WindowKey,
     window_arrays,
     window_dtype,
 )
@@ -242,7 +243,7 @@ class Lease:
 
     slot: int
     buf: Any
-    key: Any = None  # the window's key in the source's window cache
+    key: WindowKey | None = None  # the window's key in the source's window cache
     last_served: int | None = None  # serve counter of the last batch handed out from it
 
 
@@ -475,7 +476,8 @@ class GpuBatchSource(BatchSource):
 
     # -- reading (prefetch thread) ----------------------------------------------------------------
 
-    def read_window(self, key: Any, w: int) -> DeviceWindow:
+    def read_window(self, wkey: WindowKey) -> DeviceWindow:
+        _, key, w = wkey
         plan = self.plan(*key).window(w)
         ranges = plan.row_ranges
         layout, nbytes, host_indptr = self.reader.layout(ranges)
@@ -490,7 +492,7 @@ class GpuBatchSource(BatchSource):
             arrays, host_indptr, lease = self.reader.read_generic(
                 ranges, lambda n: self.ring.acquire(n, self._reclaim)
             )
-        lease.key = (key, w)
+        lease.key = wkey
         with self._lease_lock:
             self._leases.append(lease)
         return DeviceWindow(plan, arrays, host_indptr, lease)

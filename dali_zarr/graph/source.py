@@ -4,7 +4,8 @@ DALI calls the callback ahead of consumption and past the end of an epoch, and i
 checkpointing replays it, so the callback never keeps a cursor: iteration ``i`` of epoch
 ``e`` always maps to the same window and the same positions through the epoch plan. Reading
 is cached and run ahead on a thread pool (windows ``w+1..w+prefetch`` are read while
-window ``w`` is consumed), which is an optimisation the output never depends on.
+window ``w`` is consumed, and near the end of an epoch the first windows of the epoch the
+loader expects next), which is an optimisation the output never depends on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ Output = Literal["dense", "csr"]
 # Which plan a DALI epoch follows: (user epoch, history of interrupted runs of that epoch);
 # history () is the normal plan, anything else the remainder of a resumed epoch.
 PlanKey = tuple[int, tuple[Segment, ...]]
+# A window in the read cache: (DALI epoch, the plan it follows, window index). DALI's epoch is
+# part of it so that an epoch repeating the previous epoch's plan reads its windows afresh: a
+# served window's buffers may already hold another window (the GPU path's ring).
+WindowKey = tuple[int, PlanKey, int]
 
 
 class Planner(Protocol):
@@ -128,8 +133,9 @@ class BatchSource:
         self._lock = threading.Lock()
         self._epochs: dict[int, tuple[PlanKey, int]] = {}  # DALI epoch_idx -> (plan, start)
         self._stop_at: dict[int, int] = {}  # DALI epoch_idx -> iteration where it was cut short
+        self._expected: dict[int, PlanKey] = {}  # DALI epoch_idx -> plan it will likely follow
         self._plans: OrderedDict[PlanKey, EpochPlan] = OrderedDict()
-        self._windows: OrderedDict[tuple[PlanKey, int], Future[Window]] = OrderedDict()
+        self._windows: OrderedDict[WindowKey, Future[Window]] = OrderedDict()
         # no_copy=True hands our buffers to DALI: keep the last few batches referenced until
         # DALI's prefetch queue has certainly consumed them (DALI runs at most
         # prefetch_queue_depth iterations ahead; +1 being built, +1 being consumed).
@@ -145,12 +151,24 @@ class BatchSource:
         *,
         history: tuple[Segment, ...] = (),
         start: int = 0,
+        next_epoch: int | None = None,
     ) -> None:
         """DALI epoch ``dali_epoch`` yields the plan of (``epoch``, ``history``), its iteration
-        ``i`` being plan batch ``i + start``."""
+        ``i`` being plan batch ``i + start``.
+
+        ``next_epoch``: the user epoch the loader expects DALI epoch ``dali_epoch + 1`` to
+        follow (from its start). Near the end of this epoch its first windows are read, so
+        the next epoch does not begin with a read; a wrong guess costs those reads only.
+        """
+        key = (int(epoch), tuple(history))
         with self._lock:
-            self._epochs[dali_epoch] = ((int(epoch), tuple(history)), int(start))
+            self._epochs[dali_epoch] = (key, int(start))
             self._stop_at.pop(dali_epoch, None)
+            self._expected.pop(dali_epoch, None)
+            if next_epoch is not None:
+                self._expected[dali_epoch + 1] = (int(next_epoch), ())
+            for stale in [k for k in self._windows if k[0] == dali_epoch and k[1] != key]:
+                self._windows.pop(stale).cancel()  # read ahead for a plan not taken
 
     def cut_epoch(self, dali_epoch: int, iteration: int) -> None:
         """End DALI epoch ``dali_epoch`` at ``iteration`` (the user left the loop early)."""
@@ -174,7 +192,7 @@ class BatchSource:
                 else:
                     plan = self.sampler.plan_epoch(self.dataset.n_obs, epoch)
                 self._plans[key] = plan
-                while len(self._plans) > 2:
+                while len(self._plans) > 3:  # this epoch's, the next one's, a resumed one
                     self._plans.popitem(last=False)
             return plan
 
@@ -200,9 +218,9 @@ class BatchSource:
         if iteration + start >= plan.n_batches:
             raise StopIteration
         w, j = plan.window_of_batch(iteration + start)
-        window = self.window(key, w)
-        for ahead in range(w + 1, min(w + 1 + self.prefetch_windows, plan.n_windows)):
-            self._schedule(key, ahead)
+        window = self.window((dali_epoch, key, w))
+        for ahead in self._read_ahead(plan, (dali_epoch, key, w)):
+            self._schedule(ahead)
         outputs = self.batch_outputs(window, j)
         self._alive.append(outputs)
         return [[a] for a in outputs]
@@ -233,23 +251,51 @@ class BatchSource:
 
     # -- windows --------------------------------------------------------------------------------
 
-    def window(self, key: PlanKey, w: int) -> Window:
-        future = self._schedule(key, w)
-        with self._lock:  # DALI asks in order: earlier windows will not be asked for again
-            for k in [k for k in self._windows if k[0] != key or k[1] < w - 1]:
-                self._windows.pop(k).cancel()
+    def window(self, wkey: WindowKey) -> Window:
+        """The window ``wkey`` (DALI asks for it now), read if it was not read ahead.
+
+        DALI asks in order, so the windows before the previous one will not be asked for
+        again; they are dropped, as are windows read ahead for an epoch that did not follow.
+        """
+        future = self._schedule(wkey)
+        dali_epoch, key, w = wkey
+        with self._lock:
+            expected = self._expected.get(dali_epoch + 1)
+            for k in list(self._windows):
+                current = k[0] == dali_epoch and k[1] == key and k[2] >= w - 1
+                if not current and not (k[0] == dali_epoch + 1 and k[1] == expected):
+                    self._windows.pop(k).cancel()
         return future.result()
 
-    def _schedule(self, key: PlanKey, w: int) -> Future[Window]:
+    def _read_ahead(self, plan: EpochPlan, wkey: WindowKey) -> list[WindowKey]:
+        """Windows to read while ``wkey`` (of ``plan``) is consumed: the next
+        ``prefetch_windows`` of its epoch, and past the epoch's end the first windows of the
+        epoch expected next."""
+        dali_epoch, key, w = wkey
+        last = w + self.prefetch_windows
+        ahead = [(dali_epoch, key, a) for a in range(w + 1, min(last + 1, plan.n_windows))]
+        spill = last + 1 - plan.n_windows
         with self._lock:
-            future = self._windows.get((key, w))
+            expected = self._expected.get(dali_epoch + 1)
+        if spill > 0 and expected is not None:
+            try:
+                n_next = self.plan(*expected).n_windows
+            except Exception:  # a guess must not fail this epoch (the expected epoch
+                return ahead  # raises the same error itself if it is ever run)
+            ahead += [(dali_epoch + 1, expected, a) for a in range(min(spill, n_next))]
+        return ahead
+
+    def _schedule(self, wkey: WindowKey) -> Future[Window]:
+        with self._lock:
+            future = self._windows.get(wkey)
             if future is None:
-                future = self._pool.submit(self.read_window, key, w)
-                self._windows[(key, w)] = future
+                future = self._pool.submit(self.read_window, wkey)
+                self._windows[wkey] = future
             return future
 
-    def read_window(self, key: PlanKey, w: int) -> Window:
-        """Read and decode window ``w`` of the plan ``key`` (runs on the prefetch thread)."""
+    def read_window(self, wkey: WindowKey) -> Window:
+        """Read and decode window ``wkey`` (runs on the prefetch thread)."""
+        _, key, w = wkey
         window_plan = self.plan(*key).window(w)
         rows = self.dataset.read_rows(window_plan.row_ranges)
         return Window(window_plan, window_arrays(self.dataset, rows))
