@@ -15,11 +15,13 @@ Same store as ``gpu_throughput.py`` (same arguments, same cache under ``--out``)
    an 18-batch measurement of a 6-window epoch gave 919k rows/s where the 50-batch
    benchmark gave 214k.)
 
-Both parts run once per ``--configs`` entry, ``READS/API``: READS is how chunk bytes reach
-the GPU (``kvikio``: ``CuFile.pread``; ``pinned``: ``os.preadv`` into pinned memory and one
-copy; env ``DALI_ZARR_GPU_READS``), API the nvCOMP decode call (``python``: nvCOMP's
-``Codec.decode``; ``c``: its batched C API, env ``DALI_ZARR_NVCOMP_BATCHED=1``). One call
-of this script on a GPU machine compares them all on the same store.
+Both parts run once per ``--configs`` entry, ``READS/API[/SYNC]``: READS is how chunk
+bytes reach the GPU (``kvikio``: ``CuFile.pread``; ``pinned``: ``os.preadv`` into pinned
+memory and one copy; env ``DALI_ZARR_GPU_READS``), API the nvCOMP decode call (``python``:
+nvCOMP's ``Codec.decode``; ``c``: its batched C API, env ``DALI_ZARR_NVCOMP_BATCHED=1``),
+SYNC what a recycled ring slot waits for (``device``, the default, or ``none``; env
+``DALI_ZARR_RING_SYNC``). One call of this script on a GPU machine compares them all on the
+same store.
 
 ``--smoke`` runs both parts on the host backend (no GPU): a check that the script works, not
 a measurement of anything the GPU does.
@@ -51,8 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--read-threads", default="1,4,8", help="comma-separated")
     p.add_argument(
         "--configs",
-        default="kvikio/python,kvikio/c,pinned/python,pinned/c",
-        help="comma-separated READS/API pairs (see above)",
+        default="kvikio/python,kvikio/c,pinned/python,pinned/c,kvikio/c/none,pinned/c/none",
+        help="comma-separated READS/API[/SYNC] (see above)",
     )
     p.add_argument("--smoke", action="store_true", help="host backend, no GPU (a check)")
     args = p.parse_args(argv)
@@ -61,20 +63,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def parse_config(text: str) -> tuple[str, str]:
-    reads, _, api = text.strip().partition("/")
-    if reads not in ("kvikio", "pinned") or api not in ("python", "c"):
-        sys.exit(f"--configs: {text!r} is not READS/API with READS kvikio|pinned, API python|c")
-    return reads, api
+def parse_config(text: str) -> tuple[str, str, str]:
+    parts = text.strip().split("/")
+    if len(parts) == 2:
+        parts.append("device")  # the default ring sync
+    if (
+        len(parts) != 3
+        or parts[0] not in ("kvikio", "pinned")
+        or parts[1] not in ("python", "c")
+        or parts[2] not in ("device", "none")
+    ):
+        sys.exit(
+            f"--configs: {text!r} is not READS/API[/SYNC] with READS kvikio|pinned, "
+            "API python|c, SYNC device|none"
+        )
+    reads, api, sync = parts
+    return reads, api, sync
 
 
-def use_config(reads: str, api: str) -> None:
-    """Set the switches the GPU executor reads when it is built (one per reader thread)."""
+def use_config(reads: str, api: str, sync: str) -> None:
+    """Set the switches the GPU path reads when it is built (executors, the CUDA backend)."""
+    from dali_zarr.graph.gpu_pipeline import RING_SYNC_ENV
     from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import READS_ENV
 
     os.environ[READS_ENV] = reads
     os.environ[nvcomp_batched.ENV_SWITCH] = "1" if api == "c" else "0"
+    os.environ[RING_SYNC_ENV] = sync
 
 
 def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
@@ -186,15 +201,15 @@ def main(argv=None) -> None:
     kind = "SMOKE RUN on the host backend: not GPU figures" if args.smoke else "GPU"
     print(f"{kind}; store {dataset.name}: {dataset.n_obs:,} rows")
     failed = []
-    for reads, api in args.configs:
-        use_config(reads, api)
-        print(f"\n== reads {reads}, nvCOMP {api} API")
+    for reads, api, sync in args.configs:
+        use_config(reads, api, sync)
+        print(f"\n== reads {reads}, nvCOMP {api} API, ring sync {sync}")
         try:
             profile_reader(args, dataset)
             print(f"kvikio thread pool: {kvikio_threads() or 'n/a'}")
             profile_loader(args, dataset)
         except Exception as e:  # one configuration failing must not hide the others
-            failed.append(f"{reads}/{api}")
+            failed.append(f"{reads}/{api}/{sync}")
             print(f"FAILED: {type(e).__name__}: {e}")
     if failed:
         sys.exit(f"configurations that failed: {', '.join(failed)}")

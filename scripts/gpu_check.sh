@@ -9,8 +9,9 @@
 # and, on the same warm machine, carry=[".gpu/install.sh"]:
 #   source .gpu/install.sh && bash scripts/gpu_check.sh bench     # writes the store once
 #   source .gpu/install.sh && bash scripts/gpu_check.sh profile   # reuses it
-# `profile` times each read method x nvCOMP API (kvikio|pinned x python|c); pick the fastest
-# that the tests pass with, then `bench` with it (DALI_ZARR_GPU_READS, DALI_ZARR_NVCOMP_BATCHED).
+# `profile` times each read method x nvCOMP API (kvikio|pinned x python|c), and the C API
+# with DALI_ZARR_RING_SYNC=none; pick the fastest that the tests pass with, then `bench` with
+# it (DALI_ZARR_GPU_READS, DALI_ZARR_NVCOMP_BATCHED, DALI_ZARR_RING_SYNC).
 # Each step fits one 10-minute call (bench: ~5 min the first time, most of it writing the
 # 400k-cell store). Results land in $OUT (they come back with the call): gpu_tests.txt,
 # gpu_throughput.txt/.json/.png, gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.
@@ -60,7 +61,7 @@ case "$step" in
       | tee "$out/gpu_profile.txt"
     ;;
   *)
-    sed -n '2,14p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac

@@ -59,10 +59,13 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         "--smoke",
         *("--cells", 1500, "--genes", 300, "--nnz-per-cell", 20, "--batch-size", 64),
         *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 3, "--batches", 30),
-        *("--read-threads", "1,3", "--configs", "pinned/c,kvikio/python", "--out", tmp_path),
+        *("--read-threads", "1,3", "--configs", "pinned/c/none,kvikio/python", "--out", tmp_path),
     )
     assert "SMOKE RUN" in stdout and "FAILED" not in stdout
-    for config in ("reads pinned, nvCOMP c API", "reads kvikio, nvCOMP python API"):
+    for config in (
+        "reads pinned, nvCOMP c API, ring sync none",
+        "reads kvikio, nvCOMP python API, ring sync device",  # the default sync
+    ):
         part = stdout.split(f"== {config}")[1].split("==")[0]
         assert re.search(r"one reader: [\d.]+ ms per window", part), stdout
         assert re.search(r"read \+ decode \+ copy \(host backend\) +[\d.]+ ms", part), stdout

@@ -18,13 +18,16 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr.data.dataset import sub_indptr
+from dali_zarr.errors import ConfigError
 from dali_zarr.graph import kernels
 from dali_zarr.graph.gpu_pipeline import (
+    RING_SYNC_ENV,
     BufferRing,
     GpuBatchSource,
     HostBackend,
     gpu_source_names,
     gpu_status,
+    ring_sync,
 )
 from dali_zarr.graph.source import BatchSource
 from dali_zarr.synthetic import make_single_cell
@@ -211,6 +214,16 @@ def test_next_epoch_read_ahead_never_serves_a_recycled_slot(csr_store, plans, gu
         ds, output="dense", plans=plans, guesses=guesses, epochs=len(plans), prefetch_windows=3
     )
     assert gpu.ring.waits == 0, "read-ahead of the next epoch made the reader wait for a slot"
+
+
+def test_ring_sync_switch(monkeypatch):
+    monkeypatch.delenv(RING_SYNC_ENV, raising=False)
+    assert ring_sync() == "device"  # the default until "none" has run on a GPU
+    monkeypatch.setenv(RING_SYNC_ENV, " None ")
+    assert ring_sync() == "none"
+    monkeypatch.setenv(RING_SYNC_ENV, "stream")
+    with pytest.raises(ConfigError, match="DALI_ZARR_RING_SYNC='stream': use 'device' or 'none'"):
+        ring_sync()
 
 
 def test_names_split():

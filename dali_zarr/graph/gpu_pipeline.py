@@ -18,11 +18,16 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
 Ring sizing: a window's slot is handed to DALI without a copy, so it must not be
 overwritten while DALI may still read it. A slot is recycled only after
 ``prefetch_queue_depth + 2`` further batches were served from other windows (DALI runs at
-most ``prefetch_queue_depth`` iterations ahead of the consumer), and the device is
-synchronised before a recycled slot is written (DALI's stream is not ours to wait on; this
-costs the reader thread a wait, never the consumer). ``prefetch_windows +
-prefetch_queue_depth + 3`` slots cover the windows being read ahead, the current one and
-every window DALI may still hold, so the reader never waits on the consumer for a slot.
+most ``prefetch_queue_depth`` iterations ahead of the consumer). By then DALI has handed
+that batch out, and our iterators take DALI's outputs host-synchronised (``run()`` and
+``share_outputs()`` without a stream), so every kernel that read the slot has finished.
+Still, by default the device is also synchronised before a recycled slot is written
+(belt and braces: DALI's stream is not ours to wait on; this costs the reader thread a
+wait, never the consumer). ``DALI_ZARR_RING_SYNC=none`` drops that wait (:func:`ring_sync`);
+a ``gpu`` test checks it and ``benchmarks/gpu_profile.py`` times it, and it becomes the
+default once it has run on a GPU. ``prefetch_windows + prefetch_queue_depth + 3`` slots
+cover the windows being read ahead, the current one and every window DALI may still hold,
+so the reader never waits on the consumer for a slot.
 
 With a :class:`HostBackend` the same source, ring and graph run on DALI's CPU backend with
 the CPU kernels: that is how CI tests this module end to end without a GPU. The CUDA
@@ -158,6 +163,19 @@ class HostBackend(_Backend):
         return _plan_path(reader, "host")
 
 
+RING_SYNC_ENV = "DALI_ZARR_RING_SYNC"
+
+
+def ring_sync() -> str:
+    """What the CUDA backend waits for before it rewrites a recycled ring slot: ``"device"``
+    (``cudaDeviceSynchronize``, the default) or ``"none"`` (rely on DALI's host-synchronised
+    outputs, see the module docstring); from ``DALI_ZARR_RING_SYNC``."""
+    want = os.environ.get(RING_SYNC_ENV, "").strip().lower() or "device"
+    if want not in ("device", "none"):
+        raise ConfigError(f"{RING_SYNC_ENV}={want!r}: use 'device' or 'none', or leave it unset")
+    return want
+
+
 class CudaBackend(_Backend):
     """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only).
 
@@ -174,6 +192,7 @@ class CudaBackend(_Backend):
         self.cp = cupy
         self.device_id = device_id
         self.support = probe_gpu()
+        self.ring_sync = ring_sync()
         self._local = threading.local()
         self._executors: list[Any] = []
         self._executors_lock = threading.Lock()
@@ -211,9 +230,9 @@ class CudaBackend(_Backend):
         self.executor.stream.synchronize()
 
     def before_reuse(self) -> None:
-        # DALI may still have queued kernels reading the slot on its own stream
-        with self.cp.cuda.Device(self.device_id):
-            self.cp.cuda.runtime.deviceSynchronize()
+        if self.ring_sync == "device":  # any DALI kernel still reading the slot has finished
+            with self.cp.cuda.Device(self.device_id):
+                self.cp.cuda.runtime.deviceSynchronize()
 
     def close(self) -> None:
         with self._executors_lock:

@@ -6,6 +6,10 @@ faults of the new allocation, cost ~10x the densify itself. With ``exec_dynamic=
 DALI output owns its buffer until the last reference goes away, so exporting it through
 DLPack is safe: the framework tensor keeps the DALI buffer alive, and DALI never writes
 into it again.
+
+``pipe.run()`` is called without a CUDA stream, so outputs arrive host-synchronised: when a
+batch is handed out, every DALI kernel of its iteration has finished. The GPU path's ring of
+window buffers relies on that (``dali_zarr.graph.gpu_pipeline``); keep it so.
 """
 
 from __future__ import annotations
