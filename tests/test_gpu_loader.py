@@ -39,7 +39,8 @@ STORES = [
 
 
 def sampler(**overrides) -> dz.ChunkSampler:
-    # small windows: an epoch has ~20 windows, so the GPU path's ring (9 slots) is reused
+    # small windows: an epoch has 16 windows, so the GPU path's ring (9 slots by default,
+    # prefetch_windows + prefetch_queue_depth + 3) is reused
     settings = dict(chunk_size=16, preload_nchunks=3, batch_size=40, shuffle=True, seed=3)
     settings.update(overrides)
     return dz.ChunkSampler(**settings)
@@ -136,14 +137,16 @@ def test_dense_store(tmp_path, where, store):
 @needs_cuda
 def test_ring_slots_rewritten_without_device_sync(tmp_path, monkeypatch):
     """``DALI_ZARR_RING_SYNC=none``: recycled slots are rewritten with no device-wide wait
-    (DALI's outputs are host-synchronised); over four epochs of ~20 windows each on six
-    reader threads the ring is reused many times, and every batch still equals the CPU's."""
+    (DALI's outputs are host-synchronised); over four epochs of 16 windows each on six
+    reader threads the ring (11 slots) is reused many times, and every batch still equals
+    the CPU's."""
     monkeypatch.setenv("DALI_ZARR_RING_SYNC", "none")
     ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
     kw = dict(output="dense", obs=["cell_type"], return_index=True, read_threads=6)
     cpu = dz.Loader(ds, sampler(), **kw)
     gpu = dz.Loader(ds, sampler(), **kw, **gpu_kwargs("cuda"))
     assert gpu._source.backend.ring_sync == "none"
+    assert gpu.plan().n_windows > gpu._source.ring.n_slots  # each epoch alone reuses slots
     assert assert_same_batches(cpu, gpu, epochs=(0, 1, 2, 3), where="cuda") > 4 * 13
 
 

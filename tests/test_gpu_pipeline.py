@@ -96,6 +96,10 @@ def _run_epochs(
     history: list[tuple[int, list, list]] = []  # (serve count, live arrays, copies)
     served = 0
     for epoch, (plan, guess) in enumerate(zip(plans, guesses, strict=True)):
+        if epoch and guesses[epoch - 1] is not None and not (cut is not None and epoch == 1):
+            # the previous epoch ran to its end: it read this epoch's first windows ahead
+            ahead = {k[1] for k in gpu._windows if k[0] == epoch}
+            assert ahead == {(guesses[epoch - 1], ())}, f"no read-ahead for epoch {epoch}"
         cpu.bind_epoch(epoch, plan)
         gpu.bind_epoch(epoch, plan, next_epoch=guess)
         assert all(k[0] != epoch or k[1] == (plan, ()) for k in gpu._windows), "stale read-ahead"
@@ -253,6 +257,10 @@ def test_ring_blocks_until_a_slot_is_released():
     ring.release(a)
     t.join(5)
     assert got and got[0].slot == a.slot
+    # a slot the reclaim callback gives back (a window retired or dropped) is no wait
+    waits = ring.waits
+    c = ring.acquire(5, reclaim=lambda: ring.release(b))
+    assert c.slot == b.slot and ring.waits == waits
 
 
 def test_default_device_is_the_local_rank(monkeypatch):

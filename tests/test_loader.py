@@ -263,7 +263,10 @@ def test_next_epoch_read_ahead_follows_any_epoch_order(sc_store: Path) -> None:
     np.testing.assert_array_equal(iterate(5), reference(5))  # guessed 2
     np.testing.assert_array_equal(iterate(None), reference(5))  # guessed 6: no set_epoch now
     np.testing.assert_array_equal(iterate(None), reference(5))  # guessed 5, the same plan
-    assert {k[1] for k in loader._source._windows} <= {(5, ())}
+    # ... and the next DALI epoch's first windows, of that same plan, are read ahead again
+    ahead = {k[1] for k in loader._source._windows if k[0] == loader._dali_epoch + 1}
+    assert ahead == {(5, ())}
+    assert {k[1] for k in loader._source._windows} == {(5, ())}
 
 
 def test_drop_last_and_unshuffled(sc_store: Path) -> None:

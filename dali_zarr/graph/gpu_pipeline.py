@@ -274,7 +274,7 @@ class BufferRing:
         self._bufs: list[Any] = [None] * n_slots  # None until first handed out
         self._free = list(range(n_slots))
         self._cond = threading.Condition()
-        self.waits = 0  # times acquire() found no free slot (for diagnostics)
+        self.waits = 0  # times acquire() waited for the consumer (none free after reclaim)
 
     @property
     def n_slots(self) -> int:
@@ -292,10 +292,10 @@ class BufferRing:
                 if self._free:
                     slot = self._free.pop(0)
                     break
-                self.waits += 1
-            reclaim()
+            reclaim()  # slots of windows retired or dropped since the last reclaim
             with self._cond:
-                if not self._free:
+                if not self._free:  # every slot holds a window DALI may still read
+                    self.waits += 1
                     self._cond.wait(0.05)
         buf = self._bufs[slot]
         if buf is not None:  # handed out before: DALI may still be reading it

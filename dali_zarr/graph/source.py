@@ -167,8 +167,7 @@ class BatchSource:
             self._expected.pop(dali_epoch, None)
             if next_epoch is not None:
                 self._expected[dali_epoch + 1] = (int(next_epoch), ())
-            for stale in [k for k in self._windows if k[0] == dali_epoch and k[1] != key]:
-                self._windows.pop(stale).cancel()  # read ahead for a plan not taken
+            self._drop_stale((dali_epoch, key, 0))  # e.g. read ahead for a plan not taken
 
     def cut_epoch(self, dali_epoch: int, iteration: int) -> None:
         """End DALI epoch ``dali_epoch`` at ``iteration`` (the user left the loop early)."""
@@ -258,14 +257,20 @@ class BatchSource:
         again; they are dropped, as are windows read ahead for an epoch that did not follow.
         """
         future = self._schedule(wkey)
-        dali_epoch, key, w = wkey
         with self._lock:
-            expected = self._expected.get(dali_epoch + 1)
-            for k in list(self._windows):
-                current = k[0] == dali_epoch and k[1] == key and k[2] >= w - 1
-                if not current and not (k[0] == dali_epoch + 1 and k[1] == expected):
-                    self._windows.pop(k).cancel()
+            self._drop_stale(wkey)
         return future.result()
+
+    def _drop_stale(self, wkey: WindowKey) -> None:
+        """Cancel and forget every cached window DALI will not ask for once it asks for
+        ``wkey``: all but ``wkey``'s predecessor and successors in its epoch, and the windows
+        read ahead for the plan expected next. Call with the lock held."""
+        dali_epoch, key, w = wkey
+        expected = self._expected.get(dali_epoch + 1)
+        for k in list(self._windows):
+            current = k[0] == dali_epoch and k[1] == key and k[2] >= w - 1
+            if not current and not (k[0] == dali_epoch + 1 and k[1] == expected):
+                self._windows.pop(k).cancel()
 
     def _read_ahead(self, plan: EpochPlan, wkey: WindowKey) -> list[WindowKey]:
         """Windows to read while ``wkey`` (of ``plan``) is consumed: the next
