@@ -284,14 +284,21 @@ def test_zero_dimensional_array_is_rejected(tmp_path):
     spans=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 300)), min_size=0, max_size=12),
     which=st.sampled_from(["plain", "sharded", "nd"]),
 )
-def test_random_ranges_hypothesis(stores, spans, which):
+def test_random_ranges_hypothesis(stores, spans, which, monkeypatch):
     data, direct, fallback = stores[which]
     n = data.shape[0]
     ranges = np.array([[min(s, n), min(s + ln, n)] for s, ln in spans], dtype=np.int64)
     ranges = ranges.reshape(-1, 2)
     want = expected(data, ranges) if len(ranges) else data[:0]
-    np.testing.assert_array_equal(direct.read_rows(ranges), want)
+    for threshold in COPY_THRESHOLDS:
+        monkeypatch.setattr(readers_mod, "SLICE_COPY_ELEMENTS", threshold)
+        np.testing.assert_array_equal(direct.read_rows(ranges), want)
     np.testing.assert_array_equal(fallback.read_rows(ranges), want)
+
+
+#: ``SLICE_COPY_ELEMENTS`` values that send every run of rows copied out of a shared chunk
+#: through the slice copies, through a mix of both copies, or through the per-chunk gathers
+COPY_THRESHOLDS = (1, 40, 10**9)
 
 
 @pytest.fixture(scope="module")
@@ -313,7 +320,7 @@ def stores(tmp_path_factory):
 
 
 @pytest.mark.parametrize("which", ["plain", "sharded", "nd"])
-def test_scattered_short_ranges(stores, which):
+def test_scattered_short_ranges(stores, which, monkeypatch):
     """A scattered subset: many short runs per chunk, in shuffled order, some repeated, some
     beside whole chunks (which are decoded in place) -- the rows a ``Subset`` window reads."""
     data, direct, _ = stores[which]
@@ -324,7 +331,31 @@ def test_scattered_short_ranges(stores, which):
     ranges = np.array([[r[0], r[-1] + 1] for r in runs])
     ranges = np.concatenate([ranges, ranges[:5], [[0, 48], [n - 40, n]]])  # repeats, whole chunks
     ranges = ranges[rng.permutation(len(ranges))]
-    np.testing.assert_array_equal(direct.read_rows(ranges), expected(data, ranges))
+    for threshold in COPY_THRESHOLDS:
+        monkeypatch.setattr(readers_mod, "SLICE_COPY_ELEMENTS", threshold)
+        np.testing.assert_array_equal(direct.read_rows(ranges), expected(data, ranges))
+
+
+def test_long_runs_sharing_a_chunk_are_copied_as_slices(tmp_path, monkeypatch):
+    """CSR windows read element ranges of 100k+ elements, and two ranges often share a stored
+    chunk (adjacent sampler chunks). Their runs must be copied as slices: gathering them
+    element by element made reading a window as slow as decoding it."""
+    data = make_data((20000,), "float32", 4000, None)
+    reader = open_reader(write(tmp_path / "a.zarr", data, chunks=(4000,)), name="a")
+    gathered = []
+    real = readers_mod.concat_aranges
+
+    def counting(starts, lengths):
+        gathered.append(int(np.sum(lengths)))
+        return real(starts, lengths)
+
+    monkeypatch.setattr(readers_mod, "concat_aranges", counting)
+    ranges = np.array([[10000, 16000], [5500, 10000], [1200, 5500]])  # chunks 1, 2 in two ranges
+    np.testing.assert_array_equal(reader.read_rows(ranges), expected(data, ranges))
+    assert gathered == []
+    short = np.array([[9000, 9010], [8990, 9000]])  # short runs are still gathered per chunk
+    np.testing.assert_array_equal(reader.read_rows(short), expected(data, short))
+    assert gathered == [20, 20]
 
 
 # ---------------------------------------------------------------------------- executors

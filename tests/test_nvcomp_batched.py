@@ -64,6 +64,19 @@ def test_temporary_size_query_runs_without_a_gpu(kind):
     assert 0 <= small <= large
 
 
+@pytest.mark.parametrize("kind", ["zstd", "lz4"])
+def test_read_plans_meet_the_decoders_alignment(kind):
+    """The byte plan packs compressed chunks at any byte offset and starts decoded slots on
+    ALIGN boundaries; scratch and tables are cupy allocations (256-byte aligned). The
+    installed nvCOMP must accept that, or the GPU decode would read misaligned buffers."""
+    _library()
+    from dali_zarr.io.gpu import ALIGN
+
+    inputs, outputs, temp = nvcomp_batched.required_alignments(kind)
+    assert inputs == 1
+    assert ALIGN % outputs == 0 and 256 % temp == 0
+
+
 def test_call_table_points_at_each_chunk():
     table = nvcomp_batched.call_table(
         1 << 20, np.array([0, 512, 1536]), np.array([100, 900, 7]), 1 << 30,

@@ -313,7 +313,7 @@ def _coalesce(reads: np.ndarray, *, into_chunk_buffer: bool) -> tuple[np.ndarray
     in, cut near :data:`MAX_EXTENT`); fills ``reads["staging_offset"]``. Returns the extents
     and the staging bytes. Each extent starts on an :data:`ALIGN` boundary; the chunks inside
     one follow each other unpadded (nvCOMP's zstd and LZ4 decoders take inputs at any byte:
-    ``nvcompBatched*DecompressGetRequiredAlignments`` reports 1)."""
+    :func:`nvcomp_batched.required_alignments`, held to that by a CI test)."""
     nb = reads["nbytes"]
     n = len(nb)
     before = run_offsets(nb)  # where each read would start with all of them end to end

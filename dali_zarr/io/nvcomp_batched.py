@@ -85,6 +85,27 @@ def functions(kind: str) -> tuple[Any, Any]:
     return temp_size, decompress
 
 
+class Alignments(ctypes.Structure):
+    """``nvcompAlignmentRequirements_t``: minimum byte alignment of each buffer kind."""
+
+    _fields_ = [("input", ctypes.c_size_t), ("output", ctypes.c_size_t), ("temp", ctypes.c_size_t)]
+
+
+def required_alignments(kind: str) -> tuple[int, int, int]:
+    """``(input, output, temp)`` alignment the installed nvCOMP needs to decode ``kind``.
+
+    The read plan packs a run's compressed chunks back to back (any byte offset) and starts
+    decoded slots on 256-byte boundaries (``dali_zarr.io.gpu.ALIGN``); nvCOMP 5.3 asks for
+    (1, 1, 8) for zstd and (1, 1, 1) for LZ4, which a CI test holds the pinned version to.
+    """
+    query = getattr(library(), f"nvcompBatched{ALGORITHM[kind]}DecompressGetRequiredAlignments")
+    query.restype = ctypes.c_int
+    query.argtypes = [DecompressOpts, ctypes.POINTER(Alignments)]
+    out = Alignments()
+    _raise_for(query(DecompressOpts(), ctypes.byref(out)), f"nvCOMP {kind}: alignment query")
+    return int(out.input), int(out.output), int(out.temp)
+
+
 def temp_nbytes(kind: str, n_chunks: int, chunk_nbytes: int) -> int:
     """Device scratch one call needs for ``n_chunks`` chunks of ``chunk_nbytes`` decoded."""
     temp_size, _ = functions(kind)

@@ -225,6 +225,13 @@ def _prepare_out(
     return out
 
 
+#: runs of at least this many elements are copied as slices, one NumPy call each; shorter
+#: runs are gathered per chunk with one fancy-index copy. A slice copy costs ~1 us of Python,
+#: a gathered element a few ns plus its index: fancy indexing long runs (CSR element ranges
+#: are 100k+ elements) made a window's copies as slow as its decode.
+SLICE_COPY_ELEMENTS = 1024
+
+
 def _copy_rows(
     out: np.ndarray,
     bufs: dict[int, np.ndarray],
@@ -233,18 +240,22 @@ def _copy_rows(
     lens: np.ndarray,
     dst: np.ndarray,
 ) -> None:
-    """``out[dst_i : dst_i + lens_i] = bufs[chunk_i][src_i : src_i + lens_i]`` for every i,
-    with one copy per chunk (scattered subsets make many short runs of few chunks)."""
+    """``out[dst_i : dst_i + lens_i] = bufs[chunk_i][src_i : src_i + lens_i]`` for every i:
+    long runs as slice copies, short ones (scattered subsets: many runs of a few rows in
+    few chunks) with one gather per chunk."""
     if len(chunk) == 0:
         return
-    order = np.argsort(chunk, kind="stable")
-    chunk, src, lens, dst = chunk[order], src[order], lens[order], dst[order]
-    heads = np.flatnonzero(np.concatenate([[True], chunk[1:] != chunk[:-1]]))
-    if len(heads) == len(chunk):  # one run per chunk (contiguous reads): slice copies
-        runs = zip(chunk.tolist(), src.tolist(), lens.tolist(), dst.tolist(), strict=True)
-        for c, s, k, d in runs:
-            out[d : d + k] = bufs[c][s : s + k]
+    row_elems = int(np.prod(out.shape[1:], dtype=np.int64))
+    long = lens * row_elems >= SLICE_COPY_ELEMENTS
+    runs = zip(*(a[long].tolist() for a in (chunk, src, lens, dst)), strict=True)
+    for c, s, k, d in runs:
+        out[d : d + k] = bufs[c][s : s + k]
+    if long.all():
         return
+    short = ~long
+    order = np.argsort(chunk[short], kind="stable")
+    chunk, src, lens, dst = (a[short][order] for a in (chunk, src, lens, dst))
+    heads = np.flatnonzero(np.concatenate([[True], chunk[1:] != chunk[:-1]]))
     src_rows, dst_rows = concat_aranges(src, lens), concat_aranges(dst, lens)
     row_bounds = run_offsets(lens)[np.append(heads, len(lens))].tolist()
     for i, c in enumerate(chunk[heads].tolist()):
