@@ -30,6 +30,7 @@ a measurement of anything the GPU does.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -112,6 +113,15 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
         setattr(owner, name, wrapper)
 
     timed(gpu_pipeline, "plan_rows", "byte plan (host)")
+    planned = gpu_pipeline.plan_rows
+
+    def counting(reader, ranges):
+        plan = planned(reader, ranges)
+        totals["decoded bytes"] += len(plan.chunks) * plan.chunk_nbytes
+        totals["used bytes"] += math.prod(plan.out_shape) * plan.dtype.itemsize
+        return plan
+
+    gpu_pipeline.plan_rows = counting
     if args.smoke:
         timed(backend, "run_plan", "read + decode + copy (host backend)")
     else:
@@ -149,8 +159,11 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
     seconds = time.perf_counter() - start
     per = 1e3 / args.windows
     print(f"one reader: {per * seconds:.1f} ms per window, {rows / seconds:,.0f} rows/s")
+    decoded, used = totals.pop("decoded bytes", 0.0), totals.pop("used bytes", 0.0)
     for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:38s} {per * total:8.1f} ms per window")
+    if used:  # CSR rows straddle store chunks: the chunks at both ends are decoded whole
+        print(f"  store chunk bytes read and decoded per byte used: {decoded / used:.2f}")
     source.close()
 
 

@@ -12,6 +12,11 @@
 # `profile` times each read method x nvCOMP API (kvikio|pinned x python|c), and the C API
 # with DALI_ZARR_RING_SYNC=none; pick the fastest that the tests pass with, then `bench` with
 # it (DALI_ZARR_GPU_READS, DALI_ZARR_NVCOMP_BATCHED, DALI_ZARR_RING_SYNC).
+# `profile` also prints the store chunk bytes read and decoded per byte used: CSR rows straddle
+# store chunks, so it is ~1 + (store rows per chunk) / --chunk-size (the GPU path decodes whole
+# chunks; `dali-zarr inspect STORE` prints rows per chunk): ~1.3 at 256 rows on ~75-row
+# chunks. DZ_BENCH_ARGS="--chunk-size 1024 --preload-nchunks 16" keeps the 16k-row window
+# and reads ~1.07 (every contender gets the same settings).
 # Each step fits one 10-minute call (bench: ~5 min the first time, most of it writing the
 # 400k-cell store). Results land in $OUT (they come back with the call): gpu_tests.txt,
 # gpu_throughput.txt/.json/.png, gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.

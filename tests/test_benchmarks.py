@@ -69,6 +69,9 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         part = stdout.split(f"== {config}")[1].split("==")[0]
         assert re.search(r"one reader: [\d.]+ ms per window", part), stdout
         assert re.search(r"read \+ decode \+ copy \(host backend\) +[\d.]+ ms", part), stdout
+        # CSR rows straddle store chunks: the chunks at a run's ends are decoded whole
+        extra = re.search(r"store chunk bytes read and decoded per byte used: ([\d.]+)", part)
+        assert extra and float(extra.group(1)) > 1.0, stdout
         for threads in (1, 3):
             assert f"loader, read_threads={threads}: " in part
         assert part.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows

@@ -388,7 +388,10 @@ def test_inspect_v3_sharded_zstd(sc_store, capsys):
     rows_per_chunk = data["X/data"]["rows_per_chunk"]
     assert rows_per_chunk == pytest.approx(2_048 * 3_001 / report["nnz"])
     s = report["suggestion"]
+    # CSR rows straddle store chunks: a loader chunk spans >= 4 of them (reads <= ~1.25x)
     assert s["chunk_size"] % round(rows_per_chunk) == 0 and s["chunk_size"] >= 32
+    assert s["chunk_size"] >= 4 * round(rows_per_chunk)
+    assert s["read_amplification"] == pytest.approx(1 + round(rows_per_chunk) / s["chunk_size"])
     assert s["preload_nchunks"] * s["chunk_size"] >= 4 * 256
     assert [o["name"] for o in report["obs"]] == ["cell_type"]
     assert run("inspect", sc_store) == 0
@@ -419,6 +422,7 @@ def test_inspect_v2_blosc_and_fallback(tmp_path, capsys):
     assert report["kind"] == "array" and report["arrays"][0]["path"] == "zarr-fallback"
     assert "transpose" in report["arrays"][0]["why"]
     assert report["suggestion"]["chunk_size"] == 40  # smallest multiple of 10 rows >= 32
+    assert report["suggestion"]["read_amplification"] == 1.0  # dense: whole store chunks
 
 
 def test_inspect_converted_store(tmp_path, sc_store, capsys):
@@ -428,7 +432,7 @@ def test_inspect_converted_store(tmp_path, sc_store, capsys):
     assert report["converted"]["chunk_rows"] == 128
     data = report["arrays"][0]
     assert data["path"] == "gpu-decode" and data["rows_per_chunk"] == pytest.approx(128, rel=0.01)
-    assert report["suggestion"]["chunk_size"] == 128
+    assert report["suggestion"]["chunk_size"] == 4 * 128  # CSR: >= 4 store chunks
     assert [o["name"] for o in report["obs"]] == ["cell_type", "original_index"]
 
 
@@ -497,3 +501,17 @@ def test_suggested_window_is_the_loaders() -> None:
     assert s.window_rows % 300 == 0 and not s.warning
     tiny = suggest(n_obs=100, rows_per_chunk=10, row_bytes=4, batch_size=256)
     assert tiny.window_rows == 0 and "fewer rows than one batch" in tiny.warning
+
+
+def test_csr_suggestion_spans_several_store_chunks() -> None:
+    """A CSR loader chunk decodes the store chunks at both of its ends whole, so it spans
+    several of them; dense chunks line up with the store's and need not."""
+    from dali_zarr.inspection import CSR_MIN_STORE_CHUNKS, read_amplification, suggest
+
+    store = {"n_obs": 100_000, "rows_per_chunk": 98, "row_bytes": 12_000, "batch_size": 4096}
+    dense, csr = suggest(**store), suggest(**store, aligned=False)
+    assert dense.chunk_size == 98 and dense.read_amplification == 1.0
+    assert csr.chunk_size == CSR_MIN_STORE_CHUNKS * 98 and csr.read_amplification == 1.25
+    assert read_amplification(98, 98, aligned=False) == 2.0
+    small = suggest(n_obs=100_000, rows_per_chunk=3, row_bytes=4, aligned=False)
+    assert small.chunk_size == 33  # the 32-row minimum dominates: 11 store chunks
