@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 import time
@@ -370,7 +369,7 @@ def batch_nbytes(x: Any) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from dali_zarr.data.dataset import open_dataset
-    from dali_zarr.inspection import inspect_store
+    from dali_zarr.inspection import suggested_settings
     from dali_zarr.loader import Loader
     from dali_zarr.planning import ChunkSampler
 
@@ -378,14 +377,13 @@ def _bench(args: argparse.Namespace) -> int:
     dataset = open_dataset(paths[0] if len(paths) == 1 else paths)
     if args.output == "csr" and dataset.layout != "csr":
         raise _UsageError(f"--output csr needs a sparse X, but {dataset.name} is dense")
-    chunk_size, preload = args.chunk_size, args.preload_nchunks
-    if chunk_size is None or preload is None:
-        one = dataset if len(paths) == 1 else None  # the collection's first store: reopen it
-        s = inspect_store(paths[0], batch_size=args.batch_size, dataset=one).suggestion
-        if chunk_size is None:
-            chunk_size = s.chunk_size
-        if preload is None:
-            preload = max(1, math.ceil(s.preload_nchunks * s.chunk_size / chunk_size))
+    chunk_size, preload = suggested_settings(
+        paths[0],
+        batch_size=args.batch_size,
+        chunk_size=args.chunk_size,
+        preload_nchunks=args.preload_nchunks,
+        dataset=dataset if len(paths) == 1 else None,  # a collection's first store: reopened
+    )
     sampler = ChunkSampler(
         chunk_size=chunk_size,
         preload_nchunks=preload,

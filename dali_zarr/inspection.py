@@ -39,6 +39,7 @@ __all__ = [
     "format_report",
     "inspect_store",
     "suggest",
+    "suggested_settings",
 ]
 
 MIN_CHUNK_ROWS = 32
@@ -274,6 +275,27 @@ def suggest(
         read_amplification=round(read_amplification(chunk_size, r, aligned=aligned), 3),
         warning=warning,
     )
+
+
+def suggested_settings(
+    path: str | os.PathLike,
+    *,
+    batch_size: int,
+    chunk_size: int | None = None,
+    preload_nchunks: int | None = None,
+    dataset: Dataset | None = None,
+) -> tuple[int, int]:
+    """``(chunk_size, preload_nchunks)``: the given values, and where one is None, the
+    suggestion for the store at ``path``. A given ``chunk_size`` keeps the suggested window
+    size in rows. Deterministic in the store's metadata, so every rank gets the same."""
+    if chunk_size is not None and preload_nchunks is not None:
+        return chunk_size, preload_nchunks
+    s = inspect_store(path, batch_size=batch_size, dataset=dataset).suggestion
+    if chunk_size is None:
+        chunk_size = s.chunk_size
+    if preload_nchunks is None:
+        preload_nchunks = max(1, math.ceil(s.preload_nchunks * s.chunk_size / chunk_size))
+    return chunk_size, preload_nchunks
 
 
 # ---------------------------------------------------------------------------- inspect

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dali_zarr as dz
 from dali_zarr import synthetic
+from dali_zarr.inspection import suggested_settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,8 +40,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-steps", type=int, default=0, help="stop each epoch after N steps (0: all)"
     )
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--chunk-size", type=int, default=64)
-    p.add_argument("--preload-nchunks", type=int, default=32)
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="default: dali-zarr inspect's suggestion"
+    )
+    p.add_argument(
+        "--preload-nchunks", type=int, default=None, help="default: dali-zarr inspect's suggestion"
+    )
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -70,10 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
 
     dataset = dz.open_dataset(args.data)
+    # CSR rows straddle store chunks: the suggestion spans several (read_amplification)
+    chunk_size, preload_nchunks = suggested_settings(
+        args.data,
+        batch_size=args.batch_size,
+        chunk_size=args.chunk_size,
+        preload_nchunks=args.preload_nchunks,
+        dataset=dataset,
+    )
     sampler = dz.DistributedSampler(
         dz.ChunkSampler(
-            chunk_size=args.chunk_size,
-            preload_nchunks=args.preload_nchunks,
+            chunk_size=chunk_size,
+            preload_nchunks=preload_nchunks,
             batch_size=args.batch_size,
             shuffle=True,
             seed=args.seed,
@@ -84,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     n_classes = len(loader.categories(args.label) or ()) or 2
     if rank == 0:
         print(
-            f"[rank 0] {dataset}; {world} ranks x {len(loader)} batches/epoch; "
+            f"[rank 0] {dataset}; chunk_size {chunk_size}, preload_nchunks {preload_nchunks}; "
+            f"{world} ranks x {len(loader)} batches/epoch; "
             f"{loader.device_reason}; read paths {loader.read_paths()}"
         )
 
