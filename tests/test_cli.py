@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -515,3 +516,20 @@ def test_csr_suggestion_spans_several_store_chunks() -> None:
     assert read_amplification(98, 98, aligned=False) == 2.0
     small = suggest(n_obs=100_000, rows_per_chunk=3, row_bytes=4, aligned=False)
     assert small.chunk_size == 33  # the 32-row minimum dominates: 11 store chunks
+
+
+def test_suggested_settings_fill_only_what_is_missing(sc_store, tmp_path) -> None:
+    """The demo and ``bench`` take inspect's suggestion for what the user left unset; a given
+    chunk_size keeps the suggested window size in rows."""
+    from dali_zarr.inspection import inspect_store, suggested_settings
+
+    s = inspect_store(sc_store, batch_size=256).suggestion
+    assert suggested_settings(sc_store, batch_size=256) == (s.chunk_size, s.preload_nchunks)
+    half = s.chunk_size // 2
+    assert suggested_settings(sc_store, batch_size=256, chunk_size=half) == (
+        half,
+        math.ceil(s.preload_nchunks * s.chunk_size / half),
+    )
+    assert suggested_settings(sc_store, batch_size=256, preload_nchunks=3) == (s.chunk_size, 3)
+    nowhere = tmp_path / "no-store"  # both given: the store is not even opened
+    assert suggested_settings(nowhere, batch_size=256, chunk_size=7, preload_nchunks=2) == (7, 2)
