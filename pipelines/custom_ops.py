@@ -33,7 +33,7 @@ def main() -> None:
         dataset = dz.open_dataset(args.data)
     except dz.DatasetError:
         dataset = dz.open_dataset(synthetic.make_single_cell(args.data, n_obs=5_000))
-    sampler = dz.ChunkSampler(chunk_size=64, preload_nchunks=16, batch_size=256, seed=0)
+    sampler = dz.ChunkSampler(chunk_size=512, preload_nchunks=4, batch_size=256, seed=0)
     loader = dz.Loader(
         dataset, sampler, obs=["cell_type"], return_index=True, transform=log1p_counts
     )
