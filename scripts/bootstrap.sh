@@ -9,6 +9,16 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.dali_zarr-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  # The install takes ~3 GB in .venv (DALI with its nvCOMP/nvJPEG libraries ~1 GB, torch
+  # ~0.75 GB, JAX, scipy, ...) plus pip's unpacking room. Say so up front: on a full disk pip
+  # only reports "[Errno 28] No space left on device" part way through.
+  need_mb=4096
+  for dir in . "${TMPDIR:-/tmp}"; do
+    free_mb=$(df -Pm "$dir" | awk 'NR == 2 {print $4}')
+    if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ]; then
+      echo "bootstrap: only ${free_mb} MB free on $(cd "$dir" && pwd) ($(df -P "$dir" | awk 'NR == 2 {print $1}')); installing .venv needs ~${need_mb} MB there. If pip fails with \"No space left on device\", free some space (or point TMPDIR elsewhere) and run again." >&2
+    fi
+  done
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==${DZ_TORCH:-2.13.0}"
   .venv/bin/python -m pip install -q -e ".[test]"
