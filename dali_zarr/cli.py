@@ -378,11 +378,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.output == "csr" and dataset.layout != "csr":
         raise _UsageError(f"--output csr needs a sparse X, but {dataset.name} is dense")
     chunk_size, preload = suggested_settings(
-        paths[0],
+        dataset,
         batch_size=args.batch_size,
         chunk_size=args.chunk_size,
         preload_nchunks=args.preload_nchunks,
-        dataset=dataset if len(paths) == 1 else None,  # a collection's first store: reopened
     )
     sampler = ChunkSampler(
         chunk_size=chunk_size,

@@ -20,13 +20,14 @@ import math
 import os
 import textwrap
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zarr
 
-from dali_zarr.data.dataset import CsrDataset, Dataset, open_dataset
-from dali_zarr.errors import DatasetError
+from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
+from dali_zarr.data.subset import Subset
+from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import DirectReader, open_reader, parse_layout
 from dali_zarr.io.gpu import GPU_KINDS, gpu_codec_kind
 from dali_zarr.planning.partition import n_chunks_of, window_rows_of
@@ -36,6 +37,7 @@ __all__ = [
     "ObsInfo",
     "StoreReport",
     "Suggestion",
+    "dataset_suggestion",
     "format_report",
     "inspect_store",
     "suggest",
@@ -277,20 +279,79 @@ def suggest(
     )
 
 
+class _Chunking(NamedTuple):
+    """What the suggestion needs to know of a dataset's storage."""
+
+    rows_per_chunk: float  # observations per store chunk (CSR: on average; the coarsest array)
+    row_bytes: float  # decoded bytes of one observation (CSR: values and indices)
+    aligned: bool  # loader chunks of a multiple of rows_per_chunk start on store chunks
+
+
+def _chunking(ds: Dataset) -> _Chunking:
+    if isinstance(ds, DenseDataset):
+        return _Chunking(
+            float(ds.values_reader.rows_per_chunk),
+            float(ds.n_features * np.dtype(ds.dtype).itemsize),
+            True,
+        )
+    if isinstance(ds, CsrDataset):
+        mean = float(ds.indptr[-1]) / max(1, ds.n_obs)
+        elements = max(ds.data_reader.rows_per_chunk, ds.indices_reader.rows_per_chunk)
+        return _Chunking(
+            elements / mean if mean > 0 else float(max(1, ds.n_obs)),
+            mean * (np.dtype(ds.dtype).itemsize + np.dtype(ds.index_dtype).itemsize),
+            False,
+        )
+    if isinstance(ds, Collection):
+        parts = [_chunking(p) for p in ds.parts]
+        rows = max(c.rows_per_chunk for c in parts)
+        sizes = np.array([p.n_obs for p in ds.parts], dtype=np.float64)
+        row_bytes = float(np.dot(sizes, [c.row_bytes for c in parts]) / max(1.0, sizes.sum()))
+        # a store boundary off the chunk grid shifts every loader chunk after it
+        on_grid = all(int(o) % max(1, round(rows)) == 0 for o in ds.offsets[1:-1])
+        return _Chunking(rows, row_bytes, on_grid and all(c.aligned for c in parts))
+    if isinstance(ds, Subset):
+        # a loader chunk of the subset's rows spans n_parent / n_subset as many stored rows
+        # (about, for a split spread over the store), and rarely starts on a store chunk
+        parent = _chunking(ds.parent)
+        if ds.n_obs == ds.parent.n_obs:
+            return parent
+        share = ds.n_obs / max(1, ds.parent.n_obs)
+        return _Chunking(parent.rows_per_chunk * share, parent.row_bytes, False)
+    raise ConfigError(
+        f"{ds.name}: no chunk_size suggestion for a {type(ds).__name__}; pass chunk_size and "
+        "preload_nchunks."
+    )
+
+
+def dataset_suggestion(ds: Dataset, *, batch_size: int = 256) -> Suggestion:
+    """The :func:`suggest` rule applied to an opened dataset (a store, a collection of
+    stores or a subset of either), from its arrays' chunking."""
+    c = _chunking(ds)
+    return suggest(
+        n_obs=ds.n_obs,
+        rows_per_chunk=c.rows_per_chunk,
+        row_bytes=c.row_bytes,
+        batch_size=batch_size,
+        aligned=c.aligned,
+    )
+
+
 def suggested_settings(
-    path: str | os.PathLike,
+    source: str | os.PathLike | Dataset,
     *,
     batch_size: int,
     chunk_size: int | None = None,
     preload_nchunks: int | None = None,
-    dataset: Dataset | None = None,
 ) -> tuple[int, int]:
     """``(chunk_size, preload_nchunks)``: the given values, and where one is None, the
-    suggestion for the store at ``path``. A given ``chunk_size`` keeps the suggested window
-    size in rows. Deterministic in the store's metadata, so every rank gets the same."""
+    suggestion for ``source`` (a store path, or a dataset already opened). A given
+    ``chunk_size`` keeps the suggested window size in rows. Deterministic in the stores'
+    metadata, so every rank gets the same."""
     if chunk_size is not None and preload_nchunks is not None:
         return chunk_size, preload_nchunks
-    s = inspect_store(path, batch_size=batch_size, dataset=dataset).suggestion
+    ds = source if isinstance(source, Dataset) else open_dataset(source)
+    s = dataset_suggestion(ds, batch_size=batch_size)
     if chunk_size is None:
         chunk_size = s.chunk_size
     if preload_nchunks is None:
@@ -316,7 +377,6 @@ def inspect_store(
         )
     ds: Dataset = dataset if dataset is not None else open_dataset(path)
     node = zarr.open(path, mode="r")
-    itemsize = np.dtype(ds.dtype).itemsize
     arrays: list[ArrayInfo] = []
     obs: tuple[ObsInfo, ...] = ()
     nnz = None
@@ -324,7 +384,6 @@ def inspect_store(
         kind = "array"
         arrays.append(_array_info(node, ds.name, rows_per_element=None))
         converted = node.attrs.get("dali_zarr")
-        row_bytes = float(ds.n_features * itemsize)
     else:
         kind = "anndata"
         converted = node.attrs.get("dali_zarr")
@@ -336,14 +395,10 @@ def inspect_store(
             for key in ("data", "indices"):
                 arrays.append(_array_info(x[key], f"X/{key}", rows_per_element=per_element))
             arrays.append(_array_info(x["indptr"], "X/indptr", rows_per_element=None, whole=True))
-            row_bytes = mean * (itemsize + np.dtype(ds.index_dtype).itemsize)
         else:
             arrays.append(_array_info(x, "X", rows_per_element=None))
-            row_bytes = float(ds.n_features * itemsize)
         if "obs" in node and isinstance(node["obs"], zarr.Group):
             obs = _obs_info(node["obs"])
-    read = [a for a in arrays if a.rows_per_chunk is not None]
-    rows_per_chunk = max(a.rows_per_chunk for a in read)  # the coarsest array sets the unit
     return StoreReport(
         path=path,
         kind=kind,
@@ -354,13 +409,7 @@ def inspect_store(
         nnz=nnz,
         arrays=tuple(arrays),
         obs=obs,
-        suggestion=suggest(
-            n_obs=ds.n_obs,
-            rows_per_chunk=rows_per_chunk,
-            row_bytes=row_bytes,
-            batch_size=batch_size,
-            aligned=ds.layout != "csr",
-        ),
+        suggestion=dataset_suggestion(ds, batch_size=batch_size),
         converted=dict(converted) if isinstance(converted, dict) else None,
     )
 

@@ -36,9 +36,10 @@ from dali_zarr.data.dataset import Dataset, Source, open_dataset
 from dali_zarr.data.subset import Subset
 from dali_zarr.distributed import DistInfo, resolve_rank_world, torch_dist_initialized
 from dali_zarr.errors import ConfigError
+from dali_zarr.inspection import suggested_settings
 from dali_zarr.loader import Loader, check_device
 from dali_zarr.planning import ChunkSampler, DistributedSampler
-from dali_zarr.planning.partition import Shard
+from dali_zarr.planning.partition import Shard, validate_count, validate_sizes
 
 __all__ = ["EvalLoader", "TrainLoader", "ZarrDataModule"]
 
@@ -94,14 +95,15 @@ class ZarrDataModule(LightningDataModule):
     ("train", "val", "test") to boolean masks or arrays of row ids. Without ``splits`` the
     column defaults to ``"split"``. Explicit splits may not overlap.
 
-    Sampling: ``chunk_size``, ``preload_nchunks``, ``batch_size`` (``eval_batch_size`` for
-    val/test, default ``batch_size``), ``seed`` (the same on every rank; ``None`` draws one
-    on rank 0 and broadcasts it), ``shard``. Loading: ``obs`` columns, ``output``,
-    ``return_index``, ``dtype``, ``device`` (``"auto"`` follows the trainer: the GPU path on
-    its CUDA device when usable, the CPU path for a CPU trainer), and ``loader_kwargs`` for
-    the other :class:`Loader`
-    arguments (``num_threads``, ``prefetch_windows``, ``transform``, ...); ``open_kwargs``
-    go to :func:`~dali_zarr.open_dataset`.
+    Sampling: ``chunk_size``, ``preload_nchunks`` (unset: what ``dali-zarr inspect``
+    suggests for the split's rows, from the store's chunking), ``batch_size``
+    (``eval_batch_size`` for val/test, default ``batch_size``), ``seed`` (the same on every
+    rank; ``None`` draws one on rank 0 and broadcasts it), ``shard``. Loading: ``obs``
+    columns, ``output``, ``return_index``, ``dtype``, ``device`` (``"auto"`` follows the
+    trainer: the GPU path on its CUDA device when usable, the CPU path for a CPU trainer),
+    and ``loader_kwargs`` for the other :class:`Loader` arguments (``num_threads``,
+    ``prefetch_windows``, ``transform``, ...); ``open_kwargs`` go to
+    :func:`~dali_zarr.open_dataset`.
 
     Ranks come from ``dist_info`` (default: ``"torch"`` once torch.distributed is
     initialized, as under ``strategy="ddp"``, otherwise the trainer's ``global_rank`` and
@@ -115,8 +117,8 @@ class ZarrDataModule(LightningDataModule):
         split_column: str | None = None,
         split_labels: Mapping[str, str | int | Sequence[str | int]] | None = None,
         splits: Mapping[str, np.ndarray | Sequence[int] | Sequence[bool]] | None = None,
-        chunk_size: int = 64,
-        preload_nchunks: int = 32,
+        chunk_size: int | None = None,
+        preload_nchunks: int | None = None,
         batch_size: int = 256,
         eval_batch_size: int | None = None,
         seed: int | None = 0,
@@ -167,10 +169,15 @@ class ZarrDataModule(LightningDataModule):
         self.split_rows: dict[str, np.ndarray] = {}
         self._loaders: dict[tuple[str, int, int], Loader] = {}
         # the sampler settings checked now, not at the first batch
-        ChunkSampler(chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=batch_size)
-        ChunkSampler(
-            chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=self.eval_batch_size
-        )
+        for name, value in (("chunk_size", chunk_size), ("preload_nchunks", preload_nchunks)):
+            if value is not None:
+                validate_count(name, value)
+        for size in (batch_size, self.eval_batch_size):
+            validate_count("batch_size", size)
+            if chunk_size is not None and preload_nchunks is not None:
+                validate_sizes(
+                    chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=size
+                )
 
     # -- Lightning hooks ------------------------------------------------------------------------
 
@@ -273,7 +280,15 @@ class ZarrDataModule(LightningDataModule):
             return self._loaders[key]
         subset = self.subset(split)
         train = split == "train"
-        chunk_size = self.chunk_size
+        batch_size = self.batch_size if train else self.eval_batch_size
+        # unset: the suggestion for this split's rows (dali_zarr.inspection), the same on
+        # every rank
+        chunk_size, preload_nchunks = suggested_settings(
+            subset,
+            batch_size=batch_size,
+            chunk_size=self.chunk_size,
+            preload_nchunks=self.preload_nchunks,
+        )
         if not train:
             if subset.n_obs < world:
                 raise ConfigError(
@@ -287,8 +302,8 @@ class ZarrDataModule(LightningDataModule):
         sampler = DistributedSampler(
             ChunkSampler(
                 chunk_size=chunk_size,
-                preload_nchunks=self.preload_nchunks,
-                batch_size=self.batch_size if train else self.eval_batch_size,
+                preload_nchunks=preload_nchunks,
+                batch_size=batch_size,
                 shuffle=train,
                 drop_last=False,
                 seed=self.seed if train else 0,  # unshuffled: the seed is unused

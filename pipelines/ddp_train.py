@@ -77,11 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     dataset = dz.open_dataset(args.data)
     # CSR rows straddle store chunks: the suggestion spans several (read_amplification)
     chunk_size, preload_nchunks = suggested_settings(
-        args.data,
+        dataset,
         batch_size=args.batch_size,
         chunk_size=args.chunk_size,
         preload_nchunks=args.preload_nchunks,
-        dataset=dataset,
     )
     sampler = dz.DistributedSampler(
         dz.ChunkSampler(

@@ -533,3 +533,34 @@ def test_suggested_settings_fill_only_what_is_missing(sc_store, tmp_path) -> Non
     assert suggested_settings(sc_store, batch_size=256, preload_nchunks=3) == (s.chunk_size, 3)
     nowhere = tmp_path / "no-store"  # both given: the store is not even opened
     assert suggested_settings(nowhere, batch_size=256, chunk_size=7, preload_nchunks=2) == (7, 2)
+    opened = dz.open_dataset(sc_store)  # an opened dataset gets the same as its path
+    assert suggested_settings(opened, batch_size=256) == (s.chunk_size, s.preload_nchunks)
+
+
+def test_suggestion_for_collections_and_subsets(tmp_path, sc_store) -> None:
+    """Collections and subsets (what ZarrDataModule and ``bench`` of several paths load) get
+    the rule from their stores' chunking: the coarsest store sets the unit, and a loader chunk
+    that may start inside a store chunk spans several of them."""
+    from dali_zarr.inspection import dataset_suggestion, inspect_store
+
+    single = inspect_store(sc_store, batch_size=256).suggestion
+    pair = dataset_suggestion(dz.open_dataset([sc_store, sc_store]), batch_size=256)
+    assert pair.rows_per_store_chunk == single.rows_per_store_chunk
+    assert pair.chunk_size == single.chunk_size
+
+    def cube(name: str, n_obs: int, chunk_obs: int) -> Path:
+        return synthetic.make_dense_cube(tmp_path / name, n_obs=n_obs, chunk_obs=chunk_obs)
+
+    on_grid = dz.open_dataset([cube("a.zarr", 400, 10), cube("b.zarr", 300, 20)])
+    s = dataset_suggestion(on_grid, batch_size=64)
+    assert (s.rows_per_store_chunk, s.chunk_size, s.read_amplification) == (20, 40, 1.0)
+    # a 305-row store shifts every loader chunk after it off the 20-row grid
+    off_grid = dz.open_dataset([cube("c.zarr", 305, 20), cube("d.zarr", 300, 20)])
+    s = dataset_suggestion(off_grid, batch_size=64)
+    assert s.chunk_size == 4 * 20 and s.read_amplification == 1.25
+
+    whole = dz.open_dataset(cube("e.zarr", 1_000, 40))
+    assert dataset_suggestion(dz.Subset(whole, np.arange(1_000))).chunk_size == 40
+    quarter = dataset_suggestion(dz.Subset(whole, np.arange(0, 1_000, 4)), batch_size=64)
+    assert quarter.rows_per_store_chunk == 10  # a store chunk holds 10 of the subset's rows
+    assert quarter.chunk_size == 40 and quarter.read_amplification == 1.25

@@ -81,6 +81,34 @@ def test_too_small_eval_split_is_refused(split_store: str) -> None:
         dm.val_dataloader()
 
 
+def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> None:
+    """chunk_size / preload_nchunks left unset: each split gets inspect's suggestion for its
+    own rows and batch size (CSR: spanning several store chunks), still a full epoch."""
+    from dali_zarr.inspection import dataset_suggestion
+
+    dm = ZarrDataModule(data=split_store, batch_size=64, eval_batch_size=40, return_index=True)
+    train = dm.train_dataloader()
+    wanted = dataset_suggestion(dm.subset("train"), batch_size=64)
+    assert (train.sampler.chunk_size, train.sampler.preload_nchunks) == (
+        wanted.chunk_size,
+        wanted.preload_nchunks,
+    )
+    assert train.sampler.chunk_size > 64  # the old fixed default decoded ~2x what it used
+    rows = np.concatenate([b["index"].numpy() for b in train])
+    np.testing.assert_array_equal(np.sort(rows), dm.split_rows["train"])
+    val = dm.val_dataloader()
+    wanted = dataset_suggestion(dm.subset("val"), batch_size=40)
+    assert val.sampler.preload_nchunks == wanted.preload_nchunks
+    dm.teardown()
+    given = ZarrDataModule(data=split_store, chunk_size=48, batch_size=64)
+    assert given.train_dataloader().sampler.chunk_size == 48
+    given.teardown()
+    with pytest.raises(dz.ConfigError, match="chunk_size"):
+        ZarrDataModule(data=split_store, chunk_size=0)
+    with pytest.raises(dz.ConfigError, match="larger than a window"):
+        ZarrDataModule(data=split_store, chunk_size=8, preload_nchunks=2, batch_size=64)
+
+
 def test_loader_stopped_at_exactly_len_then_next_epoch(split_store: str) -> None:
     """Lightning takes len(loader) batches and never asks for one more (no StopIteration):
     the next epoch must still be complete."""
