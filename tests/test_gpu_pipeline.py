@@ -263,6 +263,28 @@ def test_ring_blocks_until_a_slot_is_released():
     assert c.slot == b.slot and ring.waits == waits
 
 
+def test_ring_keeps_its_slots_when_allocation_fails():
+    """A slot whose buffer could not be grown (the device out of memory) goes back to the
+    ring: a ring that lost slots would wait forever for windows only the consumer frees."""
+
+    class OutOfMemoryOnce(HostBackend):
+        fail = True
+
+        def alloc(self, nbytes: int) -> np.ndarray:
+            if nbytes > 100 and self.fail:
+                self.fail = False
+                raise MemoryError(f"out of memory allocating {nbytes} bytes")
+            return super().alloc(nbytes)
+
+    ring = BufferRing(2, OutOfMemoryOnce())
+    ring.release(ring.acquire(10))
+    with pytest.raises(MemoryError):
+        ring.acquire(1000)
+    assert ring.n_free == 2
+    a, b = ring.acquire(1000), ring.acquire(1000)  # both slots still serve
+    assert {a.slot, b.slot} == {0, 1} and min(a.buf.size, b.buf.size) >= 1000
+
+
 def test_default_device_is_the_local_rank(monkeypatch):
     from dali_zarr.graph.gpu_pipeline import default_device_id
 

@@ -297,13 +297,20 @@ class BufferRing:
                 if not self._free:  # every slot holds a window DALI may still read
                     self.waits += 1
                     self._cond.wait(0.05)
-        buf = self._bufs[slot]
-        if buf is not None:  # handed out before: DALI may still be reading it
-            self.backend.before_reuse()
-        if buf is None or buf.size < nbytes:
-            self._bufs[slot] = buf = self.backend.alloc(
-                max(nbytes, 2 * (0 if buf is None else buf.size))
-            )
+        try:
+            buf = self._bufs[slot]
+            if buf is not None:  # handed out before: DALI may still be reading it
+                self.backend.before_reuse()
+            if buf is None or buf.size < nbytes:
+                self._bufs[slot] = None  # let the old buffer go before the larger one is made
+                self._bufs[slot] = buf = self.backend.alloc(
+                    max(nbytes, 2 * (0 if buf is None else buf.size))
+                )
+        except BaseException:
+            # a slot lost here (out of memory, a CUDA error) would shrink the ring for good,
+            # and a ring short of slots waits forever on windows only the consumer frees
+            self.release(Lease(slot, None))
+            raise
         return Lease(slot, buf)
 
     def release(self, lease: Lease) -> None:
@@ -410,18 +417,28 @@ class DeviceWindowReader:
         be.finish()
         return arrays
 
-    def read_generic(self, ranges: np.ndarray, alloc: Callable[[int], Any]):
-        """Collections/subsets: host read, then one copy per array into a slot from ``alloc``."""
+    def read_generic(
+        self,
+        ranges: np.ndarray,
+        alloc: Callable[[int], Any],
+        release: Callable[[Any], None],
+    ):
+        """Collections/subsets: host read, then one copy per array into a slot from ``alloc``
+        (given back with ``release`` if the copy fails)."""
         host = window_arrays(self.dataset, self.dataset.read_rows(ranges))
         host_indptr = host[2] if self.dataset.layout == "csr" else None
         slots, nbytes = pack_slot([(str(i), a.shape, a.dtype) for i, a in enumerate(host)])
         lease = alloc(nbytes)
-        arrays = []
-        for a, (_, shape, dt, off) in zip(host, slots, strict=True):
-            view = self.backend.view(lease.buf, off, shape, dt)
-            self.backend.upload(a, view)
-            arrays.append(view)
-        self.backend.finish()
+        try:
+            arrays = []
+            for a, (_, shape, dt, off) in zip(host, slots, strict=True):
+                view = self.backend.view(lease.buf, off, shape, dt)
+                self.backend.upload(a, view)
+                arrays.append(view)
+            self.backend.finish()
+        except BaseException:
+            release(lease)
+            raise
         return tuple(arrays), host_indptr, lease
 
     def _check_indices(self, indices: Any, ranges: np.ndarray) -> None:
@@ -509,7 +526,7 @@ class GpuBatchSource(BatchSource):
                 raise
         else:
             arrays, host_indptr, lease = self.reader.read_generic(
-                ranges, lambda n: self.ring.acquire(n, self._reclaim)
+                ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.release
             )
         lease.key = wkey
         with self._lease_lock:

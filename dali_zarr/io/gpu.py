@@ -136,7 +136,7 @@ EXTENT_FIELDS = np.dtype(
         ("count", "<i8"),
     ]
 )
-#: kvikio thread pool size the GPU path asks for (unless KVIKIO_NTHREADS is set)
+#: kvikio thread pool size the GPU path asks for (unless the user set KVIKIO_N[UM_]THREADS)
 KVIKIO_THREADS = min(16, os.cpu_count() or 1)
 #: a run of adjacent chunks is cut into reads of about this many bytes, so that a window's
 #: reads still spread over a thread pool (kvikio splits each read into its own tasks too)
@@ -604,7 +604,7 @@ _KVIKIO_POOL_LOCK = threading.Lock()
 
 def kvikio_threads(want: int | None = None) -> int:
     """kvikio's thread pool size (0 when unknown), first raised to ``want`` threads if it is
-    smaller and the user did not set ``KVIKIO_NTHREADS``.
+    smaller and the user did not set ``KVIKIO_NTHREADS`` (or ``KVIKIO_NUM_THREADS``).
 
     kvikio serves every ``CuFile.pread`` of the process from one pool of 1 thread by default,
     so the reads of all reader threads queued behind each other (compat mode on the H100:
@@ -615,7 +615,8 @@ def kvikio_threads(want: int | None = None) -> int:
 
         with _KVIKIO_POOL_LOCK:  # reader threads build their executors concurrently
             have = int(kd.get("num_threads"))
-            if want is not None and want > have and "KVIKIO_NTHREADS" not in os.environ:
+            user_set = any(k in os.environ for k in ("KVIKIO_NTHREADS", "KVIKIO_NUM_THREADS"))
+            if want is not None and want > have and not user_set:
                 kd.set("num_threads", want)
                 have = int(kd.get("num_threads"))
         return have
@@ -739,7 +740,7 @@ class GpuPlanExecutor:
 
         Returns ``out`` once every copy into it has completed (the stream is synchronised).
         """
-        with self._lock, self.device:
+        with self._lock, self.device, self._in_flight_finished():
             decoded = self._device_buffer("decoded", plan.decoded_nbytes)
             if self.path_of(plan) == "device":
                 staging = self._device_buffer("staging", plan.staging_nbytes)
@@ -765,6 +766,20 @@ class GpuPlanExecutor:
             for i, why in decoder.check() if decoder is not None else ():
                 raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
         return out
+
+    @contextlib.contextmanager
+    def _in_flight_finished(self):
+        """On an error, wait for the work already queued on the stream (reads, decodes,
+        copies into the caller's slot) before the buffers are reused or handed back, and
+        forget the failed decode's status table."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # a sticky CUDA error: report the first
+                self.stream.synchronize()
+            for decoder in self._batched.values():
+                decoder.forget()
+            raise
 
     def copy_segments(self, out: Any, src: Any, segments: np.ndarray) -> None:
         """One launch of ``cuda_kernels.copy_segments`` on this executor's stream."""
@@ -794,18 +809,26 @@ class GpuPlanExecutor:
             target[:nbytes].set(host, stream=self.stream)
             return
         pending = []
-        for i, f, offset, size, dest in plan.extent_jobs():
-            future = self._cufile(plan.files[f]).pread(target[dest : dest + size], size, offset)
-            pending.append((i, size, future))
-        for i, size, future in pending:
-            try:
-                got = future.get()
-            except Exception as e:
-                raise _extent_error(reader, plan, i, 0, f"kvikio read failed ({e})") from e
-            if got != size:
-                raise _extent_error(
-                    reader, plan, i, got, f"read {got} of {size} bytes (file shrank)"
-                )
+        try:
+            for i, f, offset, size, dest in plan.extent_jobs():
+                file = self._cufile(plan.files[f])
+                pending.append((i, size, file.pread(target[dest : dest + size], size, offset)))
+        finally:
+            # every read must be over before we raise: kvikio's pool would otherwise go on
+            # writing into buffers the next plan reuses (or cupy hands to another owner)
+            error = None
+            for i, size, future in pending:
+                try:
+                    got = future.get()
+                except Exception as e:
+                    error = error or _extent_error(reader, plan, i, 0, f"kvikio read failed ({e})")
+                    continue
+                if got != size and error is None:
+                    error = _extent_error(
+                        reader, plan, i, got, f"read {got} of {size} bytes (file shrank)"
+                    )
+        if error is not None:
+            raise error
         self._trim_files()
 
     def _nvcomp_decode(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:

@@ -193,6 +193,10 @@ class BatchedDecoder:
         _raise_for(status, f"nvCOMP {self.kind}: batched decode of {n} chunks")
         self._pending = (table, n, chunk_nbytes)
 
+    def forget(self) -> None:
+        """Drop the last call's table unread (its plan failed before :meth:`check`)."""
+        self._pending = None
+
     def check(self) -> list[tuple[int, str]]:
         """Failed chunks of the last :meth:`enqueue` (call after the stream was synced)."""
         if self._pending is None:
