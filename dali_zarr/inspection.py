@@ -295,11 +295,11 @@ def _chunking(ds: Dataset) -> _Chunking:
             True,
         )
     if isinstance(ds, CsrDataset):
-        mean = float(ds.indptr[-1]) / max(1, ds.n_obs)
         elements = max(ds.data_reader.rows_per_chunk, ds.indices_reader.rows_per_chunk)
+        nnz_per_row = float(ds.indptr[-1]) / max(1, ds.n_obs)
         return _Chunking(
-            elements / mean if mean > 0 else float(max(1, ds.n_obs)),
-            mean * (np.dtype(ds.dtype).itemsize + np.dtype(ds.index_dtype).itemsize),
+            elements * _rows_per_element(ds),
+            nnz_per_row * (np.dtype(ds.dtype).itemsize + np.dtype(ds.index_dtype).itemsize),
             False,
         )
     if isinstance(ds, Collection):
@@ -307,9 +307,13 @@ def _chunking(ds: Dataset) -> _Chunking:
         rows = max(c.rows_per_chunk for c in parts)
         sizes = np.array([p.n_obs for p in ds.parts], dtype=np.float64)
         row_bytes = float(np.dot(sizes, [c.row_bytes for c in parts]) / max(1.0, sizes.sum()))
-        # a store boundary off the chunk grid shifts every loader chunk after it
-        on_grid = all(int(o) % max(1, round(rows)) == 0 for o in ds.offsets[1:-1])
-        return _Chunking(rows, row_bytes, on_grid and all(c.aligned for c in parts))
+        # loader chunks (multiples of the coarsest grid) stay on every store's chunk grid only
+        # if each grid divides the coarsest and every store starts on the coarsest grid
+        unit = max(1, round(rows))
+        aligned = all(
+            c.aligned and unit % max(1, round(c.rows_per_chunk)) == 0 for c in parts
+        ) and all(int(o) % unit == 0 for o in ds.offsets[1:-1])
+        return _Chunking(rows, row_bytes, aligned)
     if isinstance(ds, Subset):
         # a loader chunk of the subset's rows spans n_parent / n_subset as many stored rows
         # (about, for a split spread over the store), and rarely starts on a store chunk
@@ -322,6 +326,13 @@ def _chunking(ds: Dataset) -> _Chunking:
         f"{ds.name}: no chunk_size suggestion for a {type(ds).__name__}; pass chunk_size and "
         "preload_nchunks."
     )
+
+
+def _rows_per_element(ds: CsrDataset) -> float:
+    """Rows per stored non-zero (how X/data's chunking maps to rows); an empty X counts as
+    all rows in any chunk."""
+    nnz = int(ds.indptr[-1])
+    return ds.n_obs / nnz if nnz > 0 else float(ds.n_obs)
 
 
 def dataset_suggestion(ds: Dataset, *, batch_size: int = 256) -> Suggestion:
@@ -390,8 +401,7 @@ def inspect_store(
         x = node["X"]
         if isinstance(ds, CsrDataset):
             nnz = int(ds.indptr[-1])
-            mean = nnz / max(1, ds.n_obs)
-            per_element = 1.0 / mean if mean > 0 else float(ds.n_obs)
+            per_element = _rows_per_element(ds)
             for key in ("data", "indices"):
                 arrays.append(_array_info(x[key], f"X/{key}", rows_per_element=per_element))
             arrays.append(_array_info(x["indptr"], "X/indptr", rows_per_element=None, whole=True))

@@ -558,6 +558,10 @@ def test_suggestion_for_collections_and_subsets(tmp_path, sc_store) -> None:
     off_grid = dz.open_dataset([cube("c.zarr", 305, 20), cube("d.zarr", 300, 20)])
     s = dataset_suggestion(off_grid, batch_size=64)
     assert s.chunk_size == 4 * 20 and s.read_amplification == 1.25
+    # 30-row loader chunks would cut the 20-row store's chunks: not aligned either
+    mixed = dz.open_dataset([cube("f.zarr", 300, 30), cube("g.zarr", 300, 20)])
+    s = dataset_suggestion(mixed, batch_size=64)
+    assert s.rows_per_store_chunk == 30 and s.chunk_size == 4 * 30 and s.read_amplification == 1.25
 
     whole = dz.open_dataset(cube("e.zarr", 1_000, 40))
     assert dataset_suggestion(dz.Subset(whole, np.arange(1_000))).chunk_size == 40

@@ -101,7 +101,11 @@ def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> 
     assert val.sampler.preload_nchunks == wanted.preload_nchunks
     dm.teardown()
     given = ZarrDataModule(data=split_store, chunk_size=48, batch_size=64)
-    assert given.train_dataloader().sampler.chunk_size == 48
+    wanted = dataset_suggestion(given.subset("train"), batch_size=64)
+    sampler = given.train_dataloader().sampler
+    # a given chunk_size keeps the suggested window size in rows
+    assert sampler.chunk_size == 48
+    assert sampler.preload_nchunks == -(-wanted.preload_nchunks * wanted.chunk_size // 48)
     given.teardown()
     with pytest.raises(dz.ConfigError, match="chunk_size"):
         ZarrDataModule(data=split_store, chunk_size=0)
