@@ -25,6 +25,7 @@ from dali_zarr.graph.gpu_pipeline import (
     BufferRing,
     GpuBatchSource,
     HostBackend,
+    RingClosed,
     gpu_source_names,
     gpu_status,
     ring_sync,
@@ -283,6 +284,48 @@ def test_ring_keeps_its_slots_when_allocation_fails():
     assert ring.n_free == 2
     a, b = ring.acquire(1000), ring.acquire(1000)  # both slots still serve
     assert {a.slot, b.slot} == {0, 1} and min(a.buf.size, b.buf.size) >= 1000
+
+
+def test_closing_the_ring_ends_a_reader_waiting_for_a_slot():
+    import threading
+
+    ring = BufferRing(1, HostBackend())
+    ring.acquire(10)  # held by a window the (stopped) consumer never retires
+    errors = []
+
+    def wait_for_a_slot():
+        try:
+            ring.acquire(10)
+        except RingClosed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=wait_for_a_slot, daemon=True)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and ring.waits >= 1
+    ring.close()
+    t.join(5)
+    assert not t.is_alive() and errors, "the waiting reader did not end when the ring closed"
+    with pytest.raises(RingClosed, match="loader was closed"):
+        ring.acquire(10)
+
+
+def test_closing_the_source_ends_a_read_blocked_on_the_ring(csr_store):
+    """A window read that waits for a slot held by batches the consumer will never retire
+    (training stopped) ends when the source closes, instead of keeping its thread, and
+    Python's exit that joins it, waiting forever."""
+    ds = dz.open_dataset(csr_store)
+    gpu = GpuBatchSource(ds, _sampler(), output="dense", obs=[], return_index=False,
+                         backend=HostBackend())  # fmt: skip
+    gpu.bind_epoch(0, 0)
+    held = [gpu.ring.acquire(1) for _ in range(gpu.ring.n_slots)]
+    assert len(held) == gpu.ring.n_slots and gpu.ring.n_free == 0
+    future = gpu._schedule((0, (0, ()), 0))
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.3)  # waiting for a slot
+    gpu.close()
+    with pytest.raises(RingClosed):
+        future.result(timeout=5)
 
 
 def test_default_device_is_the_local_rank(monkeypatch):

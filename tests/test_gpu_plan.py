@@ -20,6 +20,7 @@ from zarr.codecs import BytesCodec
 
 from dali_zarr.errors import ChunkReadError
 from dali_zarr.io import DirectReader, open_reader
+from dali_zarr.io.codecs import FRAME_HEAD_NBYTES, frame_problems, zstd_content_sizes
 from dali_zarr.io.gpu import (
     GPU_KINDS,
     NotPlannable,
@@ -29,6 +30,7 @@ from dali_zarr.io.gpu import (
     plan_rows,
     probe_gpu,
 )
+from dali_zarr.io.nvcomp_batched import call_slices
 from tests.stores import compressors, has_cuda, needs_cuda, random_ranges, write, write_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -313,6 +315,74 @@ def test_corrupted_chunk_names_array_and_chunk(tmp_path):
         execute_plan_cpu(plan_rows(reader, np.array([[0, 4096]])), reader)
 
 
+def _zstd_header(fcs_flag: int, single_segment: int, size: int) -> np.ndarray:
+    """A zstd frame header recording content size ``size`` in the given layout (RFC 8878)."""
+    width = (single_segment, 2, 4, 8)[fcs_flag]
+    head = bytearray((0xFD2FB528).to_bytes(4, "little"))
+    head.append(fcs_flag << 6 | single_segment << 5)
+    if not single_segment:
+        head.append(0x58)  # a window descriptor
+    head += (size - 256 if width == 2 else size).to_bytes(width, "little") if width else b""
+    return np.frombuffer(bytes(head).ljust(FRAME_HEAD_NBYTES, b"\0"), np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("fcs_flag", "single_segment", "size"),
+    [(0, 1, 200), (1, 0, 256), (1, 1, 65791), (2, 0, 70_000), (3, 1, 5 << 30), (0, 0, -1)],
+)
+def test_zstd_content_size_in_every_header_layout(fcs_flag, single_segment, size):
+    head = _zstd_header(fcs_flag, single_segment, size)
+    is_frame, content, end = zstd_content_sizes(head[None])
+    assert is_frame[0] and content[0] == size
+    assert end[0] == 5 + (1 - single_segment) + (single_segment, 2, 4, 8)[fcs_flag]
+
+
+def test_frame_problems_on_real_frames():
+    """Frames numcodecs writes pass; data that is not the chunk the metadata describes is
+    named before any decoder sees it."""
+    chunk = np.arange(1024, dtype=np.float32)
+    n = chunk.nbytes
+    zstd = [np.frombuffer(numcodecs.Zstd(level=lv).encode(chunk), np.uint8) for lv in (1, 9)]
+    other_size = np.frombuffer(numcodecs.Zstd().encode(chunk[:1000]), np.uint8)
+    gzip = np.frombuffer(numcodecs.GZip().encode(chunk), np.uint8)
+    stored = [*zstd, other_size, gzip, zstd[0][:7]]
+    heads = np.stack([np.frombuffer(b[:18].tobytes().ljust(18, b"\0"), np.uint8) for b in stored])
+    got = frame_problems("zstd", heads, [len(b) for b in stored], n)
+    assert [i for i, _ in got] == [2, 3, 4]
+    assert got[0][1] == f"zstd frame holds 4000 bytes, expected {n}"
+    assert got[1][1].startswith("not a zstd frame (starts with [1f 8b 08 00]")
+    assert got[2][1] == "stored 7 bytes, too short for a zstd frame"
+    lz4 = np.frombuffer(numcodecs.LZ4().encode(chunk), np.uint8)
+    lz4_heads = np.zeros((2, FRAME_HEAD_NBYTES), np.uint8)
+    lz4_heads[0, :4], lz4_heads[1, :4] = lz4[:4], [1, 2, 0, 0]
+    assert frame_problems("lz4", lz4_heads, [lz4.size] * 2, n) == [
+        (1, f"lz4 header says 513 bytes, expected {n}")
+    ]
+
+
+@pytest.mark.parametrize("blob", ["gzip", "short-zstd"])
+def test_chunk_that_is_not_what_the_metadata_says_is_named(tmp_path, blob):
+    """A chunk file replaced by other data (gzip bytes, or a zstd frame of another size) in
+    an array declared zstd: the plan executor names the chunk before decoding anything."""
+    data = np.arange(4096, dtype=np.float32)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
+    wrong = numcodecs.GZip() if blob == "gzip" else numcodecs.Zstd()
+    part = data if blob == "gzip" else data[:1000]
+    (tmp_path / "a.zarr" / "c" / "2").write_bytes(wrong.encode(part))
+    reader = open_reader(arr, name="arr")
+    why = "not a zstd frame" if blob == "gzip" else "zstd frame holds 4000 bytes, expected 4096"
+    with pytest.raises(ChunkReadError, match=rf"arr: chunk 'c/2'.*{why}"):
+        execute_plan_cpu(plan_rows(reader, np.array([[0, 4096]])), reader)
+
+
+def test_decode_calls_are_capped_in_decoded_bytes():
+    assert call_slices(10, 100, cap=250) == [slice(0, 2), slice(2, 4), slice(4, 6),
+                                             slice(6, 8), slice(8, 10)]  # fmt: skip
+    assert call_slices(3, 1000, cap=10) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert call_slices(0, 100) == []
+    assert call_slices(5, 1 << 20) == [slice(0, 5)]  # a window well under CALL_NBYTES
+
+
 def test_truncated_uncompressed_chunk(tmp_path):
     data = np.arange(256, dtype=np.int32)
     arr = write(tmp_path / "a.zarr", data, chunks=(64,))
@@ -400,6 +470,7 @@ def _fake_cuda_modules(monkeypatch, log):
     cupy = types.ModuleType("cupy")
     cupy.empty = lambda n, dtype: np.zeros(n, dtype).view(_Dev)
     cupy.asarray = np.asarray
+    cupy.asnumpy = lambda a, stream=None: np.asarray(a).copy()
     cupy.cuda = types.SimpleNamespace(
         Device=lambda i: Ctx(),
         Stream=lambda non_blocking: Ctx(),
@@ -499,6 +570,40 @@ def test_gpu_executor_control_flow_with_faked_cuda(
         else:
             assert not log  # host decode: no kvikio, no nvCOMP
     assert len(executor._files) <= 2
+    executor.close()
+
+
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_gpu_executor_checks_frames_first_and_caps_decode_calls(tmp_path, monkeypatch, reads):
+    """With the same stand-ins: nvCOMP gets a window in calls of at most CALL_NBYTES decoded
+    bytes, and a chunk that is not a zstd frame is named before nvCOMP sees any chunk."""
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log)
+    monkeypatch.setenv(READS_ENV, reads)
+    monkeypatch.setattr(
+        GpuPlanExecutor,
+        "copy_segments",
+        lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
+    )
+    monkeypatch.setattr(nvcomp_batched, "CALL_NBYTES", 3 * 4096)  # three 4 KiB chunks a call
+    data = np.random.default_rng(0).poisson(2, 16 * 1024).astype(np.float32)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="arr")
+    executor = GpuPlanExecutor(0)
+    plan = plan_rows(reader, np.array([[0, data.size]]))
+    out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
+    executor.run(plan, reader, out)
+    np.testing.assert_array_equal(out, data)
+    assert [e[2] for e in log if e[0] == "decode"] == [3, 3, 3, 3, 3, 1]
+
+    (tmp_path / "a.zarr" / "c" / "5").write_bytes(numcodecs.GZip().encode(data[:1024]))
+    log.clear()
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*not a zstd frame"):
+        executor.run(plan_rows(reader, np.array([[0, data.size]])), reader, out)
+    assert not [e for e in log if e[0] == "decode"]
     executor.close()
 
 

@@ -64,6 +64,19 @@ def test_temporary_size_query_runs_without_a_gpu(kind):
     assert 0 <= small <= large
 
 
+@pytest.mark.parametrize("chunk_nbytes", [64 << 10, 1 << 20])
+def test_capped_calls_bound_the_scratch_memory(chunk_nbytes):
+    """The installed nvCOMP's zstd scratch grows with a call's decoded bytes (about 3x):
+    calls of at most CALL_NBYTES keep it near 3x CALL_NBYTES whatever the window's size."""
+    _library()
+    window = 8 * nvcomp_batched.CALL_NBYTES // chunk_nbytes  # chunks of a 1 GiB window
+    calls = nvcomp_batched.call_slices(window, chunk_nbytes)
+    assert len(calls) == 8
+    capped = nvcomp_batched.temp_nbytes("zstd", calls[0].stop, chunk_nbytes)
+    whole = nvcomp_batched.temp_nbytes("zstd", window, chunk_nbytes)
+    assert capped <= 4 * nvcomp_batched.CALL_NBYTES < whole
+
+
 @pytest.mark.parametrize("kind", ["zstd", "lz4"])
 def test_read_plans_meet_the_decoders_alignment(kind):
     """The byte plan packs compressed chunks at any byte offset and starts decoded slots on

@@ -266,6 +266,10 @@ class Lease:
     last_served: int | None = None  # serve counter of the last batch handed out from it
 
 
+class RingClosed(RuntimeError):
+    """The ring was closed (the loader shut down) while a reader waited for a slot."""
+
+
 class BufferRing:
     """``n_slots`` reusable device buffers (grown on demand, never shrunk)."""
 
@@ -274,6 +278,7 @@ class BufferRing:
         self._bufs: list[Any] = [None] * n_slots  # None until first handed out
         self._free = list(range(n_slots))
         self._cond = threading.Condition()
+        self._closed = False
         self.waits = 0  # times acquire() waited for the consumer (none free after reclaim)
 
     @property
@@ -286,16 +291,24 @@ class BufferRing:
             return len(self._free)
 
     def acquire(self, nbytes: int, reclaim: Callable[[], None] = lambda: None) -> Lease:
-        """A slot of at least ``nbytes``; calls ``reclaim`` and waits while none is free."""
+        """A slot of at least ``nbytes``; calls ``reclaim`` and waits while none is free.
+
+        Raises :class:`RingClosed` once :meth:`close` was called: a reader waiting for a
+        consumer that has stopped would otherwise keep its thread, and the process, alive.
+        """
         while True:
             with self._cond:
+                if self._closed:
+                    raise RingClosed(
+                        "the loader was closed while a window waited for a device buffer"
+                    )
                 if self._free:
                     slot = self._free.pop(0)
                     break
             reclaim()  # slots of windows retired or dropped since the last reclaim
             with self._cond:
-                if not self._free:  # every slot holds a window DALI may still read
-                    self.waits += 1
+                if not self._free and not self._closed:  # every slot holds a window
+                    self.waits += 1  # DALI may still read
                     self._cond.wait(0.05)
         try:
             buf = self._bufs[slot]
@@ -317,6 +330,13 @@ class BufferRing:
         with self._cond:
             if lease.slot not in self._free:
                 self._free.append(lease.slot)
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every waiting :meth:`acquire` with :class:`RingClosed`; no slot is handed out
+        again."""
+        with self._cond:
+            self._closed = True
             self._cond.notify_all()
 
 
@@ -595,6 +615,7 @@ class GpuBatchSource(BatchSource):
 
     def close(self) -> None:
         super().close()
+        self.ring.close()  # a reader waiting for a slot the stopped consumer holds ends
         self.backend.close()
 
 

@@ -104,22 +104,86 @@ class _Crc32c(_Stage):
         return buf[4:]
 
 
-def _zstd_content_size(buf: np.ndarray) -> int | None:
-    """Frame_Content_Size from a zstd frame header (RFC 8878 §3.1.1.1), None if absent."""
-    if buf.size < 6:
-        return None
-    head = buf[:18].tobytes()
-    if int.from_bytes(head[:4], "little") != 0xFD2FB528:
-        return None
-    fhd = head[4]
-    fcs_flag = fhd >> 6
+#: bytes at the start of a stored chunk that the frame checks read: a zstd frame header at
+#: its longest (magic 4, descriptor 1, window 1, dictionary id 4, content size 8)
+FRAME_HEAD_NBYTES = 18
+_ZSTD_MAGIC = 0xFD2FB528
+_ZSTD_MIN_FRAME = 9  # magic, descriptor, one 3-byte block header and one byte
+
+
+def zstd_content_sizes(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parse the zstd frame headers in the rows of ``heads`` (``(n, FRAME_HEAD_NBYTES)``
+    uint8, a frame's first bytes each; RFC 8878 §3.1.1.1) without Python work per frame.
+
+    Returns ``(is_frame, content_size, header_end)``: the magic number is there and the
+    descriptor's reserved bit is clear; Frame_Content_Size (-1 where the frame does not
+    record it); the byte where the header ends (a chunk shorter than that is truncated).
+    """
+    heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)
+    magic = heads[:, :4].astype(np.uint32) << np.array([0, 8, 16, 24], dtype=np.uint32)
+    fhd = heads[:, 4].astype(np.int64)
+    is_frame = (magic.sum(axis=1, dtype=np.uint32) == _ZSTD_MAGIC) & ((fhd >> 3) & 1 == 0)
     single_segment = (fhd >> 5) & 1
-    pos = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[fhd & 3]
-    size = (1 if single_segment else 0, 2, 4, 8)[fcs_flag]
-    if size == 0 or len(head) < pos + size:
+    pos = 5 + (1 - single_segment) + np.array([0, 1, 2, 4])[fhd & 3]
+    size = np.where(fhd >> 6 == 0, single_segment, np.array([0, 2, 4, 8])[fhd >> 6])
+    byte = np.arange(8)
+    at = np.minimum(pos[:, None] + byte, FRAME_HEAD_NBYTES - 1)
+    digits = np.take_along_axis(heads, at, axis=1).astype(np.uint64) << (8 * byte).astype(np.uint64)
+    value = np.where(byte < size[:, None], digits, 0).sum(axis=1, dtype=np.uint64)
+    value = value.astype(np.int64) + np.where(size == 2, 256, 0)
+    return is_frame, np.where(size > 0, value, -1), pos + size
+
+
+def _zstd_content_size(buf: np.ndarray) -> int | None:
+    """Frame_Content_Size of the zstd frame ``buf`` starts with; None if it records none or
+    ``buf`` does not start with a whole zstd frame header."""
+    head = np.zeros(FRAME_HEAD_NBYTES, np.uint8)
+    n = min(buf.size, FRAME_HEAD_NBYTES)
+    head[:n] = buf[:n]
+    is_frame, size, end = (a[0] for a in zstd_content_sizes(head))
+    if not is_frame or buf.size < end or size < 0:
         return None
-    value = int.from_bytes(head[pos : pos + size], "little")
-    return value + 256 if size == 2 else value
+    return int(size)
+
+
+def frame_problems(
+    kind: str, heads: np.ndarray, nbytes: np.ndarray, expected: int
+) -> list[tuple[int, str]]:
+    """``(index, why)`` for every stored chunk whose first bytes show it cannot decode to
+    ``expected`` bytes: ``kind`` "zstd" (not a frame, a truncated header, a content size
+    other than ``expected``) or "lz4" (numcodecs' 4-byte size header is not ``expected``).
+
+    Both executors run it on every chunk before decoding. On the GPU it keeps data that is
+    not what the array's metadata says away from nVCOMP, whose batched decoders do not
+    promise to report such input as an error.
+    """
+    heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    if kind == "lz4":
+        size = (heads[:, :4].astype(np.int64) << np.array([0, 8, 16, 24])).sum(axis=1)
+        bad = np.flatnonzero(size != expected)
+        return [(int(i), f"lz4 header says {int(size[i])} bytes, expected {expected}") for i in bad]
+    is_frame, size, end = zstd_content_sizes(heads)
+    short = nbytes < np.maximum(end, _ZSTD_MIN_FRAME)
+    bad = np.flatnonzero(~is_frame | short | ((size >= 0) & (size != expected)))
+    out = []
+    for i in bad.tolist():  # errors only: a handful at most
+        if not is_frame[i]:
+            first = " ".join(f"{b:02x}" for b in heads[i, : min(4, max(nbytes[i], 0))])
+            why = f"not a zstd frame (starts with [{first}], a zstd frame with 28 b5 2f fd)"
+        elif short[i]:
+            why = f"stored {int(nbytes[i])} bytes, too short for a zstd frame"
+        else:
+            why = f"zstd frame holds {int(size[i])} bytes, expected {expected}"
+        out.append((i, why))
+    return out
+
+
+def head_index(offsets: np.ndarray, buffer_nbytes: int) -> np.ndarray:
+    """Gather index of the first :data:`FRAME_HEAD_NBYTES` bytes at each of ``offsets`` in a
+    buffer of ``buffer_nbytes`` (clipped to it: bytes past a chunk's end are ignored)."""
+    idx = np.asarray(offsets, dtype=np.int64)[:, None] + np.arange(FRAME_HEAD_NBYTES)
+    return np.minimum(idx, max(buffer_nbytes - 1, 0))
 
 
 class _Zstd(_Stage):

@@ -17,8 +17,9 @@ Two executors run the same plan:
 * :class:`GpuPlanExecutor` (needs CUDA; imports kvikio, cupy and nvCOMP lazily): every extent
   read into device memory, all in flight at once — kvikio ``CuFile.pread`` (GPUDirect
   Storage where the system has it, kvikio's compat mode otherwise), or ``os.preadv`` into
-  pinned memory and one copy (:func:`read_method`); one nvCOMP batched decode call for all
-  chunks of the array in the window; chunks nvCOMP cannot decode are decoded on the CPU into
+  pinned memory and one copy (:func:`read_method`); each stored chunk's header checked on
+  the host (:func:`check_frames`); nvCOMP batched decode calls of up to 128 MiB of the
+  array's chunks in the window; chunks nvCOMP cannot decode are decoded on the CPU into
   pinned memory and copied once; then one launch of ``cuda_kernels.copy_segments`` assembles
   the rows.
 
@@ -50,7 +51,7 @@ import numpy as np
 from ..errors import ChunkReadError, ConfigError
 from ..planning.partition import run_offsets, split_at_chunks
 from . import nvcomp_batched
-from .codecs import DecodeError, _zstd_content_size
+from .codecs import DecodeError, frame_problems, head_index
 from .layout import ArrayLayout
 from .readers import DirectReader, _check_ranges, _pread_into, _run_parallel
 
@@ -69,6 +70,8 @@ __all__ = [
 
 #: decode paths that run on the GPU ("host" is the CPU decode + one copy).
 GPU_KINDS = ("none", "zstd", "lz4")
+#: kinds whose stored chunks start with a header the plan executors check before decoding
+FRAMED_KINDS = ("zstd", "lz4")
 ALIGN = 256  # staging and chunk-buffer slots start on 256-byte boundaries (nvCOMP, kvikio)
 _LZ4_HEADER = 4
 
@@ -376,6 +379,8 @@ def decode_plan_cpu(
     staging = np.empty(plan.staging_nbytes, np.uint8) if staging is None else staging
     decoded = np.empty(plan.decoded_nbytes, np.uint8) if decoded is None else decoded
     read_extents_cpu(plan, reader, decoded if plan.reads_into_chunk_buffer else staging)
+    if plan.kind in FRAMED_KINDS and len(plan.reads):
+        check_frames(plan, reader, frame_heads_host(plan, staging))
     if not plan.reads_into_chunk_buffer:  # uncompressed chunks were read into their slots
         decode = _cpu_decoder(plan, reader)
         jobs = plan.reads[["chunk", "staging_offset", "nbytes", "decoded_offset"]].tolist()
@@ -383,6 +388,20 @@ def decode_plan_cpu(
     for slot in plan.fill_slots:
         _chunk_view(decoded, plan, slot * plan.slot_nbytes)[...] = plan.fill_value
     return decoded[: plan.decoded_nbytes]
+
+
+def frame_heads_host(plan: ReadPlan, staging: np.ndarray) -> np.ndarray:
+    """The first bytes of every stored chunk of ``plan`` in host ``staging`` (for
+    :func:`check_frames`)."""
+    return staging[head_index(plan.reads["staging_offset"], plan.staging_nbytes)]
+
+
+def check_frames(plan: ReadPlan, reader: DirectReader, heads: np.ndarray) -> None:
+    """Raise the reader's chunk error, naming the chunk, for the first stored chunk of a
+    :data:`FRAMED_KINDS` ``plan`` whose first bytes (``heads``, one row per read) show it
+    cannot decode to a chunk (:func:`~dali_zarr.io.codecs.frame_problems`)."""
+    for i, why in frame_problems(plan.kind, heads, plan.reads["nbytes"], plan.chunk_nbytes)[:1]:
+        raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
 
 
 def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -> None:
@@ -447,26 +466,13 @@ def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
     chunk's stored bytes into its slot, for a plan of a compressed kind, raising
     ChunkReadError that names the chunk."""
     n_out = plan.chunk_nbytes
-    if plan.kind == "zstd":
-        codec = numcodecs.Zstd()
+    if plan.kind in ("zstd", "lz4"):
+        # check_frames has checked each frame's content size (zstd) or size header (lz4).
+        # nvCOMP gets the bare LZ4 block; numcodecs wants the 4-byte size header in front
+        # of it, which the plan read too
+        codec = numcodecs.Zstd() if plan.kind == "zstd" else numcodecs.LZ4()
 
         def raw(stored: np.ndarray, dst: np.ndarray) -> None:
-            # numcodecs fills only a zstd frame's content size: check it (the GPU executor
-            # checks nvCOMP's decompressed sizes instead)
-            size = _zstd_content_size(stored)
-            if size is not None and size != n_out:
-                raise DecodeError(f"zstd frame holds {size} bytes, expected {n_out}")
-            codec.decode(stored, out=dst)
-
-    elif plan.kind == "lz4":
-        codec = numcodecs.LZ4()
-
-        def raw(stored: np.ndarray, dst: np.ndarray) -> None:
-            # nvCOMP gets the bare block; numcodecs wants the 4-byte size header in front of
-            # it, which the plan read too: decode in place once it says what the plan expects
-            size = int.from_bytes(stored[:_LZ4_HEADER].tobytes(), "little")
-            if size != n_out:
-                raise DecodeError(f"lz4 header says {size} bytes, expected {n_out}")
             codec.decode(stored, out=dst)
 
     else:  # "host": the reader's own decoder (same codecs, chunk shape, dtype)
@@ -478,7 +484,7 @@ def _cpu_decoder(plan: ReadPlan, reader: DirectReader):
     def decode(chunk, offset, nbytes, dst_offset, staging, decoded) -> None:
         try:
             raw(staging[offset : offset + nbytes], decoded[dst_offset : dst_offset + n_out])
-        except DecodeError as e:
+        except DecodeError as e:  # the ChunkDecoder's own errors say what failed
             raise reader.chunk_error(_coords(reader, chunk), str(e)) from e
         except Exception as e:  # numcodecs raises RuntimeError/ValueError
             raise reader.chunk_error(
@@ -745,6 +751,8 @@ class GpuPlanExecutor:
             if self.path_of(plan) == "device":
                 staging = self._device_buffer("staging", plan.staging_nbytes)
                 self._read_to_device(plan, reader, staging, decoded)
+                if plan.kind in FRAMED_KINDS and len(plan.reads):
+                    check_frames(plan, reader, self._frame_heads(plan, staging))
                 if plan.kind != "none":
                     self._nvcomp_decode(plan, reader, staging, decoded)
                 with self.stream:
@@ -831,8 +839,22 @@ class GpuPlanExecutor:
             raise error
         self._trim_files()
 
+    def _frame_heads(self, plan: ReadPlan, staging) -> np.ndarray:
+        """The first bytes of every stored chunk, on the host (:func:`check_frames`): from
+        the pinned buffer the reads went through, or gathered on the device and copied back
+        (18 bytes a chunk; the kvikio reads have completed)."""
+        if self.reads == "pinned":
+            return frame_heads_host(plan, self._pinned["staging"])
+        index = head_index(plan.reads["staging_offset"], plan.staging_nbytes)
+        with self.stream:
+            heads = staging[self.cp.asarray(index)]
+        host = self.cp.asnumpy(heads, stream=self.stream)
+        self.stream.synchronize()
+        return host
+
     def _nvcomp_decode(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:
-        """All chunks of the plan in one batched nvCOMP call (raw zstd frames / LZ4 blocks).
+        """The plan's chunks (raw zstd frames / LZ4 blocks) in batched nvCOMP calls of up to
+        :data:`nvcomp_batched.CALL_NBYTES` decoded bytes each (one or two per window).
 
         nvCOMP 5.3 parses every frame's header and synchronises the stream inside ``decode``
         while holding the GIL (its size-built DecompressConfig serves single arrays only).
@@ -851,15 +873,17 @@ class GpuPlanExecutor:
             return
         nv, n_out = self._nvcomp, plan.chunk_nbytes
         pairs = list(zip(src_off.tolist(), src_nbytes.tolist(), dst_off.tolist(), strict=True))
-        srcs = nv.as_arrays([staging[s : s + n] for s, n, _ in pairs], self.stream.ptr)
-        # as nvCOMP arrays: nvCOMP 5.3 segfaults when ``out`` holds cupy arrays directly
-        dsts = nv.as_arrays([decoded[d : d + n_out] for _, _, d in pairs], self.stream.ptr)
-        try:
-            results = self._codec(plan.kind).decode(srcs, data_type="|u1", out=dsts)
-        except Exception as e:
-            raise ChunkReadError(
-                f"{plan.name}: nvCOMP {plan.kind} decoding of {len(srcs)} chunks failed ({e})"
-            ) from e
+        results, stream = [], self.stream.ptr
+        for call in nvcomp_batched.call_slices(len(pairs), n_out):
+            srcs = nv.as_arrays([staging[s : s + n] for s, n, _ in pairs[call]], stream)
+            # as nvCOMP arrays: nvCOMP 5.3 segfaults when ``out`` holds cupy arrays directly
+            dsts = nv.as_arrays([decoded[d : d + n_out] for _, _, d in pairs[call]], stream)
+            try:
+                results += self._codec(plan.kind).decode(srcs, data_type="|u1", out=dsts)
+            except Exception as e:
+                raise ChunkReadError(
+                    f"{plan.name}: nvCOMP {plan.kind} decoding of {len(srcs)} chunks failed ({e})"
+                ) from e
         for chunk, res in zip(plan.reads["chunk"].tolist(), results, strict=True):
             size = getattr(res, "buffer_size", n_out)
             if size != n_out:

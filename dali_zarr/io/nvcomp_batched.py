@@ -12,8 +12,9 @@ stream, and ctypes releases the GIL for the call.
 any machine (tests do that in CI), but the decode itself has not run on a GPU yet. Turn it on
 with ``DALI_ZARR_NVCOMP_BATCHED=1``; the ``gpu`` tests compare it with the CPU decode.
 
-One call decodes a whole plan: the host builds one table (source pointers, source sizes,
-destination pointers, destination sizes) with NumPy, uploads it once, and nvCOMP writes one
+A plan is decoded with one table: the host builds it (source pointers, source sizes,
+destination pointers, destination sizes) with NumPy and uploads it once; nvCOMP is called on
+consecutive slices of it (:func:`call_slices`, to bound its scratch memory) and writes one
 status and one decoded size per chunk, checked after the executor's stream sync.
 """
 
@@ -45,6 +46,20 @@ _STATUS = {
     1000: "CUDA error",
     10000: "internal error",
 }
+
+
+#: decoded bytes one decode call covers at most. nvCOMP 5.3's zstd decoder asks for about
+#: 3x a call's decoded bytes of scratch (its size query, tested in CI): one call per
+#: 131 MB window held ~400 MB of device memory per reader thread.
+CALL_NBYTES = 128 << 20
+
+
+def call_slices(n_chunks: int, chunk_nbytes: int, cap: int | None = None) -> list[slice]:
+    """The chunks ``[0, n_chunks)`` of a plan in consecutive calls of at most ``cap``
+    (default :data:`CALL_NBYTES`) decoded bytes each, at least one chunk per call."""
+    cap = CALL_NBYTES if cap is None else cap
+    per_call = max(1, cap // max(chunk_nbytes, 1))
+    return [slice(a, min(a + per_call, n_chunks)) for a in range(0, n_chunks, per_call)]
 
 
 def enabled() -> bool:
@@ -173,7 +188,9 @@ class BatchedDecoder:
         self, staging: Any, src_offsets: np.ndarray, src_nbytes: np.ndarray, decoded: Any,
         dst_offsets: np.ndarray, chunk_nbytes: int,
     ) -> None:  # fmt: skip
-        """Queue the decode of every chunk on the stream; :meth:`check` after syncing it."""
+        """Queue the decode of every chunk on the stream, in :func:`call_slices` calls that
+        share one scratch buffer (stream order keeps them apart); :meth:`check` after
+        syncing the stream."""
         n = len(src_offsets)
         if n == 0:
             return
@@ -183,14 +200,18 @@ class BatchedDecoder:
         self._table = self._buffer(self._table, host.nbytes)
         table = self._table[: host.nbytes].view(self.cp.uint64).reshape(6, n)
         table.set(host, stream=self.stream)
-        temp = temp_nbytes(self.kind, n, chunk_nbytes)
+        calls = call_slices(n, chunk_nbytes)
+        temp = temp_nbytes(self.kind, calls[0].stop, chunk_nbytes)  # the first call is largest
         self._temp = self._buffer(self._temp, temp)
-        status = self._decompress(
-            table[0].data.ptr, table[1].data.ptr, table[3].data.ptr, table[4].data.ptr, n,
-            self._temp.data.ptr, temp, table[2].data.ptr, DecompressOpts(), table[5].data.ptr,
-            self.stream.ptr,
-        )  # fmt: skip
-        _raise_for(status, f"nvCOMP {self.kind}: batched decode of {n} chunks")
+        status_ptr = table[5].data.ptr  # nvcompStatus_t is 32-bit: statuses[i] at 4 * i
+        for c in calls:
+            k = c.stop - c.start
+            status = self._decompress(
+                table[0, c].data.ptr, table[1, c].data.ptr, table[3, c].data.ptr,
+                table[4, c].data.ptr, k, self._temp.data.ptr, temp, table[2, c].data.ptr,
+                DecompressOpts(), status_ptr + 4 * c.start, self.stream.ptr,
+            )  # fmt: skip
+            _raise_for(status, f"nvCOMP {self.kind}: batched decode of {k} chunks")
         self._pending = (table, n, chunk_nbytes)
 
     def forget(self) -> None:
