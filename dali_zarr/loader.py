@@ -145,6 +145,7 @@ class Loader:
         else:
             self._source = BatchSource(dataset, sampler, **source_args)
         log.info("%s; read paths: %s", self.device_reason, self.read_paths())
+        self._closed = False
         self._iterator: Any = None  # DaliEpochIterator or a framework's DALI iterator
         self._pipe = None
         self._names: list[str] = []
@@ -205,7 +206,18 @@ class Loader:
             yield self._to_batch(outputs[0])
 
     def close(self) -> None:
+        """Stop the reader threads and let the DALI pipeline and its buffers go (on the GPU
+        path: device memory, kvikio files, nvCOMP codecs). Iterating afterwards raises
+        ConfigError. A ``with dz.Loader(...) as loader:`` block calls it on exit."""
+        self._closed = True
+        self._iterator = self._pipe = None  # DALI stops calling back before the source goes
         self._source.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -331,6 +343,10 @@ class Loader:
     # -- internals ------------------------------------------------------------------------------
 
     def _start_epoch(self) -> Any:
+        if self._closed:
+            raise ConfigError(
+                f"this Loader of {self.dataset.name} was closed; create a new one to iterate"
+            )
         pending = self._pending
         history, start = self._resume_for(self.epoch)
         # validate settings (and the ranks' batch counts) before DALI starts calling back

@@ -21,7 +21,7 @@ import torch
 
 import dali_zarr as dz
 from dali_zarr import synthetic
-from dali_zarr.graph.gpu_pipeline import HostBackend
+from dali_zarr.graph.gpu_pipeline import HostBackend, RingClosed
 from tests.stores import csr_reference, needs_cuda, write, write_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -276,6 +276,26 @@ def test_resume_mid_epoch_and_leaving_a_loop_early(tmp_path):
     assert len(got) == len(want) > 0
     for a, b in zip(want, got, strict=True):
         assert_batch_equal(a, b)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_closing_mid_epoch_releases_the_loader(tmp_path, where):
+    """A ``with`` block left mid-epoch closes the loader (reader threads, ring, pipeline);
+    iterating it again is refused with an error, not a hang; a new loader gives the batches
+    the CPU path gives."""
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+    with dz.Loader(ds, sampler(), return_index=True, **gpu_kwargs(where)) as loader:
+        for k, _ in enumerate(loader):
+            if k == 2:
+                break
+    assert loader._pipe is None
+    with pytest.raises(RingClosed):
+        loader._source.ring.acquire(1)
+    with pytest.raises(dz.ConfigError, match="was closed; create a new one"):
+        next(iter(loader))
+    cpu = dz.Loader(ds, sampler(), return_index=True)
+    again = dz.Loader(ds, sampler(), return_index=True, **gpu_kwargs(where))
+    assert_same_batches(cpu, again, epochs=(0,), where=where)
 
 
 def test_device_choice_is_reported(tmp_path, caplog):

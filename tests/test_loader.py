@@ -240,6 +240,14 @@ def test_break_mid_epoch_then_next_epoch_is_complete(sc_store: Path) -> None:
     np.testing.assert_array_equal(run_epoch(again, epoch=1)["index"], full["index"])
 
 
+def test_closed_loader_refuses_to_iterate(sc_store: Path) -> None:
+    with dz.Loader(dz.open_dataset(sc_store), sampler()) as loader:
+        assert len(next(iter(loader))["X"]) == 50
+    with pytest.raises(dz.ConfigError, match=r"Loader of .*sc.* was closed; create a new one"):
+        list(loader)
+    loader.close()  # closing twice is harmless
+
+
 def test_next_epoch_read_ahead_follows_any_epoch_order(sc_store: Path) -> None:
     """The first windows of the epoch the loader expects next are read while an epoch ends;
     whether the guess was right (set_epoch stepping by one, or no set_epoch: the same plan

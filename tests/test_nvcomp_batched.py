@@ -56,6 +56,14 @@ def test_binding_matches_the_installed_headers(kind, header):
     assert len([p for p in temp.group(1).split(",") if p.strip()]) == len(temp_size.argtypes)
 
 
+def test_status_names_cover_the_installed_header():
+    text = (_include_dir() / "shared_types.h").read_text()
+    enum = re.search(r"typedef enum nvcompStatus_t\s*\{(.*?)\}", text, re.S)
+    assert enum, "nvcompStatus_t not found in shared_types.h"
+    codes = {int(v) for v in re.findall(r"nvcomp\w+\s*=\s*(\d+)", enum.group(1))}
+    assert codes and codes == set(nvcomp_batched._STATUS)
+
+
 @pytest.mark.parametrize("kind", ["zstd", "lz4"])
 def test_temporary_size_query_runs_without_a_gpu(kind):
     _library()

@@ -154,7 +154,7 @@ def frame_problems(
     other than ``expected``) or "lz4" (numcodecs' 4-byte size header is not ``expected``).
 
     Both executors run it on every chunk before decoding. On the GPU it keeps data that is
-    not what the array's metadata says away from nVCOMP, whose batched decoders do not
+    not what the array's metadata says away from nvCOMP, whose batched decoders do not
     promise to report such input as an error.
     """
     heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)

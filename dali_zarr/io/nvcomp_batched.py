@@ -32,17 +32,25 @@ import numpy as np
 ENV_SWITCH = "DALI_ZARR_NVCOMP_BATCHED"
 #: nvCOMP's name of each plan kind it decodes (Python codecs and C symbols alike)
 ALGORITHM = {"zstd": "Zstd", "lz4": "LZ4"}
+#: ``nvcompStatus_t`` (``nvcomp/shared_types.h``), for error messages; a CI test holds it to
+#: the installed header
 _STATUS = {
     0: "success",
     10: "invalid value",
     11: "not supported",
     12: "cannot decompress",
     13: "bad checksum",
+    14: "cannot verify checksums",
     15: "output buffer too small",
+    16: "wrong header length",
     17: "alignment",
     18: "chunk size too large",
+    19: "cannot compress",
     20: "wrong input length",
     21: "batch size too large",
+    22: "sub-chunk count too large",
+    23: "sub-chunk count too small",
+    24: "output buffer alignment too small",
     1000: "CUDA error",
     10000: "internal error",
 }
