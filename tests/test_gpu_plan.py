@@ -445,6 +445,40 @@ def test_gpu_executor_matches_direct_reader(
     executor.close()
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("nvcomp_api", ["python", "c"])
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_gpu_executor_capped_calls_and_a_bad_chunk(tmp_path, monkeypatch, nvcomp_api, reads):
+    """On the device: a window decoded in calls of at most CALL_NBYTES equals the host read;
+    a chunk that is not a zstd frame fails naming it, and the executor serves the next plan."""
+    import cupy
+
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+
+    monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "1" if nvcomp_api == "c" else "0")
+    monkeypatch.setenv(READS_ENV, reads)
+    monkeypatch.setattr(nvcomp_batched, "CALL_NBYTES", 3 * 4096)  # three 4 KiB chunks a call
+    data = np.random.default_rng(0).poisson(2, 16 * 1024).astype(np.float32)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="arr")
+    executor = GpuPlanExecutor(0)
+    whole = np.array([[0, data.size]])
+    out = cupy.empty(data.size, dtype=np.float32)
+    executor.run(plan_rows(reader, whole), reader, out)
+    np.testing.assert_array_equal(cupy.asnumpy(out), data)
+    good = (tmp_path / "a.zarr" / "c" / "5").read_bytes()
+    (tmp_path / "a.zarr" / "c" / "5").write_bytes(numcodecs.GZip().encode(data[:1024]))
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*not a zstd frame"):
+        executor.run(plan_rows(reader, whole), reader, out)
+    (tmp_path / "a.zarr" / "c" / "5").write_bytes(good)
+    out[...] = 0
+    executor.run(plan_rows(reader, whole), reader, out)
+    np.testing.assert_array_equal(cupy.asnumpy(out), data)
+    executor.close()
+
+
 # ------------------------------------------------- the GPU executor's control flow, faked CUDA
 
 
