@@ -195,6 +195,7 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         iterator = self._start_epoch()
         while True:
+            self._refuse_if_closed()  # a generator still held after close()
             try:
                 outputs = next(iterator)
             except StopIteration:
@@ -210,7 +211,7 @@ class Loader:
         path: device memory, kvikio files, nvCOMP codecs). Iterating afterwards raises
         ConfigError. A ``with dz.Loader(...) as loader:`` block calls it on exit."""
         self._closed = True
-        self._iterator = self._pipe = None  # DALI stops calling back before the source goes
+        self._iterator = self._pipe = None  # freed unless a generator of __iter__ holds them
         self._source.close()
 
     def __enter__(self) -> Loader:
@@ -342,11 +343,14 @@ class Loader:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _start_epoch(self) -> Any:
+    def _refuse_if_closed(self) -> None:
         if self._closed:
             raise ConfigError(
                 f"this Loader of {self.dataset.name} was closed; create a new one to iterate"
             )
+
+    def _start_epoch(self) -> Any:
+        self._refuse_if_closed()
         pending = self._pending
         history, start = self._resume_for(self.epoch)
         # validate settings (and the ranks' batch counts) before DALI starts calling back

@@ -283,16 +283,31 @@ def test_closing_mid_epoch_releases_the_loader(tmp_path, where):
     """A ``with`` block left mid-epoch closes the loader (reader threads, ring, pipeline);
     iterating it again is refused with an error, not a hang; a new loader gives the batches
     the CPU path gives."""
+    import gc
+    import weakref
+
     ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
     with dz.Loader(ds, sampler(), return_index=True, **gpu_kwargs(where)) as loader:
-        for k, _ in enumerate(loader):
-            if k == 2:
+        kept = []
+        for batch in loader:
+            kept.append(batch)
+            if len(kept) == 3:
                 break
-    assert loader._pipe is None
+        pipeline = weakref.ref(loader._pipe)
+    gc.collect()
+    assert pipeline() is None, "the closed loader still holds its DALI pipeline"
+    assert all(b["X"].shape[0] > 0 and torch.isfinite(b["X"]).all() for b in kept)  # readable
     with pytest.raises(RingClosed):
         loader._source.ring.acquire(1)
     with pytest.raises(dz.ConfigError, match="was closed; create a new one"):
         next(iter(loader))
+    # a generator still held when the loader closes stops with the same error
+    held = dz.Loader(ds, sampler(), return_index=True, **gpu_kwargs(where))
+    running = iter(held)
+    next(running)
+    held.close()
+    with pytest.raises(dz.ConfigError, match="was closed; create a new one"):
+        next(running)
     cpu = dz.Loader(ds, sampler(), return_index=True)
     again = dz.Loader(ds, sampler(), return_index=True, **gpu_kwargs(where))
     assert_same_batches(cpu, again, epochs=(0,), where=where)

@@ -20,7 +20,12 @@ from zarr.codecs import BytesCodec
 
 from dali_zarr.errors import ChunkReadError
 from dali_zarr.io import DirectReader, open_reader
-from dali_zarr.io.codecs import FRAME_HEAD_NBYTES, frame_problems, zstd_content_sizes
+from dali_zarr.io.codecs import (
+    FRAME_HEAD_NBYTES,
+    _zstd_content_size,
+    frame_problems,
+    zstd_content_sizes,
+)
 from dali_zarr.io.gpu import (
     GPU_KINDS,
     NotPlannable,
@@ -315,26 +320,45 @@ def test_corrupted_chunk_names_array_and_chunk(tmp_path):
         execute_plan_cpu(plan_rows(reader, np.array([[0, 4096]])), reader)
 
 
-def _zstd_header(fcs_flag: int, single_segment: int, size: int) -> np.ndarray:
+def _zstd_header(fcs_flag: int, single_segment: int, size: int, dict_flag=0, checksum=0):
     """A zstd frame header recording content size ``size`` in the given layout (RFC 8878)."""
     width = (single_segment, 2, 4, 8)[fcs_flag]
     head = bytearray((0xFD2FB528).to_bytes(4, "little"))
-    head.append(fcs_flag << 6 | single_segment << 5)
+    head.append(fcs_flag << 6 | single_segment << 5 | checksum << 2 | dict_flag)
     if not single_segment:
         head.append(0x58)  # a window descriptor
+    head += b"\xd1\xc7\xb5\xa3"[: (0, 1, 2, 4)[dict_flag]]  # a dictionary id
     head += (size - 256 if width == 2 else size).to_bytes(width, "little") if width else b""
-    return np.frombuffer(bytes(head).ljust(FRAME_HEAD_NBYTES, b"\0"), np.uint8)
+    return np.frombuffer(bytes(head).ljust(FRAME_HEAD_NBYTES, b"\0"), np.uint8), len(head)
 
 
-@pytest.mark.parametrize(
-    ("fcs_flag", "single_segment", "size"),
-    [(0, 1, 200), (1, 0, 256), (1, 1, 65791), (2, 0, 70_000), (3, 1, 5 << 30), (0, 0, -1)],
-)
-def test_zstd_content_size_in_every_header_layout(fcs_flag, single_segment, size):
-    head = _zstd_header(fcs_flag, single_segment, size)
-    is_frame, content, end = zstd_content_sizes(head[None])
-    assert is_frame[0] and content[0] == size
-    assert end[0] == 5 + (1 - single_segment) + (single_segment, 2, 4, 8)[fcs_flag]
+LAYOUTS = [(0, 1, 200), (1, 0, 256), (1, 1, 65791), (2, 0, 70_000), (3, 1, 5 << 30), (0, 0, -1)]
+
+
+@pytest.mark.parametrize(("fcs_flag", "single_segment", "size"), LAYOUTS)
+@pytest.mark.parametrize("dict_flag", [0, 1, 2, 3])
+@pytest.mark.parametrize("checksum", [0, 1])
+def test_zstd_content_size_in_every_header_layout(
+    fcs_flag, single_segment, size, dict_flag, checksum
+):
+    """The vectorised parser (plan executors) and the scalar one (the reader's decode) agree
+    with the header as written, for every field the descriptor can add."""
+    head, end = _zstd_header(fcs_flag, single_segment, size, dict_flag, checksum)
+    is_frame, content, header_end = zstd_content_sizes(head[None])
+    assert is_frame[0] and content[0] == size and header_end[0] == end
+    assert _zstd_content_size(head[:end]) == (None if size < 0 else size)
+    assert _zstd_content_size(head[: end - 1]) is None  # a truncated header
+    reserved = head.copy()
+    reserved[4] |= 1 << 3
+    assert not zstd_content_sizes(reserved[None])[0][0]
+    assert _zstd_content_size(reserved) is None
+
+
+def test_content_sizes_past_int64_are_no_match():
+    head, _ = _zstd_header(3, 1, (1 << 64) - 5)
+    assert frame_problems("zstd", head[None], [100], 4096) == [
+        (0, f"zstd frame holds {(1 << 63) - 257} bytes, expected 4096")
+    ]
 
 
 def test_frame_problems_on_real_frames():

@@ -130,20 +130,38 @@ def zstd_content_sizes(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     at = np.minimum(pos[:, None] + byte, FRAME_HEAD_NBYTES - 1)
     digits = np.take_along_axis(heads, at, axis=1).astype(np.uint64) << (8 * byte).astype(np.uint64)
     value = np.where(byte < size[:, None], digits, 0).sum(axis=1, dtype=np.uint64)
-    value = value.astype(np.int64) + np.where(size == 2, 256, 0)
+    # sizes past int64 (no real chunk) stay past any expected size
+    value = np.minimum(value, np.uint64(_INT64_MAX - 256)).astype(np.int64)
+    value += np.where(size == 2, 256, 0)
     return is_frame, np.where(size > 0, value, -1), pos + size
+
+
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _zstd_header(head: bytes) -> tuple[bool, int, int]:
+    """:func:`zstd_content_sizes` for one frame in plain Python: the reader path checks
+    every chunk it decodes, and one small NumPy call would cost more than the decode."""
+    head = head[:FRAME_HEAD_NBYTES].ljust(FRAME_HEAD_NBYTES, b"\0")
+    fhd = head[4]
+    is_frame = int.from_bytes(head[:4], "little") == _ZSTD_MAGIC and not (fhd >> 3) & 1
+    single_segment = (fhd >> 5) & 1
+    pos = 5 + (1 - single_segment) + (0, 1, 2, 4)[fhd & 3]
+    size = single_segment if fhd >> 6 == 0 else (0, 2, 4, 8)[fhd >> 6]
+    if size == 0:
+        return is_frame, -1, pos
+    value = int.from_bytes(head[pos : pos + size], "little")
+    value = min(value, _INT64_MAX - 256) + (256 if size == 2 else 0)
+    return is_frame, value, pos + size
 
 
 def _zstd_content_size(buf: np.ndarray) -> int | None:
     """Frame_Content_Size of the zstd frame ``buf`` starts with; None if it records none or
     ``buf`` does not start with a whole zstd frame header."""
-    head = np.zeros(FRAME_HEAD_NBYTES, np.uint8)
-    n = min(buf.size, FRAME_HEAD_NBYTES)
-    head[:n] = buf[:n]
-    is_frame, size, end = (a[0] for a in zstd_content_sizes(head))
+    is_frame, size, end = _zstd_header(buf[:FRAME_HEAD_NBYTES].tobytes())
     if not is_frame or buf.size < end or size < 0:
         return None
-    return int(size)
+    return size
 
 
 def frame_problems(
@@ -153,6 +171,7 @@ def frame_problems(
     ``expected`` bytes: ``kind`` "zstd" (not a frame, a truncated header, a content size
     other than ``expected``) or "lz4" (numcodecs' 4-byte size header is not ``expected``).
 
+    Skippable frames (which zarr and numcodecs never write) count as "not a zstd frame".
     Both executors run it on every chunk before decoding. On the GPU it keeps data that is
     not what the array's metadata says away from nvCOMP, whose batched decoders do not
     promise to report such input as an error.
