@@ -513,8 +513,17 @@ class _Dev(np.ndarray):
         self[...] = arr
 
 
-def _fake_cuda_modules(monkeypatch, log):
-    """cupy, kvikio and nvidia.nvcomp stand-ins backed by NumPy, os.pread and numcodecs."""
+def _fake_cuda_modules(monkeypatch, log, reads: str):
+    """cupy, kvikio and nvidia.nvcomp stand-ins backed by NumPy, os.pread and numcodecs; the
+    executor reads with ``reads`` and copies segments with the NumPy reference."""
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+
+    monkeypatch.setenv(READS_ENV, reads)
+    monkeypatch.setattr(
+        GpuPlanExecutor,
+        "copy_segments",
+        lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
+    )
     import contextlib
     import sys
     import types
@@ -595,16 +604,10 @@ def test_gpu_executor_control_flow_with_faked_cuda(
     """GpuPlanExecutor.run with cupy/kvikio/nvCOMP replaced by NumPy stand-ins: exercises its
     buffers, offsets, path and read-method choice, fills and segment copies (not the
     libraries themselves)."""
-    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+    from dali_zarr.io.gpu import GpuPlanExecutor
 
     log: list = []
-    _fake_cuda_modules(monkeypatch, log)
-    monkeypatch.setenv(READS_ENV, reads)
-    monkeypatch.setattr(
-        GpuPlanExecutor,
-        "copy_segments",
-        lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
-    )
+    _fake_cuda_modules(monkeypatch, log, reads)
     _, arr = write_layout(tmp_path / "a.zarr", SHAPES["3d-rowchunks"], codec=codec, sharded=sharded)
     shp, _, chunks, _ = SHAPES["3d-rowchunks"]
     reader = open_reader(arr, name="a")
@@ -636,16 +639,10 @@ def test_gpu_executor_checks_frames_first_and_caps_decode_calls(tmp_path, monkey
     """With the same stand-ins: nvCOMP gets a window in calls of at most CALL_NBYTES decoded
     bytes, and a chunk that is not a zstd frame is named before nvCOMP sees any chunk."""
     from dali_zarr.io import nvcomp_batched
-    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+    from dali_zarr.io.gpu import GpuPlanExecutor
 
     log: list = []
-    _fake_cuda_modules(monkeypatch, log)
-    monkeypatch.setenv(READS_ENV, reads)
-    monkeypatch.setattr(
-        GpuPlanExecutor,
-        "copy_segments",
-        lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
-    )
+    _fake_cuda_modules(monkeypatch, log, reads)
     monkeypatch.setattr(nvcomp_batched, "CALL_NBYTES", 3 * 4096)  # three 4 KiB chunks a call
     data = np.random.default_rng(0).poisson(2, 16 * 1024).astype(np.float32)
     arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
