@@ -373,20 +373,15 @@ def suggested_settings(
 # ---------------------------------------------------------------------------- inspect
 
 
-def inspect_store(
-    path: str | os.PathLike, *, batch_size: int = 256, dataset: Dataset | None = None
-) -> StoreReport:
-    """Open ``path`` as the loader would and describe it (raises DatasetError like the loader).
-
-    ``dataset``: ``path`` already opened with ``open_dataset`` (its indptr is not read again).
-    """
+def inspect_store(path: str | os.PathLike, *, batch_size: int = 256) -> StoreReport:
+    """Open ``path`` as the loader would and describe it (raises DatasetError like the loader)."""
     path = os.fspath(path)
     if os.path.isfile(path):
         raise DatasetError(
             f"{path}: is a file, not a Zarr store; if it is an .h5ad file, convert it first: "
             f"dali-zarr convert {path} {os.path.splitext(path)[0]}.zarr"
         )
-    ds: Dataset = dataset if dataset is not None else open_dataset(path)
+    ds = open_dataset(path)
     node = zarr.open(path, mode="r")
     arrays: list[ArrayInfo] = []
     obs: tuple[ObsInfo, ...] = ()

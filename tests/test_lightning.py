@@ -98,7 +98,10 @@ def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> 
     np.testing.assert_array_equal(np.sort(rows), dm.split_rows["train"])
     val = dm.val_dataloader()
     wanted = dataset_suggestion(dm.subset("val"), batch_size=40)
-    assert val.sampler.preload_nchunks == wanted.preload_nchunks
+    assert (val.sampler.chunk_size, val.sampler.preload_nchunks) == (
+        wanted.chunk_size,
+        wanted.preload_nchunks,
+    )
     dm.teardown()
     given = ZarrDataModule(data=split_store, chunk_size=48, batch_size=64)
     wanted = dataset_suggestion(given.subset("train"), batch_size=64)

@@ -109,6 +109,14 @@ class _Crc32c(_Stage):
 FRAME_HEAD_NBYTES = 18
 _ZSTD_MAGIC = 0xFD2FB528
 _ZSTD_MIN_FRAME = 9  # magic, descriptor, one 3-byte block header and one byte
+# widths in bytes, by the descriptor's Dictionary_ID_Flag and Frame_Content_Size_Flag
+_DICT_ID_WIDTH = (0, 1, 2, 4)
+_CONTENT_SIZE_WIDTH = (0, 2, 4, 8)  # flag 0 with Single_Segment_Flag set: 1 byte
+
+
+def _le_u32(heads: np.ndarray) -> np.ndarray:
+    """The first 4 bytes of each row of ``heads`` as a little-endian uint32."""
+    return np.ascontiguousarray(heads[:, :4]).view("<u4")[:, 0]
 
 
 def zstd_content_sizes(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -120,12 +128,11 @@ def zstd_content_sizes(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     record it); the byte where the header ends (a chunk shorter than that is truncated).
     """
     heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)
-    magic = heads[:, :4].astype(np.uint32) << np.array([0, 8, 16, 24], dtype=np.uint32)
     fhd = heads[:, 4].astype(np.int64)
-    is_frame = (magic.sum(axis=1, dtype=np.uint32) == _ZSTD_MAGIC) & ((fhd >> 3) & 1 == 0)
+    is_frame = (_le_u32(heads) == _ZSTD_MAGIC) & ((fhd >> 3) & 1 == 0)
     single_segment = (fhd >> 5) & 1
-    pos = 5 + (1 - single_segment) + np.array([0, 1, 2, 4])[fhd & 3]
-    size = np.where(fhd >> 6 == 0, single_segment, np.array([0, 2, 4, 8])[fhd >> 6])
+    pos = 5 + (1 - single_segment) + np.array(_DICT_ID_WIDTH)[fhd & 3]
+    size = np.where(fhd >> 6 == 0, single_segment, np.array(_CONTENT_SIZE_WIDTH)[fhd >> 6])
     byte = np.arange(8)
     at = np.minimum(pos[:, None] + byte, FRAME_HEAD_NBYTES - 1)
     digits = np.take_along_axis(heads, at, axis=1).astype(np.uint64) << (8 * byte).astype(np.uint64)
@@ -141,13 +148,14 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 
 def _zstd_header(head: bytes) -> tuple[bool, int, int]:
     """:func:`zstd_content_sizes` for one frame in plain Python: the reader path checks
-    every chunk it decodes, and one small NumPy call would cost more than the decode."""
+    every chunk it decodes, and the NumPy version costs ~30x as much for one frame (a test
+    holds the two to the same answers)."""
     head = head[:FRAME_HEAD_NBYTES].ljust(FRAME_HEAD_NBYTES, b"\0")
     fhd = head[4]
     is_frame = int.from_bytes(head[:4], "little") == _ZSTD_MAGIC and not (fhd >> 3) & 1
     single_segment = (fhd >> 5) & 1
-    pos = 5 + (1 - single_segment) + (0, 1, 2, 4)[fhd & 3]
-    size = single_segment if fhd >> 6 == 0 else (0, 2, 4, 8)[fhd >> 6]
+    pos = 5 + (1 - single_segment) + _DICT_ID_WIDTH[fhd & 3]
+    size = single_segment if fhd >> 6 == 0 else _CONTENT_SIZE_WIDTH[fhd >> 6]
     if size == 0:
         return is_frame, -1, pos
     value = int.from_bytes(head[pos : pos + size], "little")
@@ -179,7 +187,7 @@ def frame_problems(
     heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)
     nbytes = np.asarray(nbytes, dtype=np.int64)
     if kind == "lz4":
-        size = (heads[:, :4].astype(np.int64) << np.array([0, 8, 16, 24])).sum(axis=1)
+        size = _le_u32(heads)
         bad = np.flatnonzero(size != expected)
         return [(int(i), f"lz4 header says {int(size[i])} bytes, expected {expected}") for i in bad]
     is_frame, size, end = zstd_content_sizes(heads)

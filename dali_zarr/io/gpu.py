@@ -178,6 +178,11 @@ class ReadPlan:
         return len(self.chunks) * self.slot_nbytes
 
     @property
+    def has_frames(self) -> bool:
+        """Stored chunks with headers to check before decoding (:func:`check_frames`)."""
+        return self.kind in FRAMED_KINDS and len(self.reads) > 0
+
+    @property
     def reads_into_chunk_buffer(self) -> bool:
         """Uncompressed chunks are read straight into their slots (no staging, no decode)."""
         return self.kind == "none"
@@ -379,7 +384,7 @@ def decode_plan_cpu(
     staging = np.empty(plan.staging_nbytes, np.uint8) if staging is None else staging
     decoded = np.empty(plan.decoded_nbytes, np.uint8) if decoded is None else decoded
     read_extents_cpu(plan, reader, decoded if plan.reads_into_chunk_buffer else staging)
-    if plan.kind in FRAMED_KINDS and len(plan.reads):
+    if plan.has_frames:
         check_frames(plan, reader, frame_heads_host(plan, staging))
     if not plan.reads_into_chunk_buffer:  # uncompressed chunks were read into their slots
         decode = _cpu_decoder(plan, reader)
@@ -398,8 +403,8 @@ def frame_heads_host(plan: ReadPlan, staging: np.ndarray) -> np.ndarray:
 
 def check_frames(plan: ReadPlan, reader: DirectReader, heads: np.ndarray) -> None:
     """Raise the reader's chunk error, naming the chunk, for the first stored chunk of a
-    :data:`FRAMED_KINDS` ``plan`` whose first bytes (``heads``, one row per read) show it
-    cannot decode to a chunk (:func:`~dali_zarr.io.codecs.frame_problems`)."""
+    ``plan`` with :attr:`~ReadPlan.has_frames` whose first bytes (``heads``, one row per
+    read) show it cannot decode to a chunk (:func:`~dali_zarr.io.codecs.frame_problems`)."""
     for i, why in frame_problems(plan.kind, heads, plan.reads["nbytes"], plan.chunk_nbytes)[:1]:
         raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
 
@@ -751,7 +756,7 @@ class GpuPlanExecutor:
             if self.path_of(plan) == "device":
                 staging = self._device_buffer("staging", plan.staging_nbytes)
                 self._read_to_device(plan, reader, staging, decoded)
-                if plan.kind in FRAMED_KINDS and len(plan.reads):
+                if plan.has_frames:
                     check_frames(plan, reader, self._frame_heads(plan, staging))
                 if plan.kind != "none":
                     self._nvcomp_decode(plan, reader, staging, decoded)
