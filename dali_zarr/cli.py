@@ -95,7 +95,8 @@ _CONVERT_HELP = """\
 Convert an .h5ad file, an AnnData Zarr store or a plain Zarr array (several inputs are
 concatenated along the rows) into a zarr v3 store laid out for dali_zarr: chunks of
 --chunk-rows rows, shards of --shard-size, a codec the GPU path decodes. AnnData inputs give an
-AnnData store (X, obs, var; layers/obsm/uns are not copied) with an obs column original_index
+AnnData store (X, obs, var; layers/obsm/uns are not copied: --element layers/counts makes a
+layer, raw/X or an obsm entry the output's X) with an obs column original_index
 (each output row's row number in the concatenated input) and, for several inputs,
 original_source; plain arrays give a plain array.
 
@@ -112,6 +113,12 @@ _SHUFFLE_HELP = (
     "--block-rows // --piece-rows consecutive pieces are read together and their rows are "
     "permuted uniformly. Rows of one input piece stay within one block of output rows. The "
     "obs column original_index (and the output's 'dali_zarr' attribute) records the order."
+)
+
+
+_ELEMENT_HELP = (
+    "what to load: in an AnnData store X (default), raw/X, layers/<name>, obsm/<name> or "
+    "obsp/<name>; in a plain Zarr group, the path of an array"
 )
 
 
@@ -161,6 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="zstd",
         help="compression of every chunk; all three are decoded by nvCOMP (default %(default)s)",
     )
+    c.add_argument(
+        "--element",
+        default=None,
+        metavar="KEY",
+        help="what to convert as the output's X: in AnnData inputs X (default), raw/X, "
+        "layers/<name>, obsm/<name> or obsp/<name>; in a plain Zarr group, an array's path",
+    )
     c.add_argument("--shuffle", action="store_true", help=_SHUFFLE_HELP)
     c.add_argument(
         "--seed",
@@ -200,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "zarr-python, with the reason) and a suggested chunk_size / preload_nchunks.",
     )
     i.add_argument("path", metavar="PATH", help="an AnnData Zarr store or a Zarr array")
+    i.add_argument("--element", default=None, metavar="KEY", help=_ELEMENT_HELP)
     i.add_argument(
         "--batch-size",
         type=_positive,
@@ -219,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the suggestion of 'dali-zarr inspect'.",
     )
     b.add_argument("paths", nargs="+", metavar="PATH", help="store(s) to read")
+    b.add_argument("--element", default=None, metavar="KEY", help=_ELEMENT_HELP)
     b.add_argument("--chunk-size", type=_positive, default=None, metavar="N")
     b.add_argument("--preload-nchunks", type=_positive, default=None, metavar="N")
     b.add_argument("--batch-size", type=_positive, default=256, metavar="B")
@@ -275,6 +291,7 @@ def _convert(args: argparse.Namespace) -> int:
             chunk_rows=args.chunk_rows,
             shard_bytes=args.shard_size,
             codec=args.codec,
+            element=args.element,
             shuffle=args.shuffle,
             seed=args.seed,
             block_rows=args.block_rows,
@@ -332,7 +349,7 @@ def _convert_summary(r: Any) -> str:
 def _inspect(args: argparse.Namespace) -> int:
     from dali_zarr.inspection import format_report, inspect_store
 
-    report = inspect_store(args.path, batch_size=args.batch_size)
+    report = inspect_store(args.path, element=args.element, batch_size=args.batch_size)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -374,7 +391,7 @@ def _bench(args: argparse.Namespace) -> int:
     from dali_zarr.planning import ChunkSampler
 
     paths = args.paths
-    dataset = open_dataset(paths[0] if len(paths) == 1 else paths)
+    dataset = open_dataset(paths[0] if len(paths) == 1 else paths, element=args.element)
     if args.output == "csr" and dataset.layout != "csr":
         raise _UsageError(f"--output csr needs a sparse X, but {dataset.name} is dense")
     chunk_size, preload = suggested_settings(

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
+from dali_zarr.data.elements import anndata_element, attribute, is_array
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
@@ -151,6 +152,8 @@ class _Input:
     indptr: np.ndarray | None = None
     index_dtype: np.dtype | None = None
     handle: Any = None  # an h5py.File to close
+    element: str = "X"  # what was read as X (AnnData: "X", "layers/counts", ...)
+    var_key: str | None = "var"  # the dataframe describing its features (None: numbered)
 
     @property
     def nnz(self) -> int:
@@ -171,13 +174,20 @@ class _Input:
             self.handle.close()
 
 
-def _open_input(path: str) -> _Input:
+def _var_key(element: str) -> str | None:
+    """Where the features of ``element`` are named: raw/X has its own var; obsm/obsp none."""
+    if element == "raw/X":
+        return "raw/var"
+    return "var" if element == "X" or element.startswith("layers/") else None
+
+
+def _open_input(path: str, element: str | None = None) -> _Input:
     if not os.path.exists(path):
         raise DatasetError(
             f"{path}: no such file or directory; pass an .h5ad file, a Zarr store or array."
         )
     if os.path.isfile(path):
-        return _open_h5ad(path)
+        return _open_h5ad(path, element)
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
@@ -186,23 +196,31 @@ def _open_input(path: str) -> _Input:
             "or the directory that holds zarr.json (v3) or .zgroup/.zarray (v2)."
         ) from exc
     if isinstance(node, zarr.Array):
+        if element is not None:
+            raise ConfigError(
+                f"{path}: is a Zarr array, so element={element!r} has nothing to pick from; "
+                "drop element= (--element)."
+            )
         return _dense_input(path, node, anndata=False, root=None)
     encoding = node.attrs.get("encoding-type")
     if encoding != "anndata":
         arrays = sorted(k for k, v in node.members() if isinstance(v, zarr.Array))
-        hint = (
-            f" To convert one of its arrays, pass {os.path.join(path, arrays[0])}."
-            if arrays
-            else ""
+        key = (element or "").strip("/")
+        if key and isinstance(node.get(key), zarr.Array):
+            return _dense_input(os.path.join(path, key), node[key], anndata=False, root=None)
+        listing = f" (arrays here: {', '.join(arrays)})" if arrays else ""
+        what = (
+            f"has no array {element!r}"
+            if element is not None
+            else "is a Zarr group but neither an AnnData store (root attribute "
+            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array"
         )
-        raise DatasetError(
-            f"{path}: is a Zarr group but neither an AnnData store (root attribute "
-            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}"
-        )
-    return _anndata_input(path, node, handle=None)
+        hint = f" Pass element= (--element) the path of an array{listing}." if arrays else ""
+        raise DatasetError(f"{path}: {what}.{hint}")
+    return _anndata_input(path, node, handle=None, element=element or "X")
 
 
-def _open_h5ad(path: str) -> _Input:
+def _open_h5ad(path: str, element: str | None) -> _Input:
     try:
         import h5py
     except ImportError as exc:
@@ -214,60 +232,51 @@ def _open_h5ad(path: str) -> _Input:
         )
     handle = h5py.File(path, "r")
     try:
-        return _anndata_input(path, handle, handle=handle)
+        return _anndata_input(path, handle, handle=handle, element=element or "X")
     except BaseException:
         handle.close()
         raise
 
 
-def _attr(node: Any, key: str) -> Any:
-    value = node.attrs.get(key)
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _is_array(node: Any) -> bool:
-    return isinstance(node, zarr.Array) or (hasattr(node, "shape") and hasattr(node, "dtype"))
-
-
-def _anndata_input(path: str, root: Any, *, handle: Any) -> _Input:
-    if "X" not in root:
-        raise DatasetError(f"{path}: AnnData store has no 'X'; nothing to convert.")
-    x = root["X"]
-    if _is_array(x):
+def _anndata_input(path: str, root: Any, *, handle: Any, element: str) -> _Input:
+    key = element.strip("/")
+    x = anndata_element(root, key, store=path)
+    where = f"{path}/{key}"
+    if is_array(x):
         if len(x.shape) != 2:
-            raise DatasetError(f"{path}/X: dense X must be 2-D, found shape {x.shape}.")
+            raise DatasetError(f"{where}: a dense {key} must be 2-D, found shape {x.shape}.")
         inp = _dense_input(path, x, anndata=True, root=root)
-        inp.handle = handle
+        inp.handle, inp.element, inp.var_key = handle, key, _var_key(key)
         return inp
-    encoding = _attr(x, "encoding-type") or _attr(x, "h5sparse_format")
+    encoding = attribute(x, "encoding-type") or attribute(x, "h5sparse_format")
     if encoding in ("csc_matrix", "csc"):
         raise DatasetError(
-            f"{path}/X: is CSC (column-major); rows cannot be streamed. Re-write X as CSR "
+            f"{where}: is CSC (column-major); rows cannot be streamed. Re-write it as CSR "
             "(e.g. adata.X = adata.X.tocsr())."
         )
     if encoding not in ("csr_matrix", "csr"):
         raise DatasetError(
-            f"{path}/X: encoding {encoding!r} is not supported (expected csr_matrix or a dense "
+            f"{where}: encoding {encoding!r} is not supported (expected csr_matrix or a dense "
             "array)."
         )
-    for key in ("data", "indices", "indptr"):
-        if key not in x or not _is_array(x[key]):
-            raise DatasetError(f"{path}/X: csr_matrix group has no array {key!r}; re-write it.")
+    for part in ("data", "indices", "indptr"):
+        if part not in x or not is_array(x[part]):
+            raise DatasetError(f"{where}: csr_matrix group has no array {part!r}; re-write it.")
     shape = x.attrs.get("shape")
     if shape is None or len(shape) != 2:
-        raise DatasetError(f"{path}/X: csr_matrix group has no valid 'shape' attribute.")
+        raise DatasetError(f"{where}: csr_matrix group has no valid 'shape' attribute.")
     n_obs, n_features = (int(s) for s in shape)
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
     if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
         raise DatasetError(
-            f"{path}/X/indptr: must hold {n_obs + 1} non-decreasing offsets from 0 "
+            f"{where}/indptr: must hold {n_obs + 1} non-decreasing offsets from 0 "
             f"(has {len(indptr)}); the store is inconsistent."
         )
     data, indices = x["data"], x["indices"]
     for name, arr in (("data", data), ("indices", indices)):
         if arr.shape[0] < indptr[-1]:
             raise DatasetError(
-                f"{path}/X/{name}: has {arr.shape[0]} elements but indptr ends at "
+                f"{where}/{name}: has {arr.shape[0]} elements but indptr ends at "
                 f"{int(indptr[-1])}; the store is truncated."
             )
     return _Input(
@@ -283,6 +292,8 @@ def _anndata_input(path: str, root: Any, *, handle: Any) -> _Input:
         indptr=indptr,
         index_dtype=np.dtype(indices.dtype),
         handle=handle,
+        element=key,
+        var_key=_var_key(key),
     )
 
 
@@ -486,9 +497,10 @@ def _anndata_io():
     return anndata.io, pd
 
 
-def _frame(inp: _Input, key: str, n: int):
+def _frame(inp: _Input, key: str | None, n: int):
+    """The dataframe at ``key`` (checked to have ``n`` rows), or one numbering ``n`` rows."""
     aio, pd = _anndata_io()
-    if inp.root is not None and key in inp.root:
+    if inp.root is not None and key is not None and key in inp.root:
         frame = aio.read_elem(inp.root[key])
         if len(frame) != n:
             raise DatasetError(
@@ -518,9 +530,9 @@ def _combined_obs(inputs: Sequence[_Input]):
 
 
 def _check_var(inputs: Sequence[_Input]):
-    var = _frame(inputs[0], "var", inputs[0].feature_shape[0])
+    var = _frame(inputs[0], inputs[0].var_key, inputs[0].feature_shape[0])
     for inp in inputs[1:]:
-        other = _frame(inp, "var", inp.feature_shape[0])
+        other = _frame(inp, inp.var_key, inp.feature_shape[0])
         if not var.index.equals(other.index):
             differ = np.flatnonzero(np.asarray(var.index) != np.asarray(other.index))
             j = int(differ[0]) if len(differ) else 0
@@ -587,6 +599,7 @@ def convert(
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     shard_bytes: int | None = DEFAULT_SHARD_BYTES,
     codec: Codec = "zstd",
+    element: str | None = None,
     shuffle: bool = False,
     seed: int = 0,
     block_rows: int | None = None,
@@ -601,6 +614,9 @@ def convert(
     cannot put chunk boundaries at row boundaries (rows have different lengths), so their
     chunk holds ``round(nnz / n_obs * chunk_rows)`` elements: ``chunk_rows`` rows on average.
     ``shard_bytes``: shards hold as many whole chunks as fit (``None``/0: not sharded).
+    ``element``: what to read from each input as X (AnnData: ``layers/counts``, ``raw/X``,
+    ``obsm/<name>``...; plain Zarr group: an array's path), as for ``open_dataset``; its
+    features are named by ``var`` (``raw/var`` for ``raw/X``; numbered for obsm/obsp).
     ``shuffle``: write rows in the order of `output_permutation` (``seed``); the obs column
     ``original_index`` always gives each output row's row number in the concatenated input.
     ``block_rows``: input rows read at once (default: about 64 MiB of decoded X); with
@@ -637,7 +653,7 @@ def convert(
     inputs: list[_Input] = []
     try:
         for p in paths:
-            inputs.append(_open_input(p))
+            inputs.append(_open_input(p, element))
         _check_compatible(inputs)
         if os.path.lexists(dest) and not overwrite:  # fail before reading any obs
             raise ConfigError(
@@ -866,6 +882,7 @@ def _convert(
                 "chunk_rows": plan.chunk_rows,
                 "chunk_elements": out.chunk_elements,
                 "codec": codec,
+                "element": first.element,
                 "shuffle": plan.shuffle,
                 "shuffle_method": SHUFFLE_METHOD if plan.shuffle else None,
             }

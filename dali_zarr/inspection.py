@@ -26,6 +26,7 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
+from dali_zarr.data.elements import available_elements
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import DirectReader, open_reader, parse_layout
@@ -56,7 +57,8 @@ RULE = (
     f"{MIN_CHUNK_ROWS} rows (dense: every loader chunk then reads whole store chunks, none "
     f"twice) and, for CSR, >= {CSR_MIN_STORE_CHUNKS} store chunks (rows straddle the chunks "
     "of X/data and X/indices, so a loader chunk also decodes the store chunks at its two ends "
-    "in full: reads ~ 1 + store rows per chunk / chunk_size of what it uses); "
+    "in full: reads ~ 1 + store rows per chunk / chunk_size of what it uses), at most "
+    "n_obs / world_size rows (every rank needs a chunk of its own); "
     f"preload_nchunks = max({TARGET_PRELOAD}, ceil({MIN_WINDOW_BATCHES} x batch_size / "
     f"chunk_size)), so a window mixes >= {TARGET_PRELOAD} chunks and holds >= "
     f"{MIN_WINDOW_BATCHES} batches, capped at {WINDOW_BYTES_CAP // 2**20} MiB of decoded rows "
@@ -105,6 +107,7 @@ class Suggestion:
 class StoreReport:
     path: str
     kind: str  # "anndata" | "array"
+    element: str | None  # what is loaded: "X", "layers/counts", ... (None: the array itself)
     layout: str  # "csr" | "dense"
     n_obs: int
     feature_shape: tuple[int, ...]
@@ -112,6 +115,7 @@ class StoreReport:
     nnz: int | None
     arrays: tuple[ArrayInfo, ...]
     obs: tuple[ObsInfo, ...]
+    elements: tuple[str, ...]  # every loadable element of an AnnData store (element=...)
     suggestion: Suggestion
     converted: dict[str, Any] | None  # the ``dali_zarr`` attribute `convert` wrote, if any
 
@@ -247,14 +251,17 @@ def suggest(
     row_bytes: float,
     batch_size: int = 256,
     aligned: bool = True,
+    world_size: int = 1,
 ) -> Suggestion:
     """``chunk_size`` / ``preload_nchunks`` for a store (the rule is in ``RULE``).
 
     ``aligned=False`` for CSR stores, whose rows do not start on store chunk boundaries.
+    ``world_size``: ranks sharing the store; the planner refuses fewer chunks than ranks, so
+    a store of few, large store chunks gets smaller loader chunks under DDP.
     """
     r = max(1, round(rows_per_chunk))
     min_rows = MIN_CHUNK_ROWS if aligned else max(MIN_CHUNK_ROWS, CSR_MIN_STORE_CHUNKS * r)
-    chunk_size = min(r * max(1, math.ceil(min_rows / r)), max(1, n_obs))
+    chunk_size = min(r * max(1, math.ceil(min_rows / r)), max(1, n_obs // max(1, world_size)))
     preload = max(TARGET_PRELOAD, math.ceil(MIN_WINDOW_BATCHES * batch_size / chunk_size))
     by_memory = max(1, int(WINDOW_BYTES_CAP // max(1.0, chunk_size * row_bytes)))
     preload = max(1, min(preload, by_memory, n_chunks_of(n_obs, chunk_size)))
@@ -335,7 +342,7 @@ def _rows_per_element(ds: CsrDataset) -> float:
     return ds.n_obs / nnz if nnz > 0 else float(ds.n_obs)
 
 
-def dataset_suggestion(ds: Dataset, *, batch_size: int = 256) -> Suggestion:
+def dataset_suggestion(ds: Dataset, *, batch_size: int = 256, world_size: int = 1) -> Suggestion:
     """The :func:`suggest` rule applied to an opened dataset (a store, a collection of
     stores or a subset of either), from its arrays' chunking."""
     c = _chunking(ds)
@@ -345,6 +352,7 @@ def dataset_suggestion(ds: Dataset, *, batch_size: int = 256) -> Suggestion:
         row_bytes=c.row_bytes,
         batch_size=batch_size,
         aligned=c.aligned,
+        world_size=world_size,
     )
 
 
@@ -354,15 +362,16 @@ def suggested_settings(
     batch_size: int,
     chunk_size: int | None = None,
     preload_nchunks: int | None = None,
+    world_size: int = 1,
 ) -> tuple[int, int]:
     """``(chunk_size, preload_nchunks)``: the given values, and where one is None, the
-    suggestion for ``source`` (a store path, or a dataset already opened). A given
-    ``chunk_size`` keeps the suggested window size in rows. Deterministic in the stores'
-    metadata, so every rank gets the same."""
+    suggestion for ``source`` (a store path, or a dataset already opened) read by
+    ``world_size`` ranks. A given ``chunk_size`` keeps the suggested window size in rows.
+    Deterministic in the stores' metadata, so every rank gets the same."""
     if chunk_size is not None and preload_nchunks is not None:
         return chunk_size, preload_nchunks
     ds = source if isinstance(source, Dataset) else open_dataset(source)
-    s = dataset_suggestion(ds, batch_size=batch_size)
+    s = dataset_suggestion(ds, batch_size=batch_size, world_size=world_size)
     if chunk_size is None:
         chunk_size = s.chunk_size
     if preload_nchunks is None:
@@ -373,40 +382,53 @@ def suggested_settings(
 # ---------------------------------------------------------------------------- inspect
 
 
-def inspect_store(path: str | os.PathLike, *, batch_size: int = 256) -> StoreReport:
-    """Open ``path`` as the loader would and describe it (raises DatasetError like the loader)."""
+def inspect_store(
+    path: str | os.PathLike, *, element: str | None = None, batch_size: int = 256
+) -> StoreReport:
+    """Open ``path`` as the loader would and describe it (raises DatasetError like the loader).
+
+    ``element``: as for :func:`~dali_zarr.open_dataset` (an AnnData layer, ``obsm`` entry, ...).
+    """
     path = os.fspath(path)
     if os.path.isfile(path):
         raise DatasetError(
             f"{path}: is a file, not a Zarr store; if it is an .h5ad file, convert it first: "
             f"dali-zarr convert {path} {os.path.splitext(path)[0]}.zarr"
         )
-    ds = open_dataset(path)
+    ds = open_dataset(path, element=element)
     node = zarr.open(path, mode="r")
+    key = (element or "X").strip("/")
     arrays: list[ArrayInfo] = []
     obs: tuple[ObsInfo, ...] = ()
+    elements: tuple[str, ...] = ()
     nnz = None
+    converted = node.attrs.get("dali_zarr")
     if isinstance(node, zarr.Array):
         kind = "array"
         arrays.append(_array_info(node, ds.name, rows_per_element=None))
-        converted = node.attrs.get("dali_zarr")
+    elif node.attrs.get("encoding-type") != "anndata":
+        kind = "array"
+        arrays.append(_array_info(node[key], key, rows_per_element=None))
+        converted = node[key].attrs.get("dali_zarr")
     else:
         kind = "anndata"
-        converted = node.attrs.get("dali_zarr")
-        x = node["X"]
+        elements = tuple(available_elements(node))
+        x = node[key]
         if isinstance(ds, CsrDataset):
             nnz = int(ds.indptr[-1])
             per_element = _rows_per_element(ds)
-            for key in ("data", "indices"):
-                arrays.append(_array_info(x[key], f"X/{key}", rows_per_element=per_element))
-            arrays.append(_array_info(x["indptr"], "X/indptr", rows_per_element=None, whole=True))
+            for part in ("data", "indices"):
+                arrays.append(_array_info(x[part], f"{key}/{part}", rows_per_element=per_element))
+            indptr = _array_info(x["indptr"], f"{key}/indptr", rows_per_element=None, whole=True)
+            arrays.append(indptr)
         else:
-            arrays.append(_array_info(x, "X", rows_per_element=None))
+            arrays.append(_array_info(x, key, rows_per_element=None))
         if "obs" in node and isinstance(node["obs"], zarr.Group):
             obs = _obs_info(node["obs"])
     return StoreReport(
         path=path,
         kind=kind,
+        element=key if kind == "anndata" or element is not None else None,
         layout=ds.layout,
         n_obs=ds.n_obs,
         feature_shape=ds.feature_shape,
@@ -414,6 +436,7 @@ def inspect_store(path: str | os.PathLike, *, batch_size: int = 256) -> StoreRep
         nnz=nnz,
         arrays=tuple(arrays),
         obs=obs,
+        elements=elements,
         suggestion=dataset_suggestion(ds, batch_size=batch_size),
         converted=dict(converted) if isinstance(converted, dict) else None,
     )
@@ -429,10 +452,11 @@ def format_report(report: StoreReport) -> str:
     """The report as text: a header, a table of arrays, obs columns and the suggestion."""
     r = report
     features = "×".join(str(s) for s in r.feature_shape) or "scalar"
+    matrix = "csr_matrix" if r.layout == "csr" else "dense"
     what = (
-        f"AnnData store, X {'csr_matrix' if r.layout == 'csr' else 'dense'}"
+        f"AnnData store, {r.element} {matrix}"
         if r.kind == "anndata"
-        else "plain Zarr array"
+        else f"plain Zarr array{'' if r.element is None else f' {r.element}'}"
     )
     lines = [f"{r.path}: {what}", f"  {r.n_obs:,} observations × {features} features, {r.dtype}"]
     if r.nnz is not None:
@@ -474,6 +498,7 @@ def format_report(report: StoreReport) -> str:
         )
     if r.kind == "anndata":
         lines.append("")
+        lines.append("  loadable elements (element=...): " + ", ".join(r.elements))
         if r.obs:
             parts = []
             for o in r.obs:

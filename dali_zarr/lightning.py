@@ -288,6 +288,7 @@ class ZarrDataModule(LightningDataModule):
             batch_size=batch_size,
             chunk_size=self.chunk_size,
             preload_nchunks=self.preload_nchunks,
+            world_size=world,
         )
         if not train:
             if subset.n_obs < world:

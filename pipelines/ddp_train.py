@@ -34,6 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generate", action="store_true", help="write a synthetic store if missing")
     p.add_argument("--n-obs", type=int, default=50_000, help="cells in the generated store")
     p.add_argument("--n-features", type=int, default=2_000, help="genes in the generated store")
+    p.add_argument(
+        "--element",
+        default=None,
+        help="what to train on: X (default), raw/X, layers/<name>, obsm/<name>, obsp/<name>",
+    )
     p.add_argument("--label", default="cell_type", help="categorical obs column to predict")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument(
@@ -74,13 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         synthetic.make_single_cell(args.data, n_obs=args.n_obs, n_features=args.n_features)
     dist.barrier()
 
-    dataset = dz.open_dataset(args.data)
+    dataset = dz.open_dataset(args.data, element=args.element)
     # CSR rows straddle store chunks: the suggestion spans several (read_amplification)
     chunk_size, preload_nchunks = suggested_settings(
         dataset,
         batch_size=args.batch_size,
         chunk_size=args.chunk_size,
         preload_nchunks=args.preload_nchunks,
+        world_size=world,
     )
     sampler = dz.DistributedSampler(
         dz.ChunkSampler(

@@ -39,6 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-features", type=int, default=256, help="genes in the generated store")
     p.add_argument("--n-val", type=int, default=2_001, help="val cells in the generated store")
     p.add_argument("--n-test", type=int, default=2_000, help="test cells in the generated store")
+    p.add_argument(
+        "--element",
+        default=None,
+        help="what to train on: X (default), raw/X, layers/<name>, obsm/<name>, obsp/<name>",
+    )
     p.add_argument("--label", default="cell_type", help="categorical obs column to predict")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2)
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=0,
         obs=[args.label],
         return_index=True,
+        open_kwargs={"element": args.element},
     )
     dm.setup()
     n_classes = len(dm.dataset.categories(args.label))  # type: ignore[union-attr, arg-type]

@@ -518,6 +518,24 @@ def test_csr_suggestion_spans_several_store_chunks() -> None:
     assert small.chunk_size == 33  # the 32-row minimum dominates: 11 store chunks
 
 
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_suggestion_gives_every_rank_a_chunk(world_size: int) -> None:
+    """A small store in one store chunk (anndata's default chunking): under DDP the planner
+    refuses fewer chunks than ranks, so the suggestion splits it."""
+    from dali_zarr.inspection import suggest
+
+    s = suggest(n_obs=2_000, rows_per_chunk=2_000, row_bytes=40, batch_size=64,
+                aligned=False, world_size=world_size)  # fmt: skip
+    assert s.chunk_size == 2_000 // world_size
+    sampler = dz.DistributedSampler(
+        dz.ChunkSampler(chunk_size=s.chunk_size, preload_nchunks=s.preload_nchunks,
+                        batch_size=64, seed=0),
+        dist_info=lambda: (world_size - 1, world_size),
+    )  # fmt: skip
+    assert sampler.num_batches(2_000) > 0  # the planner accepts it
+    sampler.plan_epoch(2_000, 0)
+
+
 def test_suggested_settings_fill_only_what_is_missing(sc_store, tmp_path) -> None:
     """The demo and ``bench`` take inspect's suggestion for what the user left unset; a given
     chunk_size keeps the suggested window size in rows."""

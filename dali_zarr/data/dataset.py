@@ -18,8 +18,9 @@ from typing import Literal
 import numpy as np
 import zarr
 
+from dali_zarr.data.elements import anndata_element
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
-from dali_zarr.errors import DatasetError
+from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import ArrayReader, open_reader
 from dali_zarr.planning.partition import ranges_to_rows
 
@@ -347,6 +348,7 @@ Source = str | os.PathLike | zarr.Group | zarr.Array
 def open_dataset(
     source: Source | Sequence[Source],
     *,
+    element: str | None = None,
     executor: Executor | None = None,
     force_zarr: bool = False,
 ) -> Dataset:
@@ -354,56 +356,85 @@ def open_dataset(
 
     Accepted: an AnnData store (``encoding-type: anndata``; ``X`` CSR or dense) or a plain
     Zarr array with observations on axis 0, given as a path, a ``zarr.Group`` or a
-    ``zarr.Array``. ``force_zarr`` makes every array use zarr-python's reading instead of the
-    direct path (for debugging or comparison).
+    ``zarr.Array``. ``element`` picks what to load from every store: in an AnnData store
+    ``"X"`` (the default), ``"raw/X"``, ``"layers/<name>"``, ``"obsm/<name>"`` or
+    ``"obsp/<name>"`` (obs columns still come from the store's ``obs``); in a plain Zarr
+    group, the path of one of its arrays. ``force_zarr`` makes every array use zarr-python's
+    reading instead of the direct path (for debugging or comparison).
     """
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
-        parts = [_open_one(s, executor=executor, force_zarr=force_zarr) for s in source]
+        parts = [
+            _open_one(s, element=element, executor=executor, force_zarr=force_zarr) for s in source
+        ]
         return parts[0] if len(parts) == 1 else Collection(parts)
-    return _open_one(source, executor=executor, force_zarr=force_zarr)
+    return _open_one(source, element=element, executor=executor, force_zarr=force_zarr)
 
 
-def _open_one(source: Source, *, executor: Executor | None, force_zarr: bool) -> Dataset:
+def _open_one(
+    source: Source, *, element: str | None, executor: Executor | None, force_zarr: bool
+) -> Dataset:
     node, name = _open_node(source)
     if isinstance(node, zarr.Array):
+        if element is not None:
+            raise ConfigError(
+                f"{name}: is a Zarr array, so element={element!r} has nothing to pick from; "
+                "drop element= (it selects inside AnnData stores and Zarr groups)."
+            )
         reader = open_reader(node, name=name, executor=executor, force_zarr=force_zarr)
         return DenseDataset(reader, name=name)
     encoding = node.attrs.get("encoding-type")
     if encoding != "anndata":
-        arrays = sorted(k for k, v in node.members() if isinstance(v, zarr.Array))
-        hint = (
-            " To load one of its arrays, pass it: "
-            f"open_dataset(zarr.open_group(path)[{arrays[0]!r}])"
-            f" (arrays here: {', '.join(arrays)})."
-            if arrays
-            else ""
-        )
-        raise DatasetError(
-            f"{name}: is a Zarr group but neither an AnnData store (root attribute "
-            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}"
-        )
-    if "X" not in node:
-        raise DatasetError(f"{name}: AnnData store has no 'X'; nothing to load.")
+        return _open_group_array(node, name, element, executor=executor, force_zarr=force_zarr)
+    x_key = (element or "X").strip("/")
+    x = anndata_element(node, x_key, store=name)
     obs = node["obs"] if "obs" in node and isinstance(node["obs"], zarr.Group) else None
-    x = node["X"]
-    x_name = f"{name}/X"
+    x_name = f"{name}/{x_key}"
     if isinstance(x, zarr.Array):
         if x.ndim != 2:
-            raise DatasetError(f"{x_name}: dense X must be 2-D, found shape {x.shape}.")
+            raise DatasetError(f"{x_name}: a dense {x_key} must be 2-D, found shape {x.shape}.")
         reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
-        return DenseDataset(reader, name=name, obs=obs)
+        return DenseDataset(reader, name=name if x_key == "X" else x_name, obs=obs)
     x_encoding = x.attrs.get("encoding-type")
     if x_encoding == "csr_matrix":
         return CsrDataset(x, name=x_name, obs=obs, executor=executor, force_zarr=force_zarr)
     if x_encoding == "csc_matrix":
         raise DatasetError(
-            f"{x_name}: is CSC (column-major); rows cannot be read by range. Re-write X as CSR "
-            "(e.g. adata.X = adata.X.tocsr(); adata.write_zarr(...))."
+            f"{x_name}: is CSC (column-major); rows cannot be read by range. Re-write it as "
+            "CSR (e.g. adata.X = adata.X.tocsr(); adata.write_zarr(...))."
         )
     raise DatasetError(
         f"{x_name}: encoding {x_encoding!r} is not supported "
         "(expected csr_matrix or a dense array)."
     )
+
+
+def _open_group_array(
+    group: zarr.Group,
+    name: str,
+    element: str | None,
+    *,
+    executor: Executor | None,
+    force_zarr: bool,
+) -> Dataset:
+    """A plain (non-AnnData) Zarr group: load the array ``element`` names."""
+    arrays = sorted(k for k, v in group.members() if isinstance(v, zarr.Array))
+    listing = f" (arrays here: {', '.join(arrays)})" if arrays else " (it holds no arrays)"
+    if element is None:
+        hint = f" To load one of its arrays, pass element={arrays[0]!r}{listing}." if arrays else ""
+        raise DatasetError(
+            f"{name}: is a Zarr group but neither an AnnData store (root attribute "
+            f"'encoding-type' is {group.attrs.get('encoding-type')!r}, expected 'anndata') "
+            f"nor an array.{hint}"
+        )
+    key = element.strip("/")
+    array = group.get(key) if key else None
+    if not isinstance(array, zarr.Array):
+        raise DatasetError(
+            f"{name}: has no array {element!r}{listing}; pass element= the path of one."
+        )
+    array_name = f"{name}/{key}"
+    reader = open_reader(array, name=array_name, executor=executor, force_zarr=force_zarr)
+    return DenseDataset(reader, name=array_name)
 
 
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:

@@ -1,0 +1,240 @@
+"""Training on an AnnData element other than X: layers, raw/X, obsm, obsp (open_dataset, the
+loader's CPU and GPU-wiring paths, convert, inspect, bench), on stores written by anndata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import zarr
+
+import dali_zarr as dz
+from dali_zarr.cli import main
+from dali_zarr.graph.gpu_pipeline import HostBackend
+from tests.test_loader import assert_rows_match, run_epoch, sampler
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+N_OBS, N_VARS, N_RAW_VARS = 600, 30, 45
+
+
+def make_adata(seed: int = 0, n_obs: int = N_OBS) -> ad.AnnData:
+    """Normalised X, integer counts (CSR) and a dense layer, a PCA in obsm, a dataframe in
+    obsm, a neighbour graph in obsp, raw/X with more genes, varm (genes on axis 0)."""
+    rng = np.random.default_rng(seed)
+
+    def csr(n_rows: int, n_cols: int, dtype) -> sp.csr_matrix:
+        m = sp.random(n_rows, n_cols, density=0.15, format="csr", random_state=rng)
+        m.data[:] = rng.integers(1, 60, size=m.nnz)
+        return m.astype(dtype)
+
+    counts = csr(n_obs, N_VARS, np.int32)
+    normalised = counts.astype(np.float32)
+    normalised.data = np.log1p(normalised.data)
+    obs = pd.DataFrame(
+        {"cell_type": pd.Categorical(rng.choice(["B", "T", "NK"], size=n_obs))},
+        index=[f"c{seed}_{i}" for i in range(n_obs)],
+    )
+    var = pd.DataFrame(index=[f"g{j}" for j in range(N_VARS)])
+    adata = ad.AnnData(X=normalised, obs=obs, var=var)
+    adata.layers["counts"] = counts
+    adata.layers["scaled"] = rng.standard_normal((n_obs, N_VARS)).astype(np.float32)
+    adata.obsm["X_pca"] = rng.standard_normal((n_obs, 8))  # float64
+    adata.obsm["meta"] = pd.DataFrame({"a": np.arange(n_obs)}, index=obs.index)
+    adata.obsp["connectivities"] = csr(n_obs, n_obs, np.float32)
+    adata.varm["PCs"] = rng.standard_normal((N_VARS, 8))
+    raw_var = pd.DataFrame(index=[f"raw_g{j}" for j in range(N_RAW_VARS)])
+    adata.raw = ad.AnnData(X=csr(n_obs, N_RAW_VARS, np.float32), obs=obs, var=raw_var)
+    return adata
+
+
+def element_of(adata: ad.AnnData, element: str) -> np.ndarray:
+    """What anndata itself holds at ``element``, dense (the oracle)."""
+    kind, _, key = element.partition("/")
+    value = {
+        "X": lambda: adata.X,
+        "raw": lambda: adata.raw.X,
+        "layers": lambda: adata.layers[key],
+        "obsm": lambda: adata.obsm[key],
+        "obsp": lambda: adata.obsp[key],
+    }[kind]()
+    return value.toarray() if sp.issparse(value) else np.asarray(value)
+
+
+@pytest.fixture(scope="module")
+def rich(tmp_path_factory) -> tuple[Path, ad.AnnData]:
+    path = tmp_path_factory.mktemp("elements") / "rich.zarr"
+    adata = make_adata()
+    adata.write_zarr(path)
+    return path, ad.read_zarr(path)
+
+
+LOADABLE = ["X", "raw/X", "layers/counts", "layers/scaled", "obsm/X_pca", "obsp/connectivities"]
+
+
+def test_store_lists_its_loadable_elements(rich) -> None:
+    from dali_zarr.data.elements import available_elements
+
+    # varm (genes on axis 0) and the obsm dataframe are not loadable matrices
+    assert available_elements(zarr.open_group(rich[0], mode="r")) == [
+        "X",
+        "raw/X",
+        "layers/counts",
+        "layers/scaled",
+        "obsm/X_pca",
+        "obsp/connectivities",
+    ]
+
+
+@pytest.mark.parametrize("element", LOADABLE)
+def test_every_element_loads_like_anndata_reads_it(rich, element: str) -> None:
+    path, adata = rich
+    want = element_of(adata, element)
+    dataset = dz.open_dataset(path, element=element)
+    assert (dataset.n_obs, dataset.n_features) == want.shape
+    assert dataset.layout == ("dense" if element in ("layers/scaled", "obsm/X_pca") else "csr")
+    loader = dz.Loader(dataset, sampler(), obs=["cell_type"], return_index=True)
+    got = run_epoch(loader, epoch=1)
+    assert got["X"].dtype == np.float32
+    assert_rows_match(got, want.astype(np.float32), N_OBS)
+    labels = np.array(loader.categories("cell_type"))[got["cell_type"]]
+    np.testing.assert_array_equal(labels, adata.obs["cell_type"].to_numpy()[got["index"]])
+
+
+@pytest.mark.parametrize("element", ["layers/counts", "obsm/X_pca"])
+def test_gpu_path_wiring_loads_an_element(rich, element: str) -> None:
+    """The GPU path plans byte reads through the element's own readers (host backend here)."""
+    path, adata = rich
+    dataset = dz.open_dataset(path, element=element)
+    loader = dz.Loader(dataset, sampler(), device="gpu", gpu_backend=HostBackend(), obs=())
+    got = run_epoch(dz.Loader(dataset, sampler(), return_index=True), epoch=2)
+    gpu = np.concatenate([b["X"].numpy() for b in _epoch(loader, 2)])
+    np.testing.assert_array_equal(gpu, got["X"])
+    np.testing.assert_array_equal(gpu, element_of(adata, element).astype(np.float32)[got["index"]])
+
+
+def _epoch(loader: dz.Loader, epoch: int):
+    loader.set_epoch(epoch)
+    with loader:
+        yield from loader
+
+
+def test_collection_of_layers(tmp_path: Path) -> None:
+    paths, blocks = [], []
+    for seed, n in enumerate((250, 171)):
+        path = tmp_path / f"part{seed}.zarr"
+        adata = make_adata(seed, n_obs=n)
+        adata.write_zarr(path)
+        paths.append(path)
+        blocks.append(adata.layers["counts"].toarray())
+    dataset = dz.open_dataset(paths, element="layers/counts")
+    assert isinstance(dataset, dz.Collection) and dataset.n_obs == 421
+    got = run_epoch(dz.Loader(dataset, sampler(chunk_size=16), return_index=True))
+    assert_rows_match(got, np.concatenate(blocks).astype(np.float32), 421)
+
+
+def test_element_errors_name_the_store_and_what_it_has(rich, tmp_path: Path) -> None:
+    path, _ = rich
+    with pytest.raises(dz.DatasetError, match=r"rich.zarr: AnnData store has no 'layers/nope'.*"
+                       r"one of: X, raw/X, layers/counts"):  # fmt: skip
+        dz.open_dataset(path, element="layers/nope")
+    with pytest.raises(dz.DatasetError, match=r"varm/PCs.*not an element whose rows are obs"):
+        dz.open_dataset(path, element="varm/PCs")
+    with pytest.raises(dz.DatasetError, match=r"element='obs'.*use X, raw/X, layers/<name>"):
+        dz.open_dataset(path, element="obs")
+    with pytest.raises(dz.DatasetError, match=r"rich.zarr/obsm/meta: is a dataframe"):
+        dz.open_dataset(path, element="obsm/meta")
+
+    # an obsm entry whose rows are not the store's observations
+    bad = tmp_path / "bad.zarr"
+    adata = make_adata(n_obs=50)
+    adata.write_zarr(bad)
+    zarr.open_group(bad, mode="r+")["obsm"].create_array("short", shape=(49, 3), dtype="f4")
+    zarr.consolidate_metadata(bad)  # anndata consolidates; the new array must show
+    with pytest.raises(dz.DatasetError, match=r"bad.zarr/obsm/short: has 49 rows but the "
+                       r"store's obs has 50 observations"):  # fmt: skip
+        dz.open_dataset(bad, element="obsm/short")
+
+    # an AnnData store that keeps its data in a layer only
+    no_x = tmp_path / "no_x.zarr"
+    ad.AnnData(obs=adata.obs, layers={"counts": adata.layers["counts"]}).write_zarr(no_x)
+    with pytest.raises(dz.DatasetError, match=r"has no 'X'; nothing to load.*one of: "
+                       r"layers/counts"):  # fmt: skip
+        dz.open_dataset(no_x)
+    assert dz.open_dataset(no_x, element="layers/counts").n_obs == 50
+
+
+def test_plain_groups_and_arrays(tmp_path: Path) -> None:
+    group = zarr.open_group(tmp_path / "climate.zarr", mode="w")
+    values = np.arange(120, dtype="f4").reshape(20, 2, 3)
+    group.create_group("surface").create_array("t2m", data=values, chunks=(5, 2, 3))
+    group.create_array("mask", data=np.ones((20, 4), "u1"), chunks=(10, 4))
+    with pytest.raises(dz.DatasetError, match=r"neither an AnnData store.*element='mask'"):
+        dz.open_dataset(tmp_path / "climate.zarr")
+    dataset = dz.open_dataset(tmp_path / "climate.zarr", element="surface/t2m")
+    assert dataset.name == "climate.zarr/surface/t2m" and dataset.feature_shape == (2, 3)
+    got = run_epoch(dz.Loader(dataset, sampler(chunk_size=5, batch_size=4), return_index=True))
+    np.testing.assert_array_equal(got["X"], values[got["index"]])
+    with pytest.raises(dz.DatasetError, match=r"has no array 'surface'.*arrays here: mask"):
+        dz.open_dataset(tmp_path / "climate.zarr", element="surface")
+    with pytest.raises(dz.ConfigError, match="is a Zarr array, so element='X'"):
+        dz.open_dataset(tmp_path / "climate.zarr" / "mask", element="X")
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def cli(*argv: object) -> int:
+    return main([str(a) for a in argv])
+
+
+@pytest.mark.parametrize(
+    ("element", "var_names"),
+    [
+        ("layers/counts", [f"g{j}" for j in range(N_VARS)]),
+        ("raw/X", [f"raw_g{j}" for j in range(N_RAW_VARS)]),
+        ("obsm/X_pca", [str(j) for j in range(8)]),
+    ],
+)
+@pytest.mark.parametrize("source", ["zarr", "h5ad"])
+def test_convert_an_element(rich, tmp_path: Path, element, var_names, source) -> None:
+    path, adata = rich
+    if source == "h5ad":
+        path = tmp_path / "rich.h5ad"
+        adata.write_h5ad(path)
+    dst = tmp_path / "out.zarr"
+    assert cli("convert", path, dst, "--element", element, "--chunk-rows", 64, "-q") == 0
+    back = ad.read_zarr(dst)
+    want = element_of(adata, element)
+    got = back.X.toarray() if sp.issparse(back.X) else back.X
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == want.dtype
+    assert list(back.var_names) == var_names
+    np.testing.assert_array_equal(back.obs["cell_type"], adata.obs["cell_type"])
+    assert zarr.open_group(dst, mode="r").attrs["dali_zarr"]["element"] == element
+
+
+def test_inspect_and_bench_an_element(rich, capsys) -> None:
+    path, _ = rich
+    assert cli("inspect", path, "--element", "layers/counts", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["element"] == "layers/counts" and report["layout"] == "csr"
+    assert report["dtype"] == "int32" and report["elements"][:3] == ["X", "raw/X", "layers/counts"]
+    names = [a["name"] for a in report["arrays"]]
+    assert names == ["layers/counts/data", "layers/counts/indices", "layers/counts/indptr"]
+    assert cli("inspect", path, "--element", "obsm/X_pca") == 0
+    text = capsys.readouterr().out
+    assert "AnnData store, obsm/X_pca dense" in text
+    assert "loadable elements (element=...): X, raw/X, layers/counts" in text
+    assert cli("bench", path, "--element", "raw/X", "--batches", 2, "--batch-size", 64,
+               "--json") == 0  # fmt: skip
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rows"] == 2 * 64
+    assert set(summary["read_paths"]) == {"rich.zarr/raw/X/data", "rich.zarr/raw/X/indices"}
+    assert cli("inspect", path, "--element", "varm/PCs") == 2
+    assert "not an element whose rows are observations" in capsys.readouterr().err
