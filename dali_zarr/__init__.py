@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
+from dali_zarr.data.features import FeatureSubset
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ChunkReadError, ConfigError, DaliZarrError, DatasetError
 from dali_zarr.planning import ChunkSampler, DistributedSampler, EpochPlan, WindowPlan
@@ -48,6 +49,7 @@ __all__ = [
     "DenseDataset",
     "DistributedSampler",
     "EpochPlan",
+    "FeatureSubset",
     "Loader",
     "Subset",
     "WindowPlan",

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import anndata_element, attribute, is_array
+from dali_zarr.data.elements import anndata_element, attribute, is_array, var_key
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
@@ -174,13 +174,6 @@ class _Input:
             self.handle.close()
 
 
-def _var_key(element: str) -> str | None:
-    """Where the features of ``element`` are named: raw/X has its own var; obsm/obsp none."""
-    if element == "raw/X":
-        return "raw/var"
-    return "var" if element == "X" or element.startswith("layers/") else None
-
-
 def _open_input(path: str, element: str | None = None) -> _Input:
     if not os.path.exists(path):
         raise DatasetError(
@@ -246,7 +239,7 @@ def _anndata_input(path: str, root: Any, *, handle: Any, element: str) -> _Input
         if len(x.shape) != 2:
             raise DatasetError(f"{where}: a dense {key} must be 2-D, found shape {x.shape}.")
         inp = _dense_input(path, x, anndata=True, root=root)
-        inp.handle, inp.element, inp.var_key = handle, key, _var_key(key)
+        inp.handle, inp.element, inp.var_key = handle, key, var_key(key)
         return inp
     encoding = attribute(x, "encoding-type") or attribute(x, "h5sparse_format")
     if encoding in ("csc_matrix", "csc"):
@@ -293,7 +286,7 @@ def _anndata_input(path: str, root: Any, *, handle: Any, element: str) -> _Input
         index_dtype=np.dtype(indices.dtype),
         handle=handle,
         element=key,
-        var_key=_var_key(key),
+        var_key=var_key(key),
     )
 
 

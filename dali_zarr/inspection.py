@@ -27,6 +27,7 @@ import zarr
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
 from dali_zarr.data.elements import available_elements
+from dali_zarr.data.features import FeatureSubset
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import DirectReader, open_reader, parse_layout
@@ -321,6 +322,8 @@ def _chunking(ds: Dataset) -> _Chunking:
             c.aligned and unit % max(1, round(c.rows_per_chunk)) == 0 for c in parts
         ) and all(int(o) % unit == 0 for o in ds.offsets[1:-1])
         return _Chunking(rows, row_bytes, aligned)
+    if isinstance(ds, FeatureSubset):
+        return _chunking(ds.parent)  # the parent's rows are read (and decoded) in full
     if isinstance(ds, Subset):
         # a loader chunk of the subset's rows spans n_parent / n_subset as many stored rows
         # (about, for a split spread over the store), and rarely starts on a store chunk

@@ -97,3 +97,17 @@ def test_throughput_cube_run(tmp_path: Path) -> None:
             assert result["batches"] == 3, (key, result)
     assert "| cube | dali_zarr dense |" in (tmp_path / "throughput.md").read_text()
     assert (tmp_path / "throughput.png").exists() == CHARTS
+
+
+def test_feature_selection_benchmark_runs(tmp_path: Path) -> None:
+    out = tmp_path / "fs.json"
+    stdout = run_script(
+        "feature_selection.py",
+        *("--cells", 1_200, "--genes", 300, "--panel", 40, "--batch-size", 64),
+        *("--chunk-size", 64, "--preload-nchunks", 4, "--batches", 3, "--reps", 1),
+        *("--store", tmp_path / "fs.zarr", "--json", out),
+    )
+    assert "| features=panel |" in stdout and "x every-gene" in stdout
+    rates = json.loads(out.read_text())["rows_per_s"]
+    assert set(rates) == {"every gene, then x[:, panel] in torch", "features=panel"}
+    assert all(len(v) == 1 and v[0] > 0 for v in rates.values())

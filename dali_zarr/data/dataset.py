@@ -13,12 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import anndata_element
+from dali_zarr.data.elements import anndata_element, var_key
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import ArrayReader, open_reader
@@ -81,6 +81,11 @@ class Dataset(ABC):
         """Category names of a categorical obs column, to map batch codes back to labels."""
         return self.obs_column(column).categories
 
+    def var_names(self) -> tuple[str, ...] | None:
+        """Names of the features (an AnnData store's ``var`` index), or None where the store
+        names none (plain arrays, ``obsm``/``obsp`` entries)."""
+        return None
+
     def global_ids(self, rows: np.ndarray) -> np.ndarray:
         """This dataset's row ids → the observation ids batches report (``batch["index"]``).
 
@@ -100,12 +105,30 @@ class Dataset(ABC):
 
 
 class _StoreDataset(Dataset):
-    """A single store: holds its obs group (if any) and caches loaded columns."""
+    """A single store: holds its obs and var groups (if any) and caches loaded columns."""
 
-    def __init__(self, name: str, obs: zarr.Group | None) -> None:
+    def __init__(self, name: str, obs: zarr.Group | None, var: zarr.Group | None = None) -> None:
         self.name = name
         self._obs = obs
+        self._var = var
+        self._var_names: tuple[str, ...] | None = None
         self._columns: dict[str, ObsColumn] = {}
+
+    def var_names(self) -> tuple[str, ...] | None:
+        if self._var is None:
+            return None
+        if self._var_names is None:
+            index = self._var.attrs.get("_index")
+            if index is None or index not in self._var:
+                return None
+            names = tuple(str(v) for v in np.asarray(self._var[index][...]).tolist())
+            if len(names) != self.n_features:
+                raise DatasetError(
+                    f"{self.name}: var has {len(names)} names for {self.n_features} "
+                    "features; the store is inconsistent."
+                )
+            self._var_names = names
+        return self._var_names
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:
@@ -129,8 +152,15 @@ class DenseDataset(_StoreDataset):
 
     layout: Layout = "dense"
 
-    def __init__(self, reader: ArrayReader, *, name: str, obs: zarr.Group | None = None) -> None:
-        super().__init__(name, obs)
+    def __init__(
+        self,
+        reader: ArrayReader,
+        *,
+        name: str,
+        obs: zarr.Group | None = None,
+        var: zarr.Group | None = None,
+    ) -> None:
+        super().__init__(name, obs, var)
         if len(reader.shape) < 1:
             raise DatasetError(f"{name}: a 0-d array holds no observations.")
         if reader.dtype.kind not in "biuf":
@@ -163,8 +193,9 @@ class CsrDataset(_StoreDataset):
         obs: zarr.Group | None,
         executor: Executor | None,
         force_zarr: bool,
+        var: zarr.Group | None = None,
     ) -> None:
-        super().__init__(name, obs)
+        super().__init__(name, obs, var)
         for key in ("data", "indices", "indptr"):
             if key not in group or not isinstance(group[key], zarr.Array):
                 raise DatasetError(
@@ -305,6 +336,22 @@ class Collection(Dataset):
             self._columns[name] = concat_obs_columns([p.obs_column(name) for p in self.parts])
         return self._columns[name]
 
+    def var_names(self) -> tuple[str, ...] | None:
+        """The parts' common feature names (None if a part names none); parts whose names
+        differ are refused: their columns would not mean the same genes."""
+        names = [p.var_names() for p in self.parts]
+        if any(n is None for n in names):
+            return None
+        for part, other in zip(self.parts[1:], names[1:], strict=True):
+            if other != names[0]:
+                j = next(i for i, (a, b) in enumerate(zip(names[0], other, strict=True)) if a != b)
+                raise DatasetError(
+                    f"collection: {part.name} names feature {j} {other[j]!r} but "
+                    f"{self.parts[0].name} names it {names[0][j]!r}; align the stores' var "
+                    "before selecting features by name."
+                )
+        return names[0]
+
     def read_paths(self) -> dict[str, str]:
         paths: dict[str, str] = {}
         for part in self.parts:
@@ -349,6 +396,7 @@ def open_dataset(
     source: Source | Sequence[Source],
     *,
     element: str | None = None,
+    features: Any = None,
     executor: Executor | None = None,
     force_zarr: bool = False,
 ) -> Dataset:
@@ -359,15 +407,23 @@ def open_dataset(
     ``zarr.Array``. ``element`` picks what to load from every store: in an AnnData store
     ``"X"`` (the default), ``"raw/X"``, ``"layers/<name>"``, ``"obsm/<name>"`` or
     ``"obsp/<name>"`` (obs columns still come from the store's ``obs``); in a plain Zarr
-    group, the path of one of its arrays. ``force_zarr`` makes every array use zarr-python's
-    reading instead of the direct path (for debugging or comparison).
+    group, the path of one of its arrays. ``features`` keeps only those features, in that
+    order: integer ids, ``var`` names or a boolean mask (a
+    :class:`~dali_zarr.data.features.FeatureSubset`). ``force_zarr`` makes every array use
+    zarr-python's reading instead of the direct path (for debugging or comparison).
     """
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
         parts = [
             _open_one(s, element=element, executor=executor, force_zarr=force_zarr) for s in source
         ]
-        return parts[0] if len(parts) == 1 else Collection(parts)
-    return _open_one(source, element=element, executor=executor, force_zarr=force_zarr)
+        dataset = parts[0] if len(parts) == 1 else Collection(parts)
+    else:
+        dataset = _open_one(source, element=element, executor=executor, force_zarr=force_zarr)
+    if features is None:
+        return dataset
+    from dali_zarr.data.features import FeatureSubset  # it builds on this module
+
+    return FeatureSubset(dataset, features)
 
 
 def _open_one(
@@ -388,15 +444,20 @@ def _open_one(
     x_key = (element or "X").strip("/")
     x = anndata_element(node, x_key, store=name)
     obs = node["obs"] if "obs" in node and isinstance(node["obs"], zarr.Group) else None
+    names_at = var_key(x_key)
+    var = node.get(names_at) if names_at is not None else None
+    var = var if isinstance(var, zarr.Group) else None
     x_name = f"{name}/{x_key}"
     if isinstance(x, zarr.Array):
         if x.ndim != 2:
             raise DatasetError(f"{x_name}: a dense {x_key} must be 2-D, found shape {x.shape}.")
         reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
-        return DenseDataset(reader, name=name if x_key == "X" else x_name, obs=obs)
+        return DenseDataset(reader, name=name if x_key == "X" else x_name, obs=obs, var=var)
     x_encoding = x.attrs.get("encoding-type")
     if x_encoding == "csr_matrix":
-        return CsrDataset(x, name=x_name, obs=obs, executor=executor, force_zarr=force_zarr)
+        return CsrDataset(
+            x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr
+        )
     if x_encoding == "csc_matrix":
         raise DatasetError(
             f"{x_name}: is CSC (column-major); rows cannot be read by range. Re-write it as "

@@ -103,5 +103,14 @@ def anndata_element(root: Any, element: str, *, store: str) -> Any:
     return node
 
 
+def var_key(element: str) -> str | None:
+    """Where the features of ``element`` are named: ``raw/X`` has its own ``raw/var``; ``X``
+    and layers share ``var``; ``obsm``/``obsp`` columns have no names."""
+    element = element.strip("/")
+    if element == "raw/X":
+        return "raw/var"
+    return "var" if element == "X" or element.startswith("layers/") else None
+
+
 def _listing(root: Any) -> str:
     return ", ".join(available_elements(root)) or "no loadable element"

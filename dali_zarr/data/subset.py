@@ -113,5 +113,8 @@ class Subset(Dataset):
         """Local row ids → the parent's observation ids (what ``batch["index"]`` reports)."""
         return self.parent.global_ids(self.parent_rows[rows])
 
+    def var_names(self) -> tuple[str, ...] | None:
+        return self.parent.var_names()
+
     def read_paths(self) -> dict[str, str]:
         return self.parent.read_paths()

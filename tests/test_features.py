@@ -1,0 +1,165 @@
+"""Feature selection (dz.FeatureSubset / open_dataset(features=)): a gene panel in a chosen
+order, on stores written by anndata, through real DALI pipelines on both loader paths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import dali_zarr as dz
+from dali_zarr.data.dataset import CsrRows
+from dali_zarr.data.features import keep_csr_columns
+from dali_zarr.graph.gpu_pipeline import HostBackend
+from tests.test_elements import N_OBS, N_RAW_VARS, N_VARS, element_of, make_adata
+from tests.test_loader import assert_rows_match, run_epoch, sampler
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+PANEL = np.array([17, 3, 29, 0, 11, 4])  # out of order on purpose
+
+
+@pytest.fixture(scope="module")
+def rich(tmp_path_factory):
+    import anndata as ad
+
+    path = tmp_path_factory.mktemp("features") / "rich.zarr"
+    make_adata().write_zarr(path)
+    return path, ad.read_zarr(path)
+
+
+def test_keep_csr_columns_matches_scipy() -> None:
+    """Empty rows, duplicate column ids (kept as stored) and a reordering map."""
+    rng = np.random.default_rng(3)
+    m = sp.random(40, 25, density=0.3, format="csr", random_state=rng, dtype=np.float32)
+    m.indices[:4] = m.indices[0]  # duplicates within row 0's run (scipy sums them)
+    m[5] = 0
+    m.eliminate_zeros()
+    cols = np.array([24, 0, 7, 3, 12])
+    column_map = np.full(25, -1, np.int64)
+    column_map[cols] = np.arange(len(cols))
+    rows = CsrRows(m.data, m.indices, m.indptr.astype(np.int64))
+    got = keep_csr_columns(rows, column_map)
+    dense = sp.csr_matrix((got.data, got.indices, got.indptr), shape=(40, len(cols))).toarray()
+    np.testing.assert_array_equal(dense, m.toarray()[:, cols])
+    assert got.indices.dtype == m.indices.dtype and got.indptr[0] == 0
+
+
+@pytest.mark.parametrize("output", ["dense", "csr"])
+@pytest.mark.parametrize("how", ["ids", "names", "mask"])
+def test_selected_features_in_the_order_given(rich, how: str, output: str) -> None:
+    path, adata = rich
+    cols = np.sort(PANEL) if how == "mask" else PANEL  # a mask keeps the store's order
+    features = {
+        "ids": PANEL,
+        "names": [f"g{j}" for j in PANEL],
+        "mask": np.isin(np.arange(N_VARS), PANEL),
+    }[how]
+    dataset = dz.open_dataset(path, features=features)
+    assert isinstance(dataset, dz.FeatureSubset) and dataset.feature_shape == (len(PANEL),)
+    assert dataset.var_names() == tuple(f"g{j}" for j in cols)
+    loader = dz.Loader(dataset, sampler(), output=output, obs=["cell_type"], return_index=True)
+    got = run_epoch(loader, epoch=1)  # run_epoch densifies CSR batches
+    assert_rows_match(got, adata.X.toarray()[:, cols], N_OBS)
+    labels = np.array(loader.categories("cell_type"))[got["cell_type"]]
+    np.testing.assert_array_equal(labels, adata.obs["cell_type"].to_numpy()[got["index"]])
+
+
+@pytest.mark.parametrize(("element", "width"), [("layers/scaled", N_VARS), ("raw/X", N_RAW_VARS)])
+def test_features_of_other_elements(rich, element: str, width: int) -> None:
+    path, adata = rich
+    cols = np.array([width - 1, 2, 9])
+    dataset = dz.open_dataset(path, element=element, features=cols)
+    got = run_epoch(dz.Loader(dataset, sampler(), return_index=True))
+    assert_rows_match(got, element_of(adata, element).astype(np.float32)[:, cols], N_OBS)
+    if element == "raw/X":  # raw/X is named by raw/var
+        assert dataset.var_names() == (f"raw_g{width - 1}", "raw_g2", "raw_g9")
+
+
+def test_gpu_path_wiring_with_features(rich) -> None:
+    """The GPU path reads a selection on the host and copies it once (host backend here)."""
+    path, _ = rich
+    dataset = dz.open_dataset(path, features=PANEL)
+    for output in ("dense", "csr"):
+        cpu = dz.Loader(dataset, sampler(), output=output, return_index=True)
+        gpu = dz.Loader(
+            dataset, sampler(), output=output, return_index=True, device="gpu",
+            gpu_backend=HostBackend(),
+        )  # fmt: skip
+        for loader in (cpu, gpu):
+            loader.set_epoch(2)
+        with cpu, gpu:
+            n = 0
+            for want, got in zip(cpu, gpu, strict=True):
+                for name in want:
+                    a, b = want[name], got[name]
+                    if a.layout == torch.sparse_csr:
+                        a, b = a.to_dense(), b.to_dense()
+                    torch.testing.assert_close(b, a, rtol=0, atol=0)
+                n += 1
+            assert n == len(cpu) > 0
+
+
+def test_selections_compose_with_subsets_and_each_other(rich) -> None:
+    path, adata = rich
+    x = adata.X.toarray()
+    base = dz.open_dataset(path)
+    rows = np.arange(0, N_OBS, 3)
+    inner = dz.Subset(dz.FeatureSubset(base, PANEL), rows)
+    outer = dz.FeatureSubset(dz.Subset(base, rows), PANEL)
+    twice = dz.FeatureSubset(dz.FeatureSubset(base, PANEL), [5, 0])  # flattened
+    assert twice.parent is base and twice.columns.tolist() == [4, 17]
+    for dataset, want in ((inner, x[rows][:, PANEL]), (outer, x[rows][:, PANEL])):
+        got = run_epoch(dz.Loader(dataset, sampler(), return_index=True))
+        np.testing.assert_array_equal(got["X"], want[np.searchsorted(rows, got["index"])])
+    got = run_epoch(dz.Loader(twice, sampler(), return_index=True))
+    assert_rows_match(got, x[:, [4, 17]], N_OBS)
+
+
+def test_collections_select_by_name_only_when_names_agree(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    first, second = make_adata(0, n_obs=120), make_adata(1, n_obs=80)
+    first.write_zarr(a)
+    second.write_zarr(b)
+    dataset = dz.open_dataset([a, b], features=["g5", "g1"])
+    got = run_epoch(dz.Loader(dataset, sampler(chunk_size=16), return_index=True))
+    both = np.concatenate([first.X.toarray(), second.X.toarray()])[:, [5, 1]]
+    assert_rows_match(got, both, 200)
+    second.var_names = [f"h{j}" for j in range(N_VARS)]
+    second.write_zarr(b)
+    with pytest.raises(dz.DatasetError, match=r"b.zarr/X names feature 0 'h0' but a.zarr/X"):
+        dz.open_dataset([a, b], features=["g5"])
+    assert dz.open_dataset([a, b], features=[5]).n_features == 1  # ids need no names
+
+
+def test_bad_selections_say_what_to_change(rich, tmp_path: Path) -> None:
+    path, _ = rich
+    cases = [
+        ([3, 3], r"feature 3 is selected 2 times"),
+        ([N_VARS], rf"feature id {N_VARS} is outside \[0, {N_VARS}\)"),
+        ([-1], r"feature id -1 is outside"),
+        ([], r"non-empty 1-D"),
+        (np.ones(N_VARS - 1, bool), rf"one entry per feature \({N_VARS}\), got {N_VARS - 1}"),
+        (np.zeros(N_VARS, bool), "selects no feature"),
+        (["g1", "CD3E", "MS4A1"], r"2 name\(s\) not in the store's var index, e.g. 'CD3E'"),
+        ([0.5], "integer ids, names or a boolean mask"),
+    ]
+    for features, message in cases:
+        with pytest.raises(dz.DatasetError, match=message):
+            dz.open_dataset(path, features=features)
+    with pytest.raises(dz.DatasetError, match="names no features"):
+        dz.open_dataset(path, element="obsm/X_pca", features=["PC1"])
+    cube = dz.synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=10, shape=(2, 3))
+    with pytest.raises(dz.DatasetError, match=r"shape \(2, 3\); a feature selection needs one"):
+        dz.open_dataset(cube, features=[0])
+
+
+def test_suggestion_reads_the_parents_rows(rich) -> None:
+    from dali_zarr.inspection import dataset_suggestion
+
+    path, _ = rich
+    base = dz.open_dataset(path)
+    assert dataset_suggestion(dz.FeatureSubset(base, PANEL)) == dataset_suggestion(base)
