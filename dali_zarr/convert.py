@@ -33,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import anndata_element, attribute, is_array, var_key
+from dali_zarr.data.elements import Picked, is_array, matrix_layout, pick_element, var_key
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
@@ -152,7 +152,8 @@ class _Input:
     indptr: np.ndarray | None = None
     index_dtype: np.dtype | None = None
     handle: Any = None  # an h5py.File to close
-    element: str = "X"  # what was read as X (AnnData: "X", "layers/counts", ...)
+    element: str | None = "X"  # what was read: "X", "layers/counts", a group's array path;
+    # None: the input is that array
     var_key: str | None = "var"  # the dataframe describing its features (None: numbered)
 
     @property
@@ -188,29 +189,13 @@ def _open_input(path: str, element: str | None = None) -> _Input:
             f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}); pass an .h5ad file, "
             "or the directory that holds zarr.json (v3) or .zgroup/.zarray (v2)."
         ) from exc
-    if isinstance(node, zarr.Array):
-        if element is not None:
-            raise ConfigError(
-                f"{path}: is a Zarr array, so element={element!r} has nothing to pick from; "
-                "drop element= (--element)."
-            )
-        return _dense_input(path, node, anndata=False, root=None)
-    encoding = node.attrs.get("encoding-type")
-    if encoding != "anndata":
-        arrays = sorted(k for k, v in node.members() if isinstance(v, zarr.Array))
-        key = (element or "").strip("/")
-        if key and isinstance(node.get(key), zarr.Array):
-            return _dense_input(os.path.join(path, key), node[key], anndata=False, root=None)
-        listing = f" (arrays here: {', '.join(arrays)})" if arrays else ""
-        what = (
-            f"has no array {element!r}"
-            if element is not None
-            else "is a Zarr group but neither an AnnData store (root attribute "
-            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array"
-        )
-        hint = f" Pass element= (--element) the path of an array{listing}." if arrays else ""
-        raise DatasetError(f"{path}: {what}.{hint}")
-    return _anndata_input(path, node, handle=None, element=element or "X")
+    picked = pick_element(node, element, store=path)
+    if not picked.anndata:  # a plain array, or one array of a plain group
+        where = path if picked.key is None else os.path.join(path, picked.key)
+        inp = _dense_input(where, picked.node, anndata=False, root=None)
+        inp.element = picked.key
+        return inp
+    return _anndata_input(path, node, picked, handle=None)
 
 
 def _open_h5ad(path: str, element: str | None) -> _Input:
@@ -225,33 +210,20 @@ def _open_h5ad(path: str, element: str | None) -> _Input:
         )
     handle = h5py.File(path, "r")
     try:
-        return _anndata_input(path, handle, handle=handle, element=element or "X")
+        picked = pick_element(handle, element, store=path, anndata=True)
+        return _anndata_input(path, handle, picked, handle=handle)
     except BaseException:
         handle.close()
         raise
 
 
-def _anndata_input(path: str, root: Any, *, handle: Any, element: str) -> _Input:
-    key = element.strip("/")
-    x = anndata_element(root, key, store=path)
+def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Input:
+    x, key = picked.node, str(picked.key)
     where = f"{path}/{key}"
-    if is_array(x):
-        if len(x.shape) != 2:
-            raise DatasetError(f"{where}: a dense {key} must be 2-D, found shape {x.shape}.")
+    if matrix_layout(x, where=where) == "dense":
         inp = _dense_input(path, x, anndata=True, root=root)
         inp.handle, inp.element, inp.var_key = handle, key, var_key(key)
         return inp
-    encoding = attribute(x, "encoding-type") or attribute(x, "h5sparse_format")
-    if encoding in ("csc_matrix", "csc"):
-        raise DatasetError(
-            f"{where}: is CSC (column-major); rows cannot be streamed. Re-write it as CSR "
-            "(e.g. adata.X = adata.X.tocsr())."
-        )
-    if encoding not in ("csr_matrix", "csr"):
-        raise DatasetError(
-            f"{where}: encoding {encoding!r} is not supported (expected csr_matrix or a dense "
-            "array)."
-        )
     for part in ("data", "indices", "indptr"):
         if part not in x or not is_array(x[part]):
             raise DatasetError(f"{where}: csr_matrix group has no array {part!r}; re-write it.")

@@ -26,7 +26,7 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
-from dali_zarr.data.elements import available_elements
+from dali_zarr.data.elements import available_elements, pick_element
 from dali_zarr.data.features import FeatureSubset
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
@@ -400,23 +400,20 @@ def inspect_store(
         )
     ds = open_dataset(path, element=element)
     node = zarr.open(path, mode="r")
-    key = (element or "X").strip("/")
+    picked = pick_element(node, element, store=path)  # what ds read, as zarr nodes
+    x, key = picked.node, picked.key
     arrays: list[ArrayInfo] = []
     obs: tuple[ObsInfo, ...] = ()
     elements: tuple[str, ...] = ()
     nnz = None
-    converted = node.attrs.get("dali_zarr")
-    if isinstance(node, zarr.Array):
+    # convert records its settings on the root group, or on the array it wrote
+    converted = node.attrs.get("dali_zarr") or x.attrs.get("dali_zarr")
+    if not picked.anndata:
         kind = "array"
-        arrays.append(_array_info(node, ds.name, rows_per_element=None))
-    elif node.attrs.get("encoding-type") != "anndata":
-        kind = "array"
-        arrays.append(_array_info(node[key], key, rows_per_element=None))
-        converted = node[key].attrs.get("dali_zarr")
+        arrays.append(_array_info(x, key or ds.name, rows_per_element=None))
     else:
         kind = "anndata"
         elements = tuple(available_elements(node))
-        x = node[key]
         if isinstance(ds, CsrDataset):
             nnz = int(ds.indptr[-1])
             per_element = _rows_per_element(ds)
@@ -431,7 +428,7 @@ def inspect_store(
     return StoreReport(
         path=path,
         kind=kind,
-        element=key if kind == "anndata" or element is not None else None,
+        element=key,
         layout=ds.layout,
         n_obs=ds.n_obs,
         feature_shape=ds.feature_shape,

@@ -297,8 +297,9 @@ class ZarrDataModule(LightningDataModule):
                     "rank needs at least one (Lightning refuses an empty evaluation loader on "
                     "a rank); use fewer devices or a larger split."
                 )
-            # every rank needs a chunk of its own; the split is read once, so smaller chunks
-            # only cost reads of the same bytes
+            # every rank needs a chunk of its own: the suggestion leaves one, a chunk_size
+            # given for training may not; the split is read once, so smaller chunks only
+            # cost reads of the same bytes
             chunk_size = min(chunk_size, max(1, subset.n_obs // world))
         sampler = DistributedSampler(
             ChunkSampler(

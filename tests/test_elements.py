@@ -15,7 +15,7 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr.cli import main
-from dali_zarr.graph.gpu_pipeline import HostBackend
+from tests.test_gpu_loader import assert_same_batches, both
 from tests.test_loader import assert_rows_match, run_epoch, sampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -108,20 +108,19 @@ def test_every_element_loads_like_anndata_reads_it(rich, element: str) -> None:
 
 @pytest.mark.parametrize("element", ["layers/counts", "obsm/X_pca"])
 def test_gpu_path_wiring_loads_an_element(rich, element: str) -> None:
-    """The GPU path plans byte reads through the element's own readers (host backend here)."""
-    path, adata = rich
-    dataset = dz.open_dataset(path, element=element)
-    loader = dz.Loader(dataset, sampler(), device="gpu", gpu_backend=HostBackend(), obs=())
-    got = run_epoch(dz.Loader(dataset, sampler(), return_index=True), epoch=2)
-    gpu = np.concatenate([b["X"].numpy() for b in _epoch(loader, 2)])
-    np.testing.assert_array_equal(gpu, got["X"])
-    np.testing.assert_array_equal(gpu, element_of(adata, element).astype(np.float32)[got["index"]])
-
-
-def _epoch(loader: dz.Loader, epoch: int):
-    loader.set_epoch(epoch)
-    with loader:
-        yield from loader
+    """The GPU path plans byte reads through the element's own readers (host backend here):
+    batch for batch what the CPU path delivers, which the test above holds to anndata."""
+    dataset = dz.open_dataset(rich[0], element=element)
+    cpu, gpu = both(dataset, "host", obs=["cell_type"], return_index=True)
+    arrays = (
+        [f"rich.zarr/{element}{p}" for p in ("/data", "/indices")]
+        if "layers" in element
+        else [f"rich.zarr/{element}"]
+    )
+    assert list(cpu.read_paths()) == list(gpu.read_paths()) == arrays
+    # the byte plan of the element's own arrays, not the host read of other datasets
+    assert all(p.startswith("host-backend plan") for p in gpu.read_paths().values())
+    assert assert_same_batches(cpu, gpu, epochs=(2,)) == len(cpu) > 0
 
 
 def test_collection_of_layers(tmp_path: Path) -> None:
@@ -191,6 +190,25 @@ def test_plain_groups_and_arrays(tmp_path: Path) -> None:
 
 def cli(*argv: object) -> int:
     return main([str(a) for a in argv])
+
+
+def test_convert_resolves_elements_like_open_dataset(tmp_path: Path, capsys) -> None:
+    """convert picks (and refuses) a plain group's array as open_dataset does."""
+    group = zarr.open_group(tmp_path / "climate.zarr", mode="w")
+    values = np.arange(120, dtype="f4").reshape(20, 6)
+    group.create_group("surface").create_array("t2m", data=values, chunks=(5, 6))
+    dst = tmp_path / "t2m.zarr"
+    assert cli("convert", tmp_path / "climate.zarr", dst, "--element", "surface/t2m", "-q") == 0
+    np.testing.assert_array_equal(zarr.open_array(dst, mode="r")[...], values)
+    assert zarr.open_array(dst, mode="r").attrs["dali_zarr"]["element"] == "surface/t2m"
+    for source, options, message in [
+        (tmp_path / "climate.zarr", (), "neither an AnnData store"),
+        (tmp_path / "climate.zarr", ("--element", "surface"), "has no array 'surface'"),
+        (dst, ("--element", "X"), "is a Zarr array, so element='X' has nothing to pick"),
+    ]:
+        assert cli("convert", *options, "-q", source, tmp_path / "o.zarr") == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "o.zarr").exists()
 
 
 @pytest.mark.parametrize(

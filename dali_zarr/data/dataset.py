@@ -18,9 +18,9 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import anndata_element, var_key
+from dali_zarr.data.elements import matrix_layout, pick_element, var_key
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
-from dali_zarr.errors import ConfigError, DatasetError
+from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader, open_reader
 from dali_zarr.planning.partition import ranges_to_rows
 
@@ -430,72 +430,22 @@ def _open_one(
     source: Source, *, element: str | None, executor: Executor | None, force_zarr: bool
 ) -> Dataset:
     node, name = _open_node(source)
-    if isinstance(node, zarr.Array):
-        if element is not None:
-            raise ConfigError(
-                f"{name}: is a Zarr array, so element={element!r} has nothing to pick from; "
-                "drop element= (it selects inside AnnData stores and Zarr groups)."
-            )
-        reader = open_reader(node, name=name, executor=executor, force_zarr=force_zarr)
-        return DenseDataset(reader, name=name)
-    encoding = node.attrs.get("encoding-type")
-    if encoding != "anndata":
-        return _open_group_array(node, name, element, executor=executor, force_zarr=force_zarr)
-    x_key = (element or "X").strip("/")
-    x = anndata_element(node, x_key, store=name)
+    picked = pick_element(node, element, store=name)
+    if not picked.anndata:  # a plain array, or one array of a plain group
+        array_name = name if picked.key is None else f"{name}/{picked.key}"
+        reader = open_reader(picked.node, name=array_name, executor=executor, force_zarr=force_zarr)
+        return DenseDataset(reader, name=array_name)
+    x, x_key = picked.node, picked.key
+    assert x_key is not None
+    x_name = f"{name}/{x_key}"
     obs = node["obs"] if "obs" in node and isinstance(node["obs"], zarr.Group) else None
     names_at = var_key(x_key)
     var = node.get(names_at) if names_at is not None else None
     var = var if isinstance(var, zarr.Group) else None
-    x_name = f"{name}/{x_key}"
-    if isinstance(x, zarr.Array):
-        if x.ndim != 2:
-            raise DatasetError(f"{x_name}: a dense {x_key} must be 2-D, found shape {x.shape}.")
+    if matrix_layout(x, where=x_name) == "dense":
         reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
         return DenseDataset(reader, name=name if x_key == "X" else x_name, obs=obs, var=var)
-    x_encoding = x.attrs.get("encoding-type")
-    if x_encoding == "csr_matrix":
-        return CsrDataset(
-            x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr
-        )
-    if x_encoding == "csc_matrix":
-        raise DatasetError(
-            f"{x_name}: is CSC (column-major); rows cannot be read by range. Re-write it as "
-            "CSR (e.g. adata.X = adata.X.tocsr(); adata.write_zarr(...))."
-        )
-    raise DatasetError(
-        f"{x_name}: encoding {x_encoding!r} is not supported "
-        "(expected csr_matrix or a dense array)."
-    )
-
-
-def _open_group_array(
-    group: zarr.Group,
-    name: str,
-    element: str | None,
-    *,
-    executor: Executor | None,
-    force_zarr: bool,
-) -> Dataset:
-    """A plain (non-AnnData) Zarr group: load the array ``element`` names."""
-    arrays = sorted(k for k, v in group.members() if isinstance(v, zarr.Array))
-    listing = f" (arrays here: {', '.join(arrays)})" if arrays else " (it holds no arrays)"
-    if element is None:
-        hint = f" To load one of its arrays, pass element={arrays[0]!r}{listing}." if arrays else ""
-        raise DatasetError(
-            f"{name}: is a Zarr group but neither an AnnData store (root attribute "
-            f"'encoding-type' is {group.attrs.get('encoding-type')!r}, expected 'anndata') "
-            f"nor an array.{hint}"
-        )
-    key = element.strip("/")
-    array = group.get(key) if key else None
-    if not isinstance(array, zarr.Array):
-        raise DatasetError(
-            f"{name}: has no array {element!r}{listing}; pass element= the path of one."
-        )
-    array_name = f"{name}/{key}"
-    reader = open_reader(array, name=array_name, executor=executor, force_zarr=force_zarr)
-    return DenseDataset(reader, name=array_name)
+    return CsrDataset(x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr)
 
 
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:

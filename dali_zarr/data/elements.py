@@ -1,4 +1,5 @@
-"""Which AnnData element to load: ``X``, ``raw/X``, a layer, an ``obsm`` or ``obsp`` entry.
+"""Which matrix of a store to load: in an AnnData store ``X``, ``raw/X``, a layer, an
+``obsm`` or ``obsp`` entry; in a plain Zarr group, one of its arrays.
 
 Models are often trained on something other than ``X``: raw counts in ``layers["counts"]``
 while ``X`` holds normalised values, an embedding in ``obsm["X_pca"]``, or ``raw/X``. Every
@@ -7,14 +8,15 @@ finding it and checking it belongs to the store's observations differ. ``varm``/
 (features on axis 0) and ``obs``/``var`` themselves are refused.
 
 Works on zarr groups and on h5py files alike (``convert`` reads ``.h5ad``): only ``in``,
-``[]``, ``keys()``, ``attrs`` and ``shape`` are used.
+``[]``, ``keys()``, ``attrs`` and ``shape`` are used. ``open_dataset`` and ``convert`` both
+resolve their input here, so they accept and refuse the same stores with the same words.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
-from dali_zarr.errors import DatasetError
+from dali_zarr.errors import ConfigError, DatasetError
 
 #: Where elements whose rows are observations live, and the form each name takes.
 ELEMENT_FORMS = "X, raw/X, layers/<name>, obsm/<name> or obsp/<name>"
@@ -101,6 +103,75 @@ def anndata_element(root: Any, element: str, *, store: str) -> Any:
             "the store is inconsistent: re-write it."
         )
     return node
+
+
+class Picked(NamedTuple):
+    """The matrix :func:`pick_element` found: its node, its key in the store (None: the
+    store is that array), and whether the store is an AnnData store (obs, var)."""
+
+    node: Any
+    key: str | None
+    anndata: bool
+
+
+def pick_element(
+    root: Any, element: str | None, *, store: str, anndata: bool | None = None
+) -> Picked:
+    """The matrix ``element`` names in the opened store ``root`` (an array, an AnnData
+    store, or a plain group), named ``store`` in errors.
+
+    AnnData: ``element`` or ``"X"`` (:func:`anndata_element`). A plain group: the array at
+    the path ``element``, which must be given. An array: ``element`` must not be given.
+    ``anndata``: whether ``root`` is an AnnData store; None: by its ``encoding-type``
+    attribute (an ``.h5ad`` file is AnnData whatever its attributes say).
+    """
+    if is_array(root):
+        if element is not None:
+            raise ConfigError(
+                f"{store}: is a Zarr array, so element={element!r} has nothing to pick from; "
+                "drop element= (--element on the command line)."
+            )
+        return Picked(root, None, False)
+    encoding = attribute(root, "encoding-type")
+    if anndata or (anndata is None and encoding == "anndata"):
+        key = (element or "X").strip("/")
+        return Picked(anndata_element(root, key, store=store), key, True)
+    arrays = sorted(k for k in root if is_array(root[k]))
+    listing = f" (arrays here: {', '.join(arrays)})" if arrays else " (it holds no arrays)"
+    if element is None:
+        hint = f" To load one of its arrays, pass element={arrays[0]!r}{listing}." if arrays else ""
+        raise DatasetError(
+            f"{store}: is a Zarr group but neither an AnnData store (root attribute "
+            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}"
+        )
+    key = element.strip("/")
+    node = root.get(key) if key else None
+    if node is None or not is_array(node):
+        raise DatasetError(
+            f"{store}: has no array {element!r}{listing}; pass element= the path of one."
+        )
+    return Picked(node, key, False)
+
+
+def matrix_layout(node: Any, *, where: str) -> Literal["csr", "dense"]:
+    """``"dense"`` for a 2-D array, ``"csr"`` for a CSR group (anndata's or h5sparse's
+    encoding); anything else (CSC, other encodings, N-D arrays) is refused."""
+    if is_array(node):
+        if len(node.shape) != 2:
+            raise DatasetError(f"{where}: a dense matrix must be 2-D, found shape {node.shape}.")
+        return "dense"
+    encoding = attribute(node, "encoding-type") or attribute(node, "h5sparse_format")
+    if encoding in ("csr_matrix", "csr"):
+        return "csr"
+    if encoding in ("csc_matrix", "csc"):
+        raise DatasetError(
+            f"{where}: is CSC (column-major); rows cannot be read by range. Re-write it as "
+            "CSR (e.g. adata.X = adata.X.tocsr(); adata.write_zarr(...))."
+        )
+    raise DatasetError(
+        f"{where}: encoding {encoding!r} is not supported (expected csr_matrix or a dense "
+        "2-D array)."
+    )
 
 
 def var_key(element: str) -> str | None:

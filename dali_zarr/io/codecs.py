@@ -112,6 +112,7 @@ _ZSTD_MIN_FRAME = 9  # magic, descriptor, one 3-byte block header and one byte
 # widths in bytes, by the descriptor's Dictionary_ID_Flag and Frame_Content_Size_Flag
 _DICT_ID_WIDTH = (0, 1, 2, 4)
 _CONTENT_SIZE_WIDTH = (0, 2, 4, 8)  # flag 0 with Single_Segment_Flag set: 1 byte
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _le_u32(heads: np.ndarray) -> np.ndarray:
@@ -141,9 +142,6 @@ def zstd_content_sizes(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     value = np.minimum(value, np.uint64(_INT64_MAX - 256)).astype(np.int64)
     value += np.where(size == 2, 256, 0)
     return is_frame, np.where(size > 0, value, -1), pos + size
-
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def _zstd_header(head: bytes) -> tuple[bool, int, int]:
