@@ -40,6 +40,7 @@ from gpu_throughput import (
     ROOT,
     add_store_and_sampler_arguments,
     make_store,
+    open_benchmark_dataset,
     require_gpu,
     sampler,
     synchronize,
@@ -122,6 +123,16 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
         return plan
 
     gpu_pipeline.plan_rows = counting
+    # a collection's window: each store's plans placed in the window, then merged
+    timed(gpu_pipeline, "place_plan", "placing + merging plans (host)")
+    timed(gpu_pipeline, "merge_plans", "placing + merging plans (host)")
+    run_into = backend.run_into
+
+    def counting_runs(*a, **kw):
+        totals["plans run"] += 1
+        return run_into(*a, **kw)
+
+    backend.run_into = counting_runs
     if args.smoke:
         timed(backend, "run_plan", "read + decode + copy (host backend)")
     else:
@@ -146,6 +157,13 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
         device_id=args.device_id,
     )
     n_windows = source.plan(0).n_windows
+    if n_windows == 0:
+        source.close()
+        raise SystemExit(
+            f"{dataset.n_obs:,} rows make no complete window of --chunk-size "
+            f"{args.chunk_size} x --preload-nchunks {args.preload_nchunks}: lower those or "
+            "raise --cells"
+        )
     keys = [divmod(i, n_windows) for i in range(1 + args.windows)]  # (epoch, window)
     source.read_window((0, (0, ()), 0))  # warm: kernels compiled, buffers grown, files open
     source._reclaim()
@@ -160,8 +178,10 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
     per = 1e3 / args.windows
     print(f"one reader: {per * seconds:.1f} ms per window, {rows / seconds:,.0f} rows/s")
     decoded, used = totals.pop("decoded bytes", 0.0), totals.pop("used bytes", 0.0)
+    plans_run = totals.pop("plans run", 0.0)
     for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:38s} {per * total:8.1f} ms per window")
+    print(f"  byte plans run per window: {plans_run / args.windows:.1f}")
     if used:  # CSR rows straddle store chunks: the chunks at both ends are decoded whole
         print(f"  store chunk bytes read and decoded per byte used: {decoded / used:.2f}")
     source.close()
@@ -207,12 +227,14 @@ def main(argv=None) -> None:
     if not args.smoke:
         require_gpu()
     sys.path.insert(0, ROOT)
-    import dali_zarr as dz
     from dali_zarr.io.gpu import kvikio_threads
 
-    dataset = dz.open_dataset(make_store(args))
+    store = make_store(args)
+    dataset = open_benchmark_dataset(args, store, stores=args.stores, panel=args.panel)
     kind = "SMOKE RUN on the host backend: not GPU figures" if args.smoke else "GPU"
-    print(f"{kind}; store {dataset.name}: {dataset.n_obs:,} rows")
+    split = f" as {args.stores} stores" if args.stores > 1 else ""
+    panel = f", a {args.panel}-gene panel" if args.panel else ""
+    print(f"{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows")
     failed = []
     for reads, api, sync in args.configs:
         use_config(reads, api, sync)

@@ -10,10 +10,12 @@ defaults (zstd, sharded), through ``benchmarks/contenders/stores.py`` (falls bac
 ``dali_zarr.synthetic.make_single_cell`` when that script or anndata is absent). Then
 measures, after ``--warmup`` batches, ``--batches`` batches of ``--batch-size`` rows
 (torch.cuda.synchronize() before the clock stops), and reports rows/s and GB/s of dense
-float32 ``[B, genes]`` on the GPU:
+float32 ``[B, genes]`` on the GPU (``[B, panel]`` for the panel row):
 
 * ``dali_zarr gpu``: ``Loader(device="gpu")`` (kvikio reads, nvCOMP decode, densify kernel
   in the DALI graph), batches as torch CUDA tensors (DLPack, no copy);
+* with ``--stores N``: the same, the cells loaded as a collection of N stores; with
+  ``--panel K``: the same, a panel of K genes selected on the GPU;
 * ``dali_zarr cpu + .cuda()``: the CPU path's dense batches copied to the GPU;
 * ``baseline``: zarr-python reads of ``chunk_size``-row blocks → NumPy CSR → ``torch.cuda`` →
   ``torch.sparse_csr_tensor(...).to_dense()`` (what one writes without a loader);
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -60,6 +63,20 @@ def add_store_and_sampler_arguments(p: argparse.ArgumentParser, cells: int, gene
     p.add_argument("--device-id", type=int, default=0)
     p.add_argument("--out", default=os.path.join(HERE, "out", "gpu"))
     p.add_argument("--store", help="use this AnnData store instead of writing one")
+    p.add_argument(
+        "--stores",
+        type=int,
+        default=1,
+        help="also load the cells as a collection of this many stores (the store opened "
+        "that many times, one block of cells each: a window then reads from several "
+        "stores, as with Tahoe-100M's 14 plates)",
+    )
+    p.add_argument(
+        "--panel",
+        type=int,
+        default=0,
+        help="also load a panel of this many genes (open_dataset(features=...))",
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -171,13 +188,35 @@ def sampler(args, seed=0):
     )
 
 
-def run_dali(args, store: str, device: str) -> dict:
+def panel_of(n_genes: int, size: int) -> np.ndarray:
+    """``size`` genes spread over the store, in descending order (a panel is rarely in the
+    store's order)."""
+    return np.linspace(0, n_genes - 1, min(size, n_genes)).astype(np.int64)[::-1].copy()
+
+
+def open_benchmark_dataset(args, store: str, *, stores: int = 1, panel: int = 0):
+    """The store as one dataset, as a collection of ``stores`` stores (the store opened that
+    many times, each giving one block of cells: every cell once), or with a ``panel``."""
+    import dali_zarr as dz
+
+    dataset = dz.open_dataset(store)
+    if stores > 1:
+        bounds = np.linspace(0, dataset.n_obs, stores + 1).astype(np.int64)
+        blocks = itertools.pairwise(bounds.tolist())
+        dataset = dz.Collection([dz.Subset(dz.open_dataset(store), range(a, b)) for a, b in blocks])
+    if panel:
+        dataset = dz.FeatureSubset(dataset, panel_of(dataset.n_features, panel))
+    return dataset
+
+
+def run_dali(args, store: str, device: str, stores: int = 1, panel: int = 0) -> dict:
     """dali_zarr's dense batches on the GPU: the GPU path, or the CPU path plus ``.cuda()``."""
     import dali_zarr as dz
     from dali_zarr.graph.gpu_pipeline import HostBackend
 
+    dataset = open_benchmark_dataset(args, store, stores=stores, panel=panel)
     loader = dz.Loader(
-        dz.open_dataset(store),
+        dataset,
         sampler(args),
         device=device,
         device_id=args.device_id,
@@ -197,6 +236,7 @@ def run_dali(args, store: str, device: str) -> dict:
         args, epochs(epoch), lambda b: b["X"].to(args.target, non_blocking=True).shape[0]
     )
     result["paths"] = loader.read_paths()
+    result["width"] = dataset.n_features
     loader.close()
     return result
 
@@ -414,7 +454,7 @@ def report(args, store: str, results: dict, ceilings: dict) -> None:
             why = r.get("skipped", "no time measured")
             lines.append(f"| {name} | – | – |" + " – |" * len(RATIO_TO) + f" skipped: {why} |")
             continue
-        gbs = rps * bytes_per_row / 1e9
+        gbs = rps * 4 * r.get("width", genes) / 1e9
         bars[name] = gbs
         ratios = [rows_per_second(results.get(base, {"skipped": ""})) for base in RATIO_TO]
         cells_ratio = " | ".join(f"{rps / b:.2f}" if b else "–" for b in ratios)
@@ -468,12 +508,27 @@ def main(argv=None) -> None:
     sys.path.insert(0, ROOT)
     store = make_store(args)
     results = {}
-    for name, fn in (
-        (DALI_GPU, partial(run_dali, device="gpu")),
+    contenders = [(DALI_GPU, partial(run_dali, device="gpu"))]
+    if args.stores > 1:
+        contenders.append(
+            (
+                f"{DALI_GPU}, {args.stores} stores",
+                partial(run_dali, device="gpu", stores=args.stores),
+            )
+        )
+    if args.panel:
+        contenders.append(
+            (
+                f"{DALI_GPU}, {args.panel}-gene panel",
+                partial(run_dali, device="gpu", panel=args.panel),
+            )
+        )
+    contenders += [
         ("dali_zarr cpu + .cuda()", partial(run_dali, device="cpu")),
         (BASELINE, run_baseline),
         (ANNBATCH, run_annbatch),
-    ):
+    ]
+    for name, fn in contenders:
         print(f"measuring {name} ...", file=sys.stderr)
         try:
             results[name] = fn(args, store)

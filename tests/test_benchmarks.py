@@ -33,14 +33,19 @@ def test_gpu_throughput_smoke_run(tmp_path: Path) -> None:
         *("--cells", 1500, "--genes", 700, "--nnz-per-cell", 40),
         *("--batch-size", batch_size, "--chunk-size", 32, "--preload-nchunks", 8),
         *("--batches", batches, "--warmup", 1, "--out", tmp_path),
+        *("--stores", 3, "--panel", 50),
     )
     assert "SMOKE RUN on the CPU" in stdout  # a smoke figure can't pass for a GPU one
     report = json.loads((tmp_path / "gpu_throughput.json").read_text())
     results = report["results"]
-    for name in ("dali_zarr gpu", "dali_zarr cpu + .cuda()"):
+    gpu_rows = ("dali_zarr gpu", "dali_zarr gpu, 3 stores", "dali_zarr gpu, 50-gene panel")
+    for name in (*gpu_rows, "dali_zarr cpu + .cuda()"):
         assert results[name]["rows"] == batches * batch_size, (name, results[name])
         assert results[name]["seconds"] > 0
-    assert "host-backend plan" in next(iter(results["dali_zarr gpu"]["paths"].values()))
+    assert results["dali_zarr gpu, 50-gene panel"]["width"] == 50
+    for name in gpu_rows:  # each store's windows by byte plans, none read on the host
+        paths = results[name]["paths"].values()
+        assert paths and all("host-backend plan" in p for p in paths), results[name]["paths"]
     baseline = next(r for name, r in results.items() if name.startswith("baseline"))
     assert baseline["rows"] == batches * batch_size, baseline
     annbatch = next(r for name, r in results.items() if name.startswith("annbatch"))
@@ -60,8 +65,9 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         *("--cells", 1500, "--genes", 300, "--nnz-per-cell", 20, "--batch-size", 64),
         *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 3, "--batches", 30),
         *("--read-threads", "1,3", "--configs", "pinned/c/none,kvikio/python", "--out", tmp_path),
+        *("--stores", 3),
     )
-    assert "SMOKE RUN" in stdout and "FAILED" not in stdout
+    assert "SMOKE RUN" in stdout and "as 3 stores" in stdout and "FAILED" not in stdout
     for config in (
         "reads pinned, nvCOMP c API, ring sync none",
         "reads kvikio, nvCOMP python API, ring sync device",  # the default sync
@@ -72,6 +78,9 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         # CSR rows straddle store chunks: the chunks at a run's ends are decoded whole
         extra = re.search(r"store chunk bytes read and decoded per byte used: ([\d.]+)", part)
         assert extra and float(extra.group(1)) > 1.0, stdout
+        # a window of the 3-store collection: each store's plans merged into one per array
+        assert "byte plans run per window: 2.0" in part, stdout
+        assert re.search(r"placing \+ merging plans \(host\) +[\d.]+ ms", part), stdout
         for threads in (1, 3):
             assert f"loader, read_threads={threads}: " in part
         assert part.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows

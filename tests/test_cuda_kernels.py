@@ -27,7 +27,15 @@ import pytest
 from tests.processes import ROOT, child_env
 from tests.stores import needs_cuda
 
-GROUPS = ["densify", "gather_csr", "gather_dense", "bfloat16", "copy_segments"]
+GROUPS = [
+    "densify",
+    "densify_selected",
+    "gather_csr",
+    "gather_dense",
+    "gather_dense_columns",
+    "bfloat16",
+    "copy_segments",
+]
 
 
 # ---------------------------------------------------------------------------- the child
@@ -80,6 +88,8 @@ def _worker() -> dict:
     cpu_densify = numba.njit(kernels._densify_csr_rows)
     cpu_gather = numba.njit(kernels._gather_csr_rows)
     cpu_dense = numba.njit(kernels._gather_dense_rows)
+    cpu_selected = numba.njit(kernels._densify_selected_rows)
+    cpu_columns = numba.njit(kernels._gather_dense_columns)
     jitted: dict = {}
     eq = np.testing.assert_array_equal
 
@@ -103,6 +113,21 @@ def _worker() -> dict:
         got = run(fn, launch, out, pos, *csr)[0]
         eq(got, want)
         eq(got, cpu)
+
+    def selected(fn, launch, pos, csr, column_map, want, cpu):
+        out = np.full(want.shape, np.nan, np.float32)
+        got = run(fn, launch, out, pos, *csr, column_map)[0]
+        eq(got, want)
+        eq(got, cpu)
+
+    def columns(launch, pos, values, cols):
+        out = np.full((len(pos), len(cols)), np.nan, np.float32)
+        got = run(K.gather_dense_columns, launch, out, pos, values, cols)[0]
+        want = values[pos][:, cols].astype(np.float32)
+        eq(got, want)
+        ref = np.empty((len(pos), len(cols)), values.dtype)
+        cpu_columns(ref, pos, values, cols)
+        eq(got, ref.astype(np.float32))
 
     def gather(launch, pos, csr, window):
         data, indices, indptr = csr
@@ -169,6 +194,23 @@ def _worker() -> dict:
                     check("densify", f"{variant} {tag}", densify, fn, launch, pos, csr, n_cols,
                           want, cpu)  # fmt: skip
                 check("gather_csr", tag, gather, launch, pos, csr, window)
+        # a panel: some columns dropped (the last one kept), the rest reordered
+        keep = np.concatenate([[n_cols - 1], rng.permutation(n_cols - 1)[: n_cols // 2]])
+        column_map = np.full(n_cols, -1, np.int64)
+        column_map[keep] = np.arange(len(keep))
+        selected_variants = [
+            ("scatter", K.densify_selected_scatter),
+            ("shared", K.make_densify_selected_shared(len(keep))),
+        ]
+        for bi, pos in enumerate(_batches(rng, n_rows)):
+            want = np.asarray(window[pos][:, keep].toarray(), dtype=np.float32)
+            cpu = np.empty(want.shape, np.float32)
+            cpu_selected(cpu, pos, *csr, column_map)
+            for launch in _launches(wi, bi):
+                tag = f"window{wi} {np.dtype(ddt)}/{np.dtype(idt)} batch{bi} launch{launch}"
+                for variant, fn in selected_variants:
+                    check("densify_selected", f"{variant} {tag}", selected, fn, launch, pos, csr,
+                          column_map, want, cpu)  # fmt: skip
     check("densify", "variant choice", _variant_choice, K)
 
     # -- dense gather (fused cast) ------------------------------------------------------------
@@ -180,6 +222,15 @@ def _worker() -> dict:
             for launch in _launches(vi, bi):
                 tag = f"{np.dtype(vdt)} batch{bi} launch{launch}"
                 check("gather_dense", tag, dense, launch, pos, values, ref)
+
+    # -- dense gather of chosen columns (a feature selection on a dense store) ---------------
+    for vi, vdt in enumerate((np.float32, np.int16)):
+        values = (rng.standard_normal((19, 11)) * 50).astype(vdt)
+        cols = np.array([10, 0, 4, 4, 7], np.int64)[: 5 - vi]  # last column, reordered
+        for bi, pos in enumerate(_batches(rng, 19)):
+            for launch in _launches(vi, bi):
+                check("gather_dense_columns", f"{np.dtype(vdt)} batch{bi} launch{launch}",
+                      columns, launch, pos, values, cols)  # fmt: skip
 
     # -- float32 -> bfloat16 bits -------------------------------------------------------------
     x = np.concatenate(
@@ -210,6 +261,8 @@ def _worker() -> dict:
 def _variant_choice(K) -> None:
     assert K.densify_kernel(K.SHARED_COLS) is not K.densify_csr_scatter
     assert K.densify_kernel(K.SHARED_COLS + 1) is K.densify_csr_scatter
+    assert K.densify_selected_kernel(K.SHARED_COLS) is not K.densify_selected_scatter
+    assert K.densify_selected_kernel(K.SHARED_COLS + 1) is K.densify_selected_scatter
 
 
 # ---------------------------------------------------------------------------- the tests
@@ -259,6 +312,10 @@ PTX_CASES = [
     ("shared", ["f4", "i8", "u2", "u4", "i8"], [2, 1, 1, 1, 1]),
     ("gather_csr_rows", ["f4", "i4", "i8", "u1", "i8", "i8", "f4", "i4", "i8"], _GATHER_NDIMS),
     ("gather_csr_rows", ["f8", "i8", "i8", "u1", "i8", "i8", "f8", "i8", "i8"], _GATHER_NDIMS),
+    ("densify_selected_scatter", ["f4", "i8", "f4", "i4", "i8", "i8"], [2, 1, 1, 1, 1, 1]),
+    ("selected_shared", ["f4", "i8", "f8", "i8", "i8", "i8"], [2, 1, 1, 1, 1, 1]),
+    ("gather_dense_columns", ["f4", "i8", "f4", "i8"], [2, 1, 2, 1]),
+    ("gather_dense_columns", ["u2", "i8", "u2", "i8"], [2, 1, 2, 1]),
     ("gather_dense_rows", ["f4", "i8", "f8"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "i2"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "u1"], [2, 1, 2]),
@@ -275,7 +332,11 @@ def test_kernels_compile_for_dali_argument_types(kernel, dtypes, ndims):
 
     from dali_zarr.graph import cuda_kernels as K
 
-    fn = K.make_densify_csr_shared(300) if kernel == "shared" else getattr(K, kernel)
+    makers = {
+        "shared": K.make_densify_csr_shared,
+        "selected_shared": K.make_densify_selected_shared,
+    }
+    fn = makers[kernel](300) if kernel in makers else getattr(K, kernel)
     ptx, _ = cuda.compile_ptx(fn, K.numba_signature(dtypes, ndims), cc=(8, 0))
     assert ".entry" in ptx or ".visible" in ptx
 

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import zarr
 
 import dali_zarr as dz
 from dali_zarr.data.dataset import CsrRows
-from dali_zarr.data.features import keep_csr_columns
+from dali_zarr.data.features import keep_csr_columns, split_selection
 from tests.test_elements import N_OBS, N_RAW_VARS, N_VARS, element_of, make_adata
-from tests.test_gpu_loader import assert_same_batches, both
+from tests.test_gpu_loader import WHERE, assert_same_batches, both
 from tests.test_loader import assert_rows_match, run_epoch, sampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -80,14 +81,67 @@ def test_features_of_other_elements(rich, element: str, width: int) -> None:
         assert dataset.var_names() == (f"raw_g{width - 1}", "raw_g2", "raw_g9")
 
 
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("output", ["dense", "csr"])
-def test_gpu_path_wiring_with_features(rich, output: str) -> None:
-    """The GPU path reads a selection on the host and copies it once (host backend here):
-    batch for batch what the CPU path delivers, which the tests above hold to anndata."""
+def test_gpu_path_wiring_with_features(rich, where: str, output: str) -> None:
+    """Dense output: the GPU path reads the store's windows by byte plans and its densify op
+    keeps the panel; CSR output: it reads the selection on the host and copies it once.
+    Batch for batch what the CPU path delivers, which the tests above hold to anndata."""
     dataset = dz.open_dataset(rich[0], features=PANEL)
-    cpu, gpu = both(dataset, "host", output=output, return_index=True)
-    assert all(p.endswith("one copy to the device") for p in gpu.read_paths().values())
-    assert assert_same_batches(cpu, gpu, epochs=(2,)) == len(cpu) > 0
+    cpu, gpu = both(dataset, where, output=output, return_index=True)
+    on_host = [p.endswith("one copy to the device") for p in gpu.read_paths().values()]
+    assert all(on_host) if output == "csr" else not any(on_host), gpu.read_paths()
+    assert assert_same_batches(cpu, gpu, epochs=(2,), where=where) == len(cpu) > 0
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_gpu_path_selects_features_of_collections_and_dense_stores(
+    rich, tmp_path: Path, where: str
+) -> None:
+    path = rich[0]
+    second = tmp_path / "second.zarr"
+    make_adata(3, n_obs=57).write_zarr(second)
+    joined = dz.Subset(dz.open_dataset([path, second]), np.arange(2, N_OBS + 57, 2))
+    cube = tmp_path / "cube.zarr"
+    zarr.save_array(str(cube), np.arange(N_OBS * 30, dtype=np.float32).reshape(N_OBS, 30))
+    panels = [dz.open_dataset(p, features=PANEL) for p in (path, second)]
+    on_device = (
+        dz.FeatureSubset(joined, PANEL),
+        dz.open_dataset(cube, features=[29, 3, 4]),
+        dz.Subset(panels[0], np.arange(1, N_OBS, 3)),  # a train split of a panel
+        dz.Subset(dz.Collection(panels), np.arange(0, N_OBS + 57, 4)),  # like panels
+    )
+    for dataset in on_device:
+        cpu, gpu = both(dataset, where, return_index=True)
+        assert not any("host read" in p for p in gpu.read_paths().values()), gpu.read_paths()
+        assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
+    # panels keeping different columns cannot be kept by one kernel: read on the host
+    unlike = dz.Collection([panels[0], dz.open_dataset(second, features=PANEL[::-1])])
+    cpu, gpu = both(unlike, where, return_index=True)
+    assert all("host read" in p for p in gpu.read_paths().values()), gpu.read_paths()
+    assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
+
+
+def test_selection_moves_out_of_subsets_and_like_collections(rich, tmp_path: Path) -> None:
+    """What the GPU path reads for a panel: the same rows with every stored feature, and
+    the stored columns to keep (pure; no data read)."""
+    path = rich[0]
+    base = dz.open_dataset(path)
+    rows = np.arange(0, N_OBS, 5)
+    inner, columns = split_selection(dz.Subset(dz.FeatureSubset(base, PANEL), rows))
+    assert isinstance(inner, dz.Subset) and inner.parent is base
+    np.testing.assert_array_equal(inner.parent_rows, rows)
+    np.testing.assert_array_equal(columns, PANEL)
+    twice = dz.Collection([dz.FeatureSubset(base, PANEL), dz.FeatureSubset(base, PANEL)])
+    inner, columns = split_selection(dz.Subset(twice, rows))
+    assert isinstance(inner.parent, dz.Collection) and inner.n_features == base.n_features
+    assert [p is base for p in inner.parent.parts] == [True, True]
+    np.testing.assert_array_equal(columns, PANEL)
+    for kept in (
+        dz.Collection([dz.FeatureSubset(base, PANEL), dz.FeatureSubset(base, PANEL[::-1])]),
+        dz.Subset(base, rows),
+    ):
+        assert split_selection(kept) == (kept, None)
 
 
 def test_selections_compose_with_subsets_and_each_other(rich) -> None:

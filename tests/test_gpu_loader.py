@@ -13,6 +13,7 @@ Two ways to run the GPU path:
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -46,15 +47,17 @@ def sampler(**overrides) -> dz.ChunkSampler:
     return dz.ChunkSampler(**settings)
 
 
-def csr_store(root: Path, fmt: int, codec: str, shard: int | None) -> Path:
+def csr_store(root: Path, fmt: int, codec: str, shard: int | None, seed: int = 0) -> Path:
+    name = f"sc-{fmt}-{codec}-{shard}" + (f"-seed{seed}" if seed else "")
     return synthetic.make_single_cell(
-        root / f"sc-{fmt}-{codec}-{shard}.zarr",
+        root / f"{name}.zarr",
         n_obs=N_OBS,
         n_features=83,
         zarr_format=fmt,
         codec=codec,
         chunk_elements=700,
         shard_chunks=shard,
+        seed=seed,
     )
 
 
@@ -224,16 +227,96 @@ def test_bfloat16_rounds_like_torch(tmp_path):
         )
 
 
-def test_collection_and_subset_take_the_host_read_path(tmp_path):
+def _retype(path: Path, name: str, dtype: str) -> None:
+    """Re-write array ``X/<name>`` of a store with another dtype (same values)."""
+    import zarr
+
+    group = zarr.open_group(str(path), mode="r+")
+    values = group[f"X/{name}"][...]
+    new = group.create_array(
+        f"X/{name}", shape=values.shape, dtype=dtype, chunks=(500,), overwrite=True
+    )
+    new[...] = values.astype(dtype)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_collections_and_subsets_read_by_plan(tmp_path, where, output):
+    """Every store of a collection (and of subsets of one) is read through its own byte
+    plans, each window's rows from several stores placed in window order."""
     a = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
     b = dz.open_dataset(csr_store(tmp_path, 2, "lz4", None))
-    joined = dz.Collection([a, b])
+    joined = dz.Collection([a, dz.Subset(b, np.arange(0, N_OBS, 2)), b])
+    for ds in (joined, dz.Subset(joined, np.arange(3, joined.n_obs - 5, 2))):
+        cpu, gpu = both(ds, where, output=output, return_index=True, obs=["cell_type"])
+        paths = gpu.read_paths()
+        assert len(paths) == 4 and not any("host read" in p for p in paths.values()), paths
+        assert_same_batches(cpu, gpu, epochs=(1, 2), where=where)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_collection_of_like_stores_reads_each_array_by_one_merged_plan(tmp_path, where):
+    """Stores written alike (other cells) share one plan per array and window; the
+    batches still match the CPU path's, row for row."""
+    paths = [csr_store(tmp_path, 3, "zstd", 8, seed=s) for s in (1, 2, 3)]
+    joined = dz.Collection([dz.open_dataset(p) for p in paths])
+    ds = dz.Subset(joined, np.arange(2, joined.n_obs - 1, 2))
+    for output in ("dense", "csr"):
+        cpu, gpu = both(ds, where, output=output, return_index=True, obs=["cell_type"])
+        assert len(gpu.read_paths()) == 6
+        assert_same_batches(cpu, gpu, epochs=(0, 1), where=where)
+    # which plans each window ran: one per array, however many stores it touched
+    windows: list[list[str]] = []
+    local = threading.local()
+
+    class Recording(HostBackend):
+        def run_plan(self, plan, reader, out) -> None:
+            local.__dict__.setdefault("ran", []).append(plan.name)
+            super().run_plan(plan, reader, out)
+
+        def finish(self) -> None:
+            windows.append(local.__dict__.pop("ran", []))
+
+    loader = dz.Loader(ds, sampler(), device="gpu", gpu_backend=Recording())
+    assert sum(1 for _ in loader) > 0
+    loader.close()
+    arrays = [[name.rsplit("/", 1)[1] for name in ran] for ran in windows]
+    assert windows and all(sorted(a) == ["data", "indices"] for a in arrays), windows
+    assert any(" + " in name for ran in windows for name in ran), windows
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_dense_collection_read_by_plan(tmp_path, where):
+    a, b = dense_store(tmp_path, 3, "zstd", 4), dense_store(tmp_path, 2, "lz4", None)
+    joined = dz.Collection([dz.open_dataset(a), dz.open_dataset(b)])
+    cpu, gpu = both(dz.Subset(joined, np.arange(1, joined.n_obs, 3)), where)
+    assert not any("host read" in p for p in gpu.read_paths().values())
+    assert_same_batches(cpu, gpu, epochs=(0,), where=where)
+
+
+def test_collection_of_stores_with_other_index_dtypes_is_read_on_the_host(tmp_path):
+    a_path = csr_store(tmp_path, 3, "zstd", None)
+    b_path = csr_store(tmp_path, 2, "zstd", None)
+    _retype(b_path, "indices", "int64")
+    joined = dz.open_dataset([a_path, b_path])
+    assert joined.index_dtype == np.int64
     cpu, gpu = both(joined, "host", return_index=True)
-    assert all("host read" in path for path in gpu.read_paths().values())
-    assert_same_batches(cpu, gpu, epochs=(1,))
-    half = dz.Subset(a, np.arange(0, N_OBS, 2))
-    cpu, gpu = both(half, "host", return_index=True)
+    assert all("host read" in p for p in gpu.read_paths().values())
     assert_same_batches(cpu, gpu, epochs=(0,))
+
+
+def test_bad_column_id_names_the_store_in_a_collection(tmp_path):
+    import zarr
+
+    a_path = csr_store(tmp_path, 3, "zstd", None)
+    b_path = csr_store(tmp_path, 2, "zstd", None)
+    indices = zarr.open_array(f"{b_path}/X/indices", mode="r+")
+    indices[5] = 83  # one past the last of 83 genes
+    loader = dz.Loader(dz.open_dataset([a_path, b_path]), sampler(), **gpu_kwargs("host"))
+    with pytest.raises(dz.DatasetError, match=r"sc-2-zstd-None.zarr/X/indices: column index 83"):
+        for _ in loader:
+            pass
+    loader.close()
 
 
 def test_transform_runs_after_our_ops(tmp_path):
@@ -353,15 +436,8 @@ def test_cuda_read_paths_name_gds_or_compat_and_nvcomp(tmp_path):
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("output", ["dense", "csr"])
 def test_float16_csr_data_is_widened(tmp_path, where, output):
-    import zarr
-
     path = csr_store(tmp_path, 3, "zstd", None)
-    group = zarr.open_group(str(path), mode="r+")
-    data = group["X/data"][...]
-    half = group.create_array(
-        "X/data", shape=data.shape, dtype="float16", chunks=(500,), overwrite=True
-    )
-    half[...] = data.astype(np.float16)
+    _retype(path, "data", "float16")
     ds = dz.open_dataset(path)
     assert ds.dtype == np.float16
     cpu, gpu = both(ds, where, output=output, return_index=True)

@@ -185,10 +185,31 @@ def test_dense_source_matches_cpu_source(dense_store):
     assert next(iter(gpu.read_paths().values())) == "host-backend plan: none"  # uncompressed
 
 
-def test_collection_takes_the_host_read_path(csr_store):
-    ds = dz.open_dataset([csr_store, csr_store])
-    gpu, _ = _run_epochs(ds, output="dense", epochs=1)
-    assert all("host read" in p for p in gpu.read_paths().values())
+@pytest.fixture(scope="module")
+def other_csr_store(tmp_path_factory):
+    """A second store over the same genes, with other cells and one store chunk size."""
+    path = tmp_path_factory.mktemp("gpu") / "sc2.zarr"
+    make_single_cell(path, n_obs=389, n_features=97, chunk_elements=300, seed=5)
+    return path
+
+
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_collection_and_subsets_read_each_store_by_plan(csr_store, other_csr_store, output):
+    a, b = dz.open_dataset(csr_store), dz.open_dataset(other_csr_store)
+    joined = dz.Collection([a, dz.Subset(b, np.arange(0, b.n_obs, 3)), b])
+    for ds in (joined, dz.Subset(joined, np.arange(50, joined.n_obs - 7))):
+        gpu, _ = _run_epochs(ds, output=output, obs=["cell_type"])
+        paths = gpu.read_paths()
+        assert set(paths) == {
+            f"{n}/X/{x}" for n in ("sc.zarr", "sc2.zarr") for x in ("data", "indices")
+        }
+        assert all(p.startswith("host-backend plan") for p in paths.values()), paths
+
+
+def test_collection_of_dense_stores_reads_by_plan(dense_store):
+    ds = dz.Collection([dz.open_dataset(dense_store), dz.open_dataset(dense_store)])
+    gpu, _ = _run_epochs(dz.Subset(ds, np.arange(10, ds.n_obs, 2)), output="dense", epochs=1)
+    assert list(gpu.read_paths().values()) == ["host-backend plan: none"]
 
 
 def test_epoch_cut_short_frees_its_slots(csr_store):
@@ -365,6 +386,9 @@ def half_store(tmp_path_factory):
         ("csr_store", "csr"),
         ("dense_store", "dense"),
         ("half_store", "dense"),
+        ("csr_store+features", "dense"),
+        ("csr_store+features", "csr"),
+        ("half_store+features", "dense"),
     ],
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
@@ -376,7 +400,9 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
     from dali_zarr.graph import cuda_kernels
     from dali_zarr.graph.gpu_pipeline import build_gpu_pipeline
 
-    ds = dz.open_dataset(request.getfixturevalue(store))
+    store, _, selected = store.partition("+")
+    ds = dz.open_dataset(request.getfixturevalue(store), features=[5, 0, 2] if selected else None)
+    on_device = bool(selected) and output == "dense"  # else read on the host, as before
     calls, out_dtypes = [], []
 
     def numba_function(*inputs, run_fn, setup_fn, out_types, in_types, outs_ndim, ins_ndim,
@@ -404,7 +430,10 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
     op = {"csr": "gather_csr_rows", "dense": "gather_dense_rows"}[ds.layout]
     if ds.layout == "csr" and output == "dense":
         op = "densify_csr_shared"
+    if on_device:
+        op = {"csr": "densify_selected_shared", "dense": "gather_dense_columns"}[ds.layout]
     assert calls[0] == op
+    assert ("column_map" in src.host_names or "columns" in src.host_names) == on_device
     if ds.dtype == np.float16:  # float16 rows are gathered as their bits, cast after
         assert out_dtypes[0] == [types.UINT16]
     elif ds.layout == "dense":

@@ -29,14 +29,25 @@ from dali_zarr.io.codecs import (
 from dali_zarr.io.gpu import (
     GPU_KINDS,
     NotPlannable,
+    StoreReaders,
     copy_segments_cpu,
     execute_plan_cpu,
     gpu_codec_kind,
+    merge_plans,
+    place_plan,
     plan_rows,
     probe_gpu,
 )
 from dali_zarr.io.nvcomp_batched import call_slices
-from tests.stores import compressors, has_cuda, needs_cuda, random_ranges, write, write_layout
+from tests.stores import (
+    compressors,
+    has_cuda,
+    make_data,
+    needs_cuda,
+    random_ranges,
+    write,
+    write_layout,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -86,6 +97,126 @@ def test_plan_matches_direct_reader(tmp_path, fmt, codec, shape, sharded):
     assert len(full.fill_slots) >= 1
     assert len(full.reads) + len(full.fill_slots) == len(full.chunks)
     np.testing.assert_array_equal(execute_plan_cpu(full, reader), data)
+
+
+@pytest.mark.parametrize("shape", ["1d-int32", "3d-rowchunks"])
+@pytest.mark.parametrize("codec", ["zstd", "none"])
+def test_placed_plan_writes_its_pieces_where_asked(tmp_path, codec, shape):
+    """A store's share of a collection window: its ranges, read by one plan, land as
+    pieces (runs of ranges) at scattered places of a larger output, which nothing else
+    touches."""
+    _, arr = write_layout(tmp_path / "a.zarr", SHAPES[shape], fmt=3, codec=codec, sharded=True)
+    n, chunk = SHAPES[shape][0][0], SHAPES[shape][2][0]
+    reader = open_reader(arr, name="a")
+    rng = np.random.default_rng(7)
+    for _ in range(4):
+        ranges = random_ranges(rng, n, chunk, k=12)
+        lens = ranges[:, 1] - ranges[:, 0]
+        # pieces: runs of consecutive ranges (some empty), put in shuffled order with gaps
+        bounds = np.unique(np.concatenate([[0, len(ranges)], rng.integers(0, len(ranges), 5)]))
+        piece_rows = np.add.reduceat(lens, bounds[:-1]) if len(ranges) else lens
+        order = rng.permutation(len(piece_rows))
+        gaps = rng.integers(0, 3, len(piece_rows))
+        starts = np.empty(len(piece_rows), np.int64)
+        at = 0
+        for i in order:
+            at += int(gaps[i])
+            starts[i] = at
+            at += int(piece_rows[i])
+        out_rows = at + 2
+        plan = place_plan(
+            plan_rows(reader, ranges), starts=starts, lengths=piece_rows, out_rows=out_rows
+        )
+        assert plan.out_shape[0] == out_rows
+        sentinel = np.full((out_rows, *SHAPES[shape][0][1:]), 99, dtype=arr.dtype)
+        got = execute_plan_cpu(plan, reader, out=sentinel.copy())
+        want = sentinel.copy()
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            rows = reader.read_rows(ranges[a:b]) if b > a else want[:0]
+            want[starts[i] : starts[i] + piece_rows[i]] = rows
+        np.testing.assert_array_equal(got, want)
+    total = plan.out_shape[0]
+    with pytest.raises(ValueError, match=f"pieces of {total + 1} rows"):
+        place_plan(plan, starts=[0], lengths=[total + 1], out_rows=total + 1)
+    with pytest.raises(ValueError, match="outside an output"):
+        place_plan(plan, starts=[5], lengths=[plan.out_shape[0]], out_rows=plan.out_shape[0])
+
+
+def _collection_window(tmp_path, stores, rng):
+    """Readers of ``stores`` (``(codec, sharded)`` each, different data, one layout), and a
+    window interleaving some ranges of each: per store its placed plan and the expected
+    window."""
+    shape, dtype, chunks, shards = SHAPES["1d-float32"]
+    readers, datas = [], []
+    for i, (codec, sharded) in enumerate(stores):
+        data = make_data(shape, dtype, chunks[0], shards[0] if sharded else None, seed=i)
+        arr = write(
+            tmp_path / f"s{i}.zarr",
+            data,
+            chunks=chunks,
+            shards=shards if sharded else None,
+            compressors=compressors(codec, 3),
+        )
+        readers.append(open_reader(arr, name=f"s{i}.zarr/x"))
+        datas.append(data)
+    ranges = [random_ranges(rng, shape[0], chunks[0], k=5) for _ in stores]
+    # every range of every store is a piece of the window, pieces in shuffled order
+    pieces = [(i, j) for i, r in enumerate(ranges) for j in range(len(r))]
+    starts = [np.zeros(len(r), np.int64) for r in ranges]
+    want, at = [], 0
+    for k in rng.permutation(len(pieces)):
+        i, j = pieces[k]
+        a, b = ranges[i][j]
+        starts[i][j] = at
+        want.append(datas[i][a:b])
+        at += int(b - a)
+    placed = [
+        (
+            place_plan(plan_rows(reader, r), starts=s, lengths=r[:, 1] - r[:, 0], out_rows=at),
+            reader,
+        )
+        for reader, r, s in zip(readers, ranges, starts, strict=True)
+    ]
+    return placed, np.concatenate(want)
+
+
+def test_merged_plans_read_every_store_into_its_places(tmp_path):
+    """A collection window: the plans of stores with one decode kind and chunk layout
+    (sharded or not, other data) run as one plan; another kind stays a plan of its own.
+    Together they write exactly the window the stores' rows make."""
+    rng = np.random.default_rng(3)
+    stores = [("zstd", True), ("zstd", False), ("none", True), ("zstd", True), ("none", False)]
+    placed, want = _collection_window(tmp_path, stores, rng)
+    merged = merge_plans(placed)
+    assert sorted(plan.kind for plan, _ in merged) == ["none", "zstd"]
+    zstd = next(plan for plan, _ in merged if plan.kind == "zstd")
+    assert len(zstd.files) == sum(len(p.files) for p, _ in placed if p.kind == "zstd")
+    got = np.full(want.shape, np.nan, dtype=want.dtype)
+    for plan, reader in merged:
+        execute_plan_cpu(plan, reader, out=got)
+    np.testing.assert_array_equal(got, want)
+    # host-decoded plans are never merged: each keeps its own store's decoder
+    placed, want = _collection_window(tmp_path / "host", [("gzip", False)] * 2, rng)
+    assert len(merge_plans(placed)) == 2
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "shrink"])
+def test_merged_plan_names_the_store_of_a_bad_chunk(tmp_path, damage):
+    """A bad chunk of the middle store, found by decode or by a short read, is named by its
+    own store and chunk, not by its place in the merged plan."""
+    rng = np.random.default_rng(4)
+    placed, _ = _collection_window(tmp_path, [("zstd", False)] * 3, rng)
+    [(plan, reader)] = merge_plans(placed)
+    assert isinstance(reader, StoreReaders)
+    path = tmp_path / "s1.zarr" / "c" / "5"  # the window reads every chunk: [0, n) is in it
+    raw = bytearray(path.read_bytes())
+    if damage == "corrupt":
+        raw[:4] = b"\xff" * 4  # not a zstd frame
+    else:
+        del raw[len(raw) // 2 :]
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChunkReadError, match=r"s1.zarr/x: chunk 'c/5'"):
+        execute_plan_cpu(plan, reader, out=np.empty(plan.out_shape, plan.dtype))
 
 
 def _check_plan_invariants(plan, reader) -> None:
@@ -631,6 +762,36 @@ def test_gpu_executor_control_flow_with_faked_cuda(
         else:
             assert not log  # host decode: no kvikio, no nvCOMP
     assert len(executor._files) <= 2
+    executor.close()
+
+
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_gpu_executor_runs_a_merged_plan_with_faked_cuda(tmp_path, monkeypatch, reads):
+    """A collection window's merged plan through GpuPlanExecutor.run (NumPy stand-ins for
+    cupy, kvikio and nvCOMP): every store's extents read, one decode call for all of their
+    chunks, the rows of each store at their places; a bad frame names its own store."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log, reads)
+    rng = np.random.default_rng(5)
+    placed, want = _collection_window(tmp_path, [("zstd", True), ("zstd", False)] * 2, rng)
+    [(plan, reader)] = merge_plans(placed)
+    executor = GpuPlanExecutor(0, max_open_files=3)
+    out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
+    assert executor.run(plan, reader, out) is out
+    np.testing.assert_array_equal(out, want)
+    if reads == "kvikio":
+        assert sorted(e[1] for e in log if e[0] == "pread") == sorted(
+            n for p, _ in placed for n in p.extents["nbytes"].tolist()
+        )
+    assert [e for e in log if e[0] == "decode"] == [("decode", "Zstd", len(plan.reads))]
+    path = tmp_path / "s3.zarr" / "c" / "4"
+    raw = bytearray(path.read_bytes())
+    raw[:4] = b"\xff" * 4
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ChunkReadError, match=r"s3.zarr/x: chunk 'c/4'"):
+        executor.run(plan, reader, out)
     executor.close()
 
 

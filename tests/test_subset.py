@@ -83,6 +83,39 @@ def test_dense_and_collection_subsets(tmp_path: Path) -> None:
     np.testing.assert_array_equal(as_dense(sub.read_rows(np.array([[0, 9]])), 32), both[rows])
 
 
+def test_collection_splits_ranges_at_store_boundaries(tmp_path: Path) -> None:
+    """``part_runs`` against a row-by-row reference: ranges across several stores, an empty
+    store among them (a range passes it by), empty ranges, consecutive pieces of one store
+    joined; and the rows read equal the stores' rows."""
+    sizes = [7, 0, 5, 1, 9]
+    paths = [
+        synthetic.make_single_cell(tmp_path / f"{i}.zarr", n_obs=n, n_features=32, seed=i)
+        if n
+        else None
+        for i, n in enumerate(sizes)
+    ]
+    parts = [dz.open_dataset(p) if p else dz.Subset(dz.open_dataset(paths[0]), []) for p in paths]
+    joined = dz.Collection(parts)
+    stacked = sp.vstack([csr_reference(p) for p in paths if p]).toarray()
+    owner = np.repeat(np.arange(len(sizes)), sizes)  # store of each collection row
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        starts = rng.integers(0, joined.n_obs + 1, 6)
+        ranges = np.stack([starts, np.minimum(starts + rng.integers(0, 12, 6), joined.n_obs)], 1)
+        runs = joined.part_runs(ranges)
+        rows = np.concatenate([np.arange(a, b) for a, b in ranges])
+        # expected: the rows' stores, one run per change of store
+        want = [
+            int(owner[r]) for i, r in enumerate(rows) if i == 0 or owner[r] != owner[rows[i - 1]]
+        ]
+        assert [parts.index(part) for part, _ in runs] == want
+        local = np.concatenate([np.arange(a, b) for _, r in runs for a, b in r] or [[]])
+        np.testing.assert_array_equal(local, rows - joined.offsets[owner[rows]])
+        assert all(len(r) and np.all(r[:, 1] > r[:, 0]) for _, r in runs)
+        got = as_dense(joined.read_rows(ranges), 32)
+        np.testing.assert_array_equal(got, stacked[rows])
+
+
 def test_loader_over_subset_reports_parent_ids(csr_store: str) -> None:
     reference = csr_reference(csr_store).toarray()
     codes = zarr.open_group(csr_store)["obs/cell_type/codes"][...]

@@ -8,6 +8,7 @@ delegates the bytes to an :class:`~dali_zarr.io.ArrayReader`, so the I/O backend
 
 from __future__ import annotations
 
+import itertools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from dali_zarr.data.elements import matrix_layout, pick_element, var_key
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader, open_reader
-from dali_zarr.planning.partition import ranges_to_rows
+from dali_zarr.planning.partition import concat_aranges, ranges_to_rows
 
 Layout = Literal["csr", "dense"]
 
@@ -52,6 +53,19 @@ class DenseRows:
 
 
 Rows = CsrRows | DenseRows
+
+
+@dataclass(frozen=True)
+class StoreRun:
+    """Consecutive rows of one window that come from one store: ``ranges`` ``(k, 2)`` of
+    ``store``'s rows, in window order (see :meth:`Dataset.store_runs`)."""
+
+    store: Dataset
+    ranges: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int((self.ranges[:, 1] - self.ranges[:, 0]).sum())
 
 
 class Dataset(ABC):
@@ -86,6 +100,20 @@ class Dataset(ABC):
         names none (plain arrays, ``obsm``/``obsp`` entries)."""
         return None
 
+    def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
+        """Which stores and rows ``read_rows(ranges)`` reads, in order, or None where the rows
+        are not simply stored rows (a feature selection rewrites them).
+
+        Concatenating ``run.store.read_rows(run.ranges)`` over the runs gives
+        ``read_rows(ranges)``. The GPU path reads windows of collections and subsets this
+        way, through each store's byte plans, instead of reading them on the host.
+        """
+        return None
+
+    def stores(self) -> tuple[Dataset, ...] | None:
+        """The single-store datasets :meth:`store_runs` can name (None where it names none)."""
+        return None
+
     def global_ids(self, rows: np.ndarray) -> np.ndarray:
         """This dataset's row ids → the observation ids batches report (``batch["index"]``).
 
@@ -113,6 +141,12 @@ class _StoreDataset(Dataset):
         self._var = var
         self._var_names: tuple[str, ...] | None = None
         self._columns: dict[str, ObsColumn] = {}
+
+    def store_runs(self, ranges: np.ndarray) -> list[StoreRun]:
+        return [StoreRun(self, np.asarray(ranges, dtype=np.int64).reshape(-1, 2))]
+
+    def stores(self) -> tuple[Dataset, ...]:
+        return (self,)
 
     def var_names(self) -> tuple[str, ...] | None:
         if self._var is None:
@@ -307,29 +341,48 @@ class Collection(Dataset):
         self.n_obs = int(self.offsets[-1])
         self._columns: dict[str, ObsColumn] = {}
 
-    def read_rows(self, ranges: np.ndarray) -> Rows:
+    def part_runs(self, ranges: np.ndarray) -> list[tuple[Dataset, np.ndarray]]:
+        """``ranges`` split at store boundaries, as (part, its local ranges) in order, with
+        consecutive pieces of one part joined (read in one call).
+
+        Vectorized: a subset with scattered rows makes windows of thousands of short ranges,
+        and this runs for every window on the loader's hot path.
+        """
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        # Split every range at store boundaries, keeping order, then read runs per store.
+        ranges = ranges[ranges[:, 1] > ranges[:, 0]]
         cuts = self.offsets[1:-1]
-        pieces: list[tuple[int, int, int]] = []  # (part, local start, local stop)
-        for start, stop in ranges.tolist():
-            while start < stop:
-                part = int(np.searchsorted(cuts, start, side="right"))
-                end = min(stop, int(self.offsets[part + 1]))
-                base = int(self.offsets[part])
-                pieces.append((part, start - base, end - base))
-                start = end
-        # Consecutive pieces of one store are read in one call; results are stitched in order.
-        outputs: list[Rows] = []
-        run: list[tuple[int, int]] = []
-        run_part = -1
-        for part, lo, hi in [*pieces, (-1, 0, 0)]:
-            if part != run_part and run:
-                outputs.append(self.parts[run_part].read_rows(np.array(run, dtype=np.int64)))
-                run = []
-            run_part = part
-            run.append((lo, hi))
+        first = np.searchsorted(cuts, ranges[:, 0], side="right")
+        last = np.searchsorted(cuts, ranges[:, 1] - 1, side="right")
+        counts = last - first + 1
+        which = np.repeat(np.arange(len(ranges)), counts)  # one piece per (range, part)
+        part = concat_aranges(first, counts)
+        base = self.offsets[part]
+        lo = np.maximum(ranges[which, 0], base) - base
+        hi = np.minimum(ranges[which, 1], self.offsets[part + 1]) - base
+        keep = hi > lo  # a range meets an empty part only in passing
+        part, pieces = part[keep], np.stack([lo[keep], hi[keep]], axis=1)
+        heads = np.flatnonzero(np.diff(part, prepend=-1))
+        bounds = [*heads.tolist(), len(part)]
+        return [(self.parts[int(part[a])], pieces[a:b]) for a, b in itertools.pairwise(bounds)]
+
+    def read_rows(self, ranges: np.ndarray) -> Rows:
+        outputs = [part.read_rows(local) for part, local in self.part_runs(ranges)]
         return _concat_rows(outputs, self.layout, self.feature_shape, self.dtype)
+
+    def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
+        runs: list[StoreRun] = []
+        for part, local in self.part_runs(ranges):
+            inner = part.store_runs(local)
+            if inner is None:
+                return None
+            runs += inner
+        return runs
+
+    def stores(self) -> tuple[Dataset, ...] | None:
+        found = [part.stores() for part in self.parts]
+        if any(s is None for s in found):
+            return None
+        return tuple(dict.fromkeys(store for s in found for store in s))  # type: ignore[union-attr]
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:
@@ -371,14 +424,20 @@ def _concat_rows(
     csr = [o for o in outputs if isinstance(o, CsrRows)]
     if not csr:
         return CsrRows(np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(1, np.int64))
-    lengths = [len(c.data) for c in csr]
-    shifts = np.cumsum([0, *lengths[:-1]])
-    indptr = np.concatenate([[0]] + [c.indptr[1:] + s for c, s in zip(csr, shifts, strict=True)])
     return CsrRows(
         np.concatenate([c.data for c in csr]),
         np.concatenate([c.indices for c in csr]),
-        indptr.astype(np.int64),
+        concat_indptr([c.indptr for c in csr]),
     )
+
+
+def concat_indptr(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Row starts of CSR blocks stacked in order, from each block's own (0-based) row starts."""
+    if not parts:
+        return np.zeros(1, dtype=np.int64)
+    shifts = np.cumsum([0, *(int(p[-1]) for p in parts[:-1])])
+    tails = [p[1:] + shift for p, shift in zip(parts, shifts.tolist(), strict=True)]
+    return np.concatenate([np.zeros(1, np.int64), *tails]).astype(np.int64, copy=False)
 
 
 def _describe(reader: ArrayReader) -> str:

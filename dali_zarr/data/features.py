@@ -19,8 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, Rows
+from dali_zarr.data.dataset import Collection, CsrRows, Dataset, DenseRows, Rows
 from dali_zarr.data.obs import ObsColumn
+from dali_zarr.data.subset import Subset
 from dali_zarr.errors import DatasetError
 
 FeatureSelection = np.ndarray | Sequence[int] | Sequence[str] | Sequence[bool]
@@ -201,3 +202,34 @@ class FeatureSubset(Dataset):
 
 def _names_wanted(features: FeatureSelection) -> bool:
     return np.asarray(features).dtype.kind in "USO"
+
+
+def split_selection(dataset: Dataset) -> tuple[Dataset, np.ndarray | None]:
+    """``dataset`` as (a dataset of the same rows with every stored feature, the stored
+    columns to keep, in output order), or ``(dataset, None)`` when it selects no features.
+
+    Keeping columns commutes with taking rows, so a split of a panel
+    (``Subset(FeatureSubset(d, f), rows)``) reads as ``Subset(d, rows)`` and a collection of
+    like panels as the collection of their parents. The GPU path reads the rows-only dataset
+    by byte plans and keeps the columns in its densify or gather kernel.
+    Returns ``(dataset, None)`` where the selection cannot be moved out (a collection of
+    panels that keep different columns, or of panels and whole datasets).
+    """
+    if isinstance(dataset, FeatureSubset):
+        return dataset.parent, dataset.columns
+    if isinstance(dataset, Subset):
+        inner, columns = split_selection(dataset.parent)
+        if columns is not None:
+            return Subset(inner, dataset.parent_rows), columns
+    if isinstance(dataset, Collection):
+        split = [split_selection(part) for part in dataset.parts]
+        first = split[0][1]
+        like = all(
+            columns is not None
+            and np.array_equal(columns, first)
+            and inner.n_features == split[0][0].n_features
+            for inner, columns in split
+        )
+        if like:
+            return Collection([inner for inner, _ in split]), first
+    return dataset, None

@@ -14,7 +14,7 @@ import zlib
 
 import numpy as np
 
-from dali_zarr.data.dataset import Dataset, Rows
+from dali_zarr.data.dataset import Dataset, Rows, StoreRun
 from dali_zarr.data.obs import ObsColumn
 from dali_zarr.errors import DatasetError
 from dali_zarr.planning.partition import ranges_to_rows
@@ -95,11 +95,20 @@ class Subset(Dataset):
 
     def read_rows(self, ranges: np.ndarray) -> Rows:
         """Rows of local ``[start, stop)`` ranges, read as runs of consecutive parent rows."""
-        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        local = ranges_to_rows(ranges)
+        return self.parent.read_rows(self._parent_ranges(ranges))
+
+    def _parent_ranges(self, ranges: np.ndarray) -> np.ndarray:
+        """Local ``[start, stop)`` ranges → runs of consecutive parent rows, in order."""
+        local = ranges_to_rows(np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
         if len(local) and (local.min() < 0 or local.max() >= self.n_obs):
             raise DatasetError(f"{self.name}: row ranges reach outside [0, {self.n_obs}).")
-        return self.parent.read_rows(_runs(self.parent_rows[local]))
+        return _runs(self.parent_rows[local])
+
+    def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
+        return self.parent.store_runs(self._parent_ranges(ranges))
+
+    def stores(self) -> tuple[Dataset, ...] | None:
+        return self.parent.stores()
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:

@@ -43,6 +43,12 @@ Dense gather (:func:`gather_dense_gpu`) copies rows ``pos`` with coalesced loads
 casts to the output dtype in the same pass (float32 by default), so there is no separate
 cast launch.
 
+Gene panels (a feature selection, dense output): :func:`densify_selected_gpu` densifies the
+parent's CSR rows through ``column_map`` (stored column -> output column, -1 dropped) in the
+same pass and with the same two variants as :func:`densify_csr_gpu`; dropped non-zeros are
+read and skipped. :func:`gather_dense_columns_gpu` gathers rows ``pos`` and columns
+``columns`` of a dense window in one pass. Either way the panel costs no extra launch.
+
 Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
 float16 is a DALI ``fn.cast`` after the op; bfloat16 is :func:`to_bfloat16_bits_gpu`, which
 rounds float32 to nearest-even bfloat16 and writes the bits as uint16 (the framework views
@@ -117,6 +123,51 @@ def make_densify_csr_shared(width: int) -> Callable:
     return densify_csr_shared
 
 
+def densify_selected_scatter(out, pos, data, indices, indptr, column_map):
+    """:func:`densify_csr_scatter` keeping stored column c as column column_map[c] (< 0:
+    dropped): a feature selection applied while densifying."""
+    width = out.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        for c in range(t, width, nt):
+            out[i, c] = 0
+        cuda.syncthreads()
+        r = pos[i]
+        for p in range(indptr[r] + t, indptr[r + 1], nt):
+            c = column_map[indices[p]]
+            if c >= 0:
+                cuda.atomic.add(out, (i, c), _f32(data[p]))
+
+
+def make_densify_selected_shared(width: int) -> Callable:
+    """The shared-memory twin of :func:`densify_selected_scatter` (``width <= SHARED_COLS``
+    selected features)."""
+    if not 0 < width <= SHARED_COLS:
+        raise ValueError(f"width {width} is not in (0, {SHARED_COLS}]")
+
+    def densify_selected_shared(out, pos, data, indices, indptr, column_map):
+        """out[i, :] = selected columns of dense row pos[i], built in shared memory."""
+        row = cuda.shared.array(width, numba.float32)
+        t = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+            for c in range(t, width, nt):
+                row[c] = 0
+            cuda.syncthreads()
+            r = pos[i]
+            for p in range(indptr[r] + t, indptr[r + 1], nt):
+                c = column_map[indices[p]]
+                if c >= 0:
+                    cuda.atomic.add(row, c, _f32(data[p]))
+            cuda.syncthreads()
+            for c in range(t, width, nt):
+                out[i, c] = row[c]
+            cuda.syncthreads()
+
+    return densify_selected_shared
+
+
 def gather_csr_rows(
     out_data, out_indices, out_indptr, nnz_hint, batch_indptr, pos, data, indices, indptr
 ):
@@ -145,6 +196,17 @@ def gather_dense_rows(out, pos, values):
         r = pos[i]
         for c in range(t, width, nt):
             out[i, c] = values[r, c]
+
+
+def gather_dense_columns(out, pos, values, columns):
+    """out[i, j] = values[pos[i], columns[j]] (the store to ``out`` casts to its dtype)."""
+    width = out.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        r = pos[i]
+        for j in range(t, width, nt):
+            out[i, j] = values[r, columns[j]]
 
 
 def float32_bits_to_bfloat16_bits(out, bits):
@@ -182,6 +244,13 @@ def densify_kernel(n_features: int) -> Callable:
     if n_features <= SHARED_COLS:
         return make_densify_csr_shared(max(1, n_features))
     return densify_csr_scatter
+
+
+def densify_selected_kernel(n_features: int) -> Callable:
+    """The variant :func:`densify_selected_gpu` uses for ``n_features`` selected features."""
+    if n_features <= SHARED_COLS:
+        return make_densify_selected_shared(max(1, n_features))
+    return densify_selected_scatter
 
 
 # --- setup functions (CPU, compiled by the plugin with njit) -----------------------------------
@@ -267,6 +336,44 @@ def densify_csr_gpu(
     )
 
 
+def densify_selected_gpu(
+    pos,
+    data,
+    indices,
+    indptr,
+    column_map,
+    *,
+    n_features: int,
+    data_dtype,
+    index_dtype,
+    blocks: int = DEFAULT_BLOCKS,
+    threads: int = DEFAULT_THREADS,
+):
+    """GPU op: dense float32 ``(len(pos), n_features)`` batch of the selected features from
+    window CSR (all stored columns) + positions + ``column_map`` (int64)."""
+    return _gpu_op(
+        pos,
+        data,
+        indices,
+        indptr,
+        column_map,
+        run_fn=densify_selected_kernel(n_features),
+        setup_fn=_rows_by_width(n_features),
+        out_types=[types.FLOAT],
+        in_types=[
+            types.INT64,
+            dali_type(data_dtype),
+            dali_type(index_dtype),
+            types.INT64,
+            types.INT64,
+        ],
+        outs_ndim=[2],
+        ins_ndim=[1, 1, 1, 1, 1],
+        blocks=blocks,
+        threads=threads,
+    )
+
+
 def gather_csr_gpu(
     nnz_hint,
     batch_indptr,
@@ -326,6 +433,34 @@ def gather_dense_gpu(
         in_types=[types.INT64, dali_type(dtype)],
         outs_ndim=[2],
         ins_ndim=[1, 2],
+        blocks=blocks,
+        threads=threads,
+    )
+
+
+def gather_dense_columns_gpu(
+    pos,
+    values,
+    columns,
+    *,
+    n_features: int,
+    dtype,
+    out_dtype=np.float32,
+    blocks: int = DEFAULT_BLOCKS,
+    threads: int = DEFAULT_THREADS,
+):
+    """GPU op: rows ``pos`` and the ``n_features`` columns ``columns`` (int64) of a 2-D
+    window, cast to ``out_dtype``."""
+    return _gpu_op(
+        pos,
+        values,
+        columns,
+        run_fn=gather_dense_columns,
+        setup_fn=_rows_by_width(n_features),
+        out_types=[dali_type(out_dtype)],
+        in_types=[types.INT64, dali_type(dtype), types.INT64],
+        outs_ndim=[2],
+        ins_ndim=[1, 2, 1],
         blocks=blocks,
         threads=threads,
     )

@@ -5,9 +5,13 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
 ``pos``. What changes:
 
 * windows live on the device. :class:`GpuBatchSource` reads each window with
-  :class:`DeviceWindowReader` (kvikio + nvCOMP through :mod:`dali_zarr.io.gpu`; host decode
+  :class:`DeviceWindowReader` (kvikio + nvCOMP through :mod:`dali_zarr.io.gpu`, one merged
+  plan per array however many stores of a collection the window touches; host decode
   + one copy where needed) into a slot of a :class:`BufferRing` of device buffers, on the
   prefetch thread, ``prefetch_windows`` windows ahead of the consumer;
+* a gene panel (:class:`~dali_zarr.data.features.FeatureSubset`, also one split into
+  subsets) with dense output is read as its parent's windows and kept by the densify or
+  gather kernel itself (:func:`device_selection`): no host pass over the window;
 * there are two ``external_source`` ops fed by one :class:`GpuBatchSource`: a GPU one for
   the window arrays (``no_copy=True``: DALI reads our slot in place) and a CPU one for the
   small per-batch arrays (``pos``, the batch's CSR row starts, obs columns, index), which
@@ -50,8 +54,16 @@ from typing import Any
 import numpy as np
 from nvidia.dali.pipeline import Pipeline
 
-from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset, sub_indptr
-from dali_zarr.errors import ConfigError
+from dali_zarr.data.dataset import (
+    CsrDataset,
+    Dataset,
+    DenseDataset,
+    StoreRun,
+    concat_indptr,
+    sub_indptr,
+)
+from dali_zarr.data.features import split_selection
+from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.graph import cuda_kernels
 from dali_zarr.graph.pipeline import (
     GraphOps,
@@ -74,23 +86,30 @@ from dali_zarr.io.gpu import (
     describe_path,
     execute_plan_cpu,
     gpu_codec_kind,
+    merge_plans,
+    place_plan,
     plan_problem,
     plan_rows,
     probe_gpu,
     round_up,
 )
-from dali_zarr.planning.partition import ranges_to_rows, validate_count
+from dali_zarr.planning.partition import ranges_to_rows, run_offsets, validate_count
+
+Pieces = tuple[np.ndarray, np.ndarray]  # (starts, lengths) in an array's axis-0 units
 
 # ---------------------------------------------------------------------------- host helpers
 
 
 def gpu_source_names(
-    layout: str, output: Output, obs: list[str], return_index: bool
+    layout: str, output: Output, obs: list[str], return_index: bool, selected: bool = False
 ) -> tuple[list[str], list[str]]:
-    """(host names, device names) of the GPU callback's outputs, in order."""
+    """(host names, device names) of the GPU callback's outputs, in order; ``selected``:
+    features are selected in the graph (:func:`device_selection`)."""
     host = ["pos"]
     if layout == "csr" and output == "csr":
         host += ["nnz_hint", "batch_indptr"]
+    if selected:
+        host += ["column_map" if layout == "csr" else "columns"]
     host += [*obs, *(["index"] if return_index else [])]
     device = ["data", "indices", "indptr"] if layout == "csr" else ["values"]
     return host, device
@@ -107,15 +126,33 @@ class _Backend:
         n = math.prod(shape) * np.dtype(dtype).itemsize
         return buf[offset : offset + n].view(dtype).reshape(shape)
 
-    def read_array(self, reader: Any, ranges: np.ndarray, out: Any) -> None:
-        """Rows ``ranges`` of ``reader`` into ``out``, bit for bit (``out`` may be the uint16
-        view of a float16 array: see :func:`~dali_zarr.graph.source.window_dtype`)."""
+    def plan_array(
+        self, reader: Any, ranges: np.ndarray, out: Any, pieces: Pieces | None = None
+    ) -> Any:
+        """The byte plan that writes rows ``ranges`` of ``reader`` into ``out`` (in order, or
+        with ``pieces`` = ``(starts, lengths)``: their consecutive pieces of ``lengths`` rows
+        to rows ``starts`` of ``out``, one store's share of a collection's window). Arrays
+        that cannot be planned are read on the host and copied into place now: None."""
         try:
             plan = plan_rows(reader, ranges)
         except NotPlannable:
             host = np.ascontiguousarray(reader.read_rows(ranges))
-            self.upload(host.view(out.dtype) if host.dtype != out.dtype else host, out)
-            return
+            host = host.view(out.dtype) if host.dtype != out.dtype else host
+            if pieces is None:
+                self.upload(host, out)
+                return None
+            src = run_offsets(pieces[1])
+            for a, start, n in zip(src[:-1].tolist(), *(p.tolist() for p in pieces), strict=True):
+                if n:
+                    self.upload(host[a : a + n], out[start : start + n])
+            return None
+        if pieces is not None:
+            plan = place_plan(plan, starts=pieces[0], lengths=pieces[1], out_rows=out.shape[0])
+        return plan
+
+    def run_into(self, plan: Any, reader: Any, out: Any) -> None:
+        """Run ``plan`` into ``out``, bit for bit (``out`` may be the uint16 view of a
+        float16 array: see :func:`~dali_zarr.graph.source.window_dtype`)."""
         target = out.reshape(plan.out_shape)
         self.run_plan(
             plan, reader, target.view(plan.dtype) if target.dtype != plan.dtype else target
@@ -351,18 +388,6 @@ class DeviceWindow(Window):
     lease: Lease | None = field(default=None, compare=False)
 
 
-def _csr_parts(dataset: Dataset):
-    if isinstance(dataset, CsrDataset):
-        return dataset.data_reader, dataset.indices_reader, dataset.indptr
-    return None
-
-
-def _dense_reader(dataset: Dataset):
-    if isinstance(dataset, DenseDataset):
-        return dataset.values_reader
-    return None
-
-
 Slots = list[tuple[str, tuple, np.dtype, int]]  # (name, shape, dtype, byte offset)
 
 
@@ -376,33 +401,78 @@ def pack_slot(arrays: list[tuple[str, tuple, np.dtype]]) -> tuple[Slots, int]:
     return slots, offset
 
 
+@dataclass(frozen=True)
+class WindowLayout:
+    """A window read by byte plans: its arrays' places in one ring slot, the store runs that
+    fill it (:meth:`~dali_zarr.data.dataset.Dataset.store_runs`), where each run starts in
+    the window (``run_starts``, rows, one more entry than runs) and, for CSR, the window's
+    row starts on the host."""
+
+    slots: Slots
+    nbytes: int
+    runs: list[StoreRun]
+    run_starts: np.ndarray
+    host_indptr: np.ndarray | None
+
+
+def _store_arrays(store: Dataset) -> list[tuple[str, Any]]:
+    """(slot name, reader) of the arrays a store's window rows are read from."""
+    if isinstance(store, CsrDataset):
+        return [("data", store.data_reader), ("indices", store.indices_reader)]
+    assert isinstance(store, DenseDataset)
+    return [("values", store.values_reader)]
+
+
 class DeviceWindowReader:
     """Reads a window's rows of a dataset into one device buffer (one ring slot).
 
-    Single-store CSR and dense datasets take the byte-plan path per array; any other
-    dataset (collections, subsets) is read on the host with ``dataset.read_rows`` and copied
-    once.
+    Stores, collections of stores and subsets of either are read through each store's byte
+    plans: per window, one plan per array of each store the window touches, placed so the
+    rows land in window order (:func:`~dali_zarr.io.gpu.place_plan`), then merged, so
+    stores written alike cost one read batch and one decode call per array and window
+    (:func:`~dali_zarr.io.gpu.merge_plans`). Other datasets (a CSR-output feature
+    selection, stores that disagree on a dtype, float16 CSR data that is widened) are read
+    on the host with ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 
     def __init__(self, dataset: Dataset, backend: Any) -> None:
         self.dataset = dataset
         self.backend = backend
-        self.csr = _csr_parts(dataset)
-        self.dense = _dense_reader(dataset)
         self.dtype = window_dtype(dataset.layout, dataset.dtype)
-        if self.csr is not None and self.dtype != np.dtype(dataset.dtype).newbyteorder("="):
-            self.csr = None  # float16 CSR data is widened on the host (read_generic)
         self.index_dtype = np.dtype(dataset.index_dtype)
+        self.stores = self._planned_stores()
 
-    def layout(self, ranges: np.ndarray) -> tuple[Slots, int, Any]:
-        """The window's arrays in a slot, the slot's size, and the window's host indptr
-        (CSR) or None."""
-        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        n_rows = int((ranges[:, 1] - ranges[:, 0]).sum())
-        if self.csr is None and self.dense is None:
-            return [], 0, None  # generic path (read_generic): sizes known only after reading
-        if self.csr is not None:
-            host_indptr = sub_indptr(self.csr[2], ranges_to_rows(ranges))
+    def _planned_stores(self) -> tuple[Dataset, ...] | None:
+        """The stores read by byte plans, or None when windows are read on the host."""
+        stores = self.dataset.stores()
+        if not stores:
+            return None
+        for store in stores:
+            if self.dataset.layout == "csr":
+                same = (
+                    isinstance(store, CsrDataset)
+                    and np.dtype(store.dtype).newbyteorder("=") == self.dtype
+                    and np.dtype(store.index_dtype) == self.index_dtype
+                )
+            else:
+                same = isinstance(store, DenseDataset) and store.dtype == self.dataset.dtype
+            if not same:
+                return None
+        return stores
+
+    def layout(self, ranges: np.ndarray) -> WindowLayout | None:
+        """Where the window of row ``ranges`` goes in a slot (None: read by read_generic,
+        whose sizes are known only after reading)."""
+        if self.stores is None:
+            return None
+        runs = self.dataset.store_runs(np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
+        assert runs is not None  # stores() named them
+        run_starts = run_offsets(np.array([run.n_rows for run in runs], dtype=np.int64))
+        n_rows = int(run_starts[-1])
+        if self.dataset.layout == "csr":
+            host_indptr = concat_indptr(
+                [sub_indptr(run.store.indptr, ranges_to_rows(run.ranges)) for run in runs]
+            )
             nnz = int(host_indptr[-1])
             shapes = [
                 ("data", (nnz,), self.dtype),
@@ -413,29 +483,50 @@ class DeviceWindowReader:
             host_indptr = None
             shapes = [("values", (n_rows, self.dataset.n_features), self.dtype)]
         slots, nbytes = pack_slot(shapes)
-        return slots, nbytes, host_indptr
+        return WindowLayout(slots, nbytes, runs, run_starts, host_indptr)
 
-    def read(self, ranges: np.ndarray, lease_buf: Any, layout: Slots, host_indptr: Any):
-        """Fill ``lease_buf`` with the window; returns its device arrays."""
+    def read(self, window: WindowLayout, buf: Any) -> tuple:
+        """Fill ``buf`` with the window; returns its device arrays."""
         be = self.backend
-        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
-        views = {name: be.view(lease_buf, off, shape, dt) for name, shape, dt, off in layout}
-        if self.csr is not None:
-            data_reader, indices_reader, indptr = self.csr
-            element_ranges = indptr[ranges]
-            if len(host_indptr) > 1 and host_indptr[-1] > 0:
-                be.read_array(data_reader, element_ranges, views["data"])
-                be.read_array(indices_reader, element_ranges, views["indices"])
-                self._check_indices(views["indices"], ranges)
-            be.upload(host_indptr, views["indptr"])
+        views = {name: be.view(buf, off, shape, dt) for name, shape, dt, off in window.slots}
+        if window.host_indptr is not None:
+            if window.host_indptr[-1] > 0:
+                self._read_runs(window, views)
+                self._check_indices(views["indices"], window)
+            be.upload(window.host_indptr, views["indptr"])
             arrays = (views["data"], views["indices"], views["indptr"])
-        elif self.dense is not None:
-            be.read_array(self.dense, ranges, views["values"])
-            arrays = (views["values"],)
         else:
-            raise AssertionError("generic datasets are read by read_generic")
+            self._read_runs(window, views)
+            arrays = (views["values"],)
         be.finish()
         return arrays
+
+    def _read_runs(self, window: WindowLayout, views: dict[str, Any]) -> None:
+        """Each array of the window with one plan per store, placed where the store's runs
+        go, then merged (:func:`~dali_zarr.io.gpu.merge_plans`): usually one plan per array
+        and window, however many stores the window touches."""
+        by_store: dict[int, list[int]] = {}
+        for i, run in enumerate(window.runs):
+            by_store.setdefault(id(run.store), []).append(i)
+        csr = window.host_indptr is not None
+        whole = len(window.runs) == 1  # the window is this one run: no placing
+        planned: dict[str, list[tuple[Any, Any]]] = {}
+        for members in by_store.values():
+            store = window.runs[members[0]].store
+            ranges = np.concatenate([window.runs[i].ranges for i in members])
+            starts = window.run_starts[members]
+            stops = window.run_starts[np.add(members, 1)]
+            if csr:  # rows -> elements of data/indices
+                ranges = store.indptr[ranges]
+                starts, stops = window.host_indptr[starts], window.host_indptr[stops]
+            for name, reader in _store_arrays(store):
+                pieces = None if whole else (starts, stops - starts)
+                plan = self.backend.plan_array(reader, ranges, views[name], pieces)
+                if plan is not None:
+                    planned.setdefault(name, []).append((plan, reader))
+        for name, plans in planned.items():
+            for plan, reader in merge_plans(plans):
+                self.backend.run_into(plan, reader, views[name])
 
     def read_generic(
         self,
@@ -443,8 +534,8 @@ class DeviceWindowReader:
         alloc: Callable[[int], Any],
         release: Callable[[Any], None],
     ):
-        """Collections/subsets: host read, then one copy per array into a slot from ``alloc``
-        (given back with ``release`` if the copy fails)."""
+        """Feature selections and mixed stores: host read, then one copy per array into a
+        slot from ``alloc`` (given back with ``release`` if the copy fails)."""
         host = window_arrays(self.dataset, self.dataset.read_rows(ranges))
         host_indptr = host[2] if self.dataset.layout == "csr" else None
         slots, nbytes = pack_slot([(str(i), a.shape, a.dtype) for i, a in enumerate(host)])
@@ -461,23 +552,57 @@ class DeviceWindowReader:
             raise
         return tuple(arrays), host_indptr, lease
 
-    def _check_indices(self, indices: Any, ranges: np.ndarray) -> None:
-        """Out-of-range column ids would make densify write out of bounds: refuse them."""
-        if indices.size:
-            self.dataset.check_index_range(*self.backend.minmax(indices), ranges)
+    def _check_indices(self, indices: Any, window: WindowLayout) -> None:
+        """Out-of-range column ids would make densify write out of bounds: refuse them,
+        naming the store they came from."""
+        low, high = self.backend.minmax(indices)
+        if low >= 0 and high < self.dataset.n_features:
+            return
+        bounds = window.host_indptr[window.run_starts]
+        for run, a, b in zip(window.runs, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            if b > a:
+                run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
+        raise DatasetError(  # not reached: some run holds the bad id
+            f"{self.dataset.name}: column index outside [0, {self.dataset.n_features})"
+        )
 
     def read_paths(self) -> dict[str, str]:
-        readers = []
-        if self.csr is not None:
-            readers = [self.csr[0], self.csr[1]]
-        elif self.dense is not None:
-            readers = [self.dense]
-        if not readers:
+        if self.stores is None:
             return {
                 name: f"gpu: host read ({path}), one copy to the device"
                 for name, path in self.dataset.read_paths().items()
             }
-        return {r.name: self.backend.path(r) for r in readers}
+        return {
+            reader.name: self.backend.path(reader)
+            for store in self.stores
+            for _, reader in _store_arrays(store)
+        }
+
+
+def device_selection(
+    dataset: Dataset, output: Output, backend: Any
+) -> tuple[DeviceWindowReader, np.ndarray | None]:
+    """The window reader, and the selector the graph applies (None: nothing to apply).
+
+    A feature selection (of a store, collection or subset; also a subset or collection of
+    selections: :func:`~dali_zarr.data.features.split_selection`) is read as the same rows
+    with all stored features, by byte plans (decoded on the GPU), and the graph's op keeps
+    the panel as it densifies through ``column_map`` (CSR) or gathers ``columns`` (dense).
+    CSR output keeps the host read: a batch's size after dropping columns is known only
+    once its column ids are read.
+    """
+    if output == "dense":
+        rows_only, columns = split_selection(dataset)
+        if columns is not None:
+            reader = DeviceWindowReader(rows_only, backend)
+            if reader.stores is not None:
+                if dataset.layout == "csr":
+                    selector = np.full(rows_only.n_features, -1, dtype=np.int64)
+                    selector[columns] = np.arange(len(columns))
+                else:
+                    selector = np.ascontiguousarray(columns, dtype=np.int64)
+                return reader, selector
+    return DeviceWindowReader(dataset, backend), None
 
 
 # ---------------------------------------------------------------------------- the source
@@ -516,12 +641,12 @@ class GpuBatchSource(BatchSource):
             prefetch_queue_depth=prefetch_queue_depth,
             read_threads=read_threads,
         )
+        self.backend = backend if backend is not None else CudaBackend(device_id)
+        self.reader, self.selector = device_selection(dataset, output, self.backend)
         self.host_names, self.device_names = gpu_source_names(
-            dataset.layout, output, list(obs), return_index
+            dataset.layout, output, list(obs), return_index, self.selector is not None
         )
         self.names = [*self.host_names, *self.device_names]
-        self.backend = backend if backend is not None else CudaBackend(device_id)
-        self.reader = DeviceWindowReader(dataset, self.backend)
         self.retire_after = self._alive.maxlen  # batches DALI may still hold
         self.ring = BufferRing(self.prefetch_windows + prefetch_queue_depth + 3, self.backend)
         self._served = 0
@@ -536,11 +661,12 @@ class GpuBatchSource(BatchSource):
         _, key, w = wkey
         plan = self.plan(*key).window(w)
         ranges = plan.row_ranges
-        layout, nbytes, host_indptr = self.reader.layout(ranges)
-        if layout:
-            lease = self.ring.acquire(nbytes, self._reclaim)
+        layout = self.reader.layout(ranges)
+        if layout is not None:
+            host_indptr = layout.host_indptr
+            lease = self.ring.acquire(layout.nbytes, self._reclaim)
             try:
-                arrays = self.reader.read(ranges, lease.buf, layout, host_indptr)
+                arrays = self.reader.read(layout, lease.buf)
             except BaseException:
                 self.ring.release(lease)
                 raise
@@ -579,6 +705,8 @@ class GpuBatchSource(BatchSource):
         if self.dataset.layout == "csr" and self.output == "csr":
             bptr = sub_indptr(window.host_indptr, pos)
             outputs += [np.empty((int(bptr[-1]), 0), dtype=np.uint8), bptr]
+        if self.selector is not None:
+            outputs.append(self.selector)
         outputs += self.row_outputs(window, j)
         with self._lease_lock:
             self._served += 1

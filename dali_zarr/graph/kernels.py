@@ -61,6 +61,19 @@ def _densify_csr_rows(out, pos, data, indices, indptr):
             row[indices[p]] += data[p]
 
 
+def _densify_selected_rows(out, pos, data, indices, indptr, column_map):
+    """out[i, :] = dense row pos[i], keeping column c as column column_map[c] (dropped where
+    it is negative): a feature selection applied while densifying, with no filtered copy."""
+    for i in range(pos.shape[0]):
+        row = out[i]
+        row[:] = 0
+        r = pos[i]
+        for p in range(indptr[r], indptr[r + 1]):
+            c = column_map[indices[p]]
+            if c >= 0:
+                row[c] += data[p]
+
+
 def _gather_csr_rows(out_data, out_indices, out_indptr, nnz_hint, pos, data, indices, indptr):
     """The batch's own CSR: rows pos[i] of the window CSR, in batch order."""
     out_indptr[0] = 0
@@ -78,6 +91,14 @@ def _gather_dense_rows(out, pos, values):
     """out[i] = values[pos[i]] on 2-D views (features flattened)."""
     for i in range(pos.shape[0]):
         out[i, :] = values[pos[i], :]
+
+
+def _gather_dense_columns(out, pos, values, columns):
+    """out[i, j] = values[pos[i], columns[j]]: rows and a feature selection in one pass."""
+    for i in range(pos.shape[0]):
+        r = pos[i]
+        for j in range(columns.shape[0]):
+            out[i, j] = values[r, columns[j]]
 
 
 def _float32_bits_to_bfloat16_bits(out, bits):
@@ -136,8 +157,10 @@ def _csr_batch_shapes(outs, ins):
 #: kernel name -> (run function, setup function for a row width)
 _KERNELS: dict[str, tuple[Callable, Callable[[int], Callable]]] = {
     "densify_csr": (_densify_csr_rows, _rows_by_width),
+    "densify_selected": (_densify_selected_rows, _rows_by_width),
     "gather_csr": (_gather_csr_rows, lambda _width: _csr_batch_shapes),
     "gather_dense": (_gather_dense_rows, _rows_by_width),
+    "gather_dense_columns": (_gather_dense_columns, _rows_by_width),
     "to_bfloat16_bits": (_float32_bits_to_bfloat16_bits, lambda _width: _same_shape_2d),
 }
 
@@ -181,6 +204,23 @@ def densify_csr(pos, data, indices, indptr, *, n_features: int, data_dtype, inde
     return op(pos, data, indices, indptr)
 
 
+def densify_selected(
+    pos, data, indices, indptr, column_map, *, n_features: int, data_dtype, index_dtype
+):
+    """DALI op: dense float32 ``(len(pos), n_features)`` batch of the selected features, from
+    the window CSR with all stored columns and ``column_map`` (int64, stored column →
+    selected column or -1)."""
+    op = _numba_op(
+        "densify_selected",
+        n_features,
+        (types.FLOAT,),
+        (types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64, types.INT64),
+        (2,),
+        (1, 1, 1, 1, 1),
+    )
+    return op(pos, data, indices, indptr, column_map)
+
+
 def gather_csr(nnz_hint, pos, data, indices, indptr, *, data_dtype, index_dtype):
     """DALI op: the batch's (data, indices, indptr) from window CSR + positions."""
     op = _numba_op(
@@ -205,6 +245,20 @@ def gather_dense(pos, values, *, n_features: int, dtype):
         (1, 2),
     )
     return op(pos, values)
+
+
+def gather_dense_columns(pos, values, columns, *, n_features: int, dtype):
+    """DALI op: rows ``pos`` and the ``n_features`` columns ``columns`` (int64) of a 2-D
+    window view."""
+    op = _numba_op(
+        "gather_dense_columns",
+        n_features,
+        (dali_type(dtype),),
+        (types.INT64, dali_type(dtype), types.INT64),
+        (2,),
+        (1, 2, 1),
+    )
+    return op(pos, values, columns)
 
 
 def to_bfloat16_bits(bits):

@@ -80,6 +80,8 @@ def source_nodes(source: BatchSource, callback: Callable, names: Sequence[str], 
         "batch_indptr": (np.dtype(np.int64), 1),
         "values": (window_dtype("dense", ds.dtype), 2),
         "index": (np.dtype(np.int64), 1),
+        "column_map": (np.dtype(np.int64), 1),
+        "columns": (np.dtype(np.int64), 1),
     }
     layout = [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in names]
     nodes = fn.external_source(
@@ -126,6 +128,12 @@ class GraphOps:
             return K.densify_csr_gpu(pos, data, indices, indptr, **kw, **launch)
         return kernels.densify_csr(pos, data, indices, indptr, **kw)
 
+    def densify_selected(self, pos, data, indices, indptr, column_map, **kw):
+        if self.on_gpu:
+            K, launch = self._cuda()
+            return K.densify_selected_gpu(pos, data, indices, indptr, column_map, **kw, **launch)
+        return kernels.densify_selected(pos, data, indices, indptr, column_map, **kw)
+
     def gather_csr(self, nnz_hint, batch_indptr, pos, data, indices, indptr, **kw):
         if self.on_gpu:
             K, launch = self._cuda()
@@ -135,17 +143,21 @@ class GraphOps:
         # the CPU kernel computes the batch's row starts itself (batch_indptr may be None)
         return kernels.gather_csr(nnz_hint, pos, data, indices, indptr, **kw)
 
-    def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype):
-        """Rows ``pos`` as float32 (the CUDA kernel casts as it copies, except float16,
-        whose bits it copies for DALI to reinterpret and cast)."""
+    def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype, columns=None):
+        """Rows ``pos`` (and, given ``columns``, only those columns) as float32 (the CUDA
+        kernel casts as it copies, except float16, whose bits it copies for DALI to
+        reinterpret and cast)."""
         wire = window_dtype("dense", stored)
+        picked = () if columns is None else (columns,)
         if not self.on_gpu:
-            x = kernels.gather_dense(pos, values, n_features=n_features, dtype=wire)
+            op = kernels.gather_dense if columns is None else kernels.gather_dense_columns
+            x = op(pos, values, *picked, n_features=n_features, dtype=wire)
             return dense_to_float32(x, stored)
         K, launch = self._cuda()
+        op = K.gather_dense_gpu if columns is None else K.gather_dense_columns_gpu
         bits = wire != np.dtype(stored).newbyteorder("=")
-        x = K.gather_dense_gpu(
-            pos, values, n_features=n_features, dtype=wire,
+        x = op(
+            pos, values, *picked, n_features=n_features, dtype=wire,
             out_dtype=wire if bits else np.float32, **launch,
         )  # fmt: skip
         return dense_to_float32(x, stored) if bits else x
@@ -177,13 +189,22 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
             node["indptr"],
             **csr_types,
         )
+    elif ds.layout == "csr" and "column_map" in node:  # features selected on the device
+        out["X"] = ops.densify_selected(
+            pos, node["data"], node["indices"], node["indptr"],
+            ops.to_device(node["column_map"]), n_features=ds.n_features, **csr_types,
+        )  # fmt: skip
     elif ds.layout == "csr":
         out["X"] = ops.densify_csr(
             pos, node["data"], node["indices"], node["indptr"], n_features=ds.n_features,
             **csr_types,
         )  # fmt: skip
     else:
-        x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
+        columns = node.get("columns")  # features selected on the device
+        x = ops.gather_dense_float32(
+            pos, node["values"], n_features=ds.n_features, stored=ds.dtype,
+            columns=None if columns is None else ops.to_device(columns),
+        )  # fmt: skip
         if len(ds.feature_shape) != 1:
             x = fn.reshape(x, shape=[-1, *ds.feature_shape])
         out["X"] = x  # user ops then see float32 X

@@ -42,7 +42,8 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numcodecs
@@ -63,6 +64,8 @@ __all__ = [
     "ReadPlan",
     "execute_plan_cpu",
     "gpu_codec_kind",
+    "merge_plans",
+    "place_plan",
     "plan_problem",
     "plan_rows",
     "probe_gpu",
@@ -303,6 +306,144 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
         fill_value=lay.fill_value,
         staging_nbytes=staging_nbytes,
         segments=seg,
+    )
+
+
+def place_plan(
+    plan: ReadPlan, *, starts: np.ndarray, lengths: np.ndarray, out_rows: int
+) -> ReadPlan:
+    """``plan`` writing into a larger output: its output's consecutive pieces of
+    ``lengths`` rows go to rows ``starts`` of an ``out_rows``-row output (pure NumPy).
+
+    A window of a collection (or of a subset of one) takes runs of rows from several
+    stores, interleaved. One plan per store, over all of that store's runs, keeps the
+    store's reads and decode in one batch; placing it moves only its copy segments, so
+    every store's plan writes its rows straight to their places in the window.
+    Rows are the array's axis-0 units (elements for CSR ``data``/``indices``).
+    """
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if int(lengths.sum()) != plan.out_shape[0]:
+        raise ValueError(f"pieces of {int(lengths.sum())} rows for a plan of {plan.out_shape[0]}")
+    row = math.prod(plan.out_shape[1:])
+    keep = lengths > 0
+    src = (run_offsets(lengths)[:-1][keep]) * row  # piece starts in the plan's own output
+    dst, n = starts[keep] * row, lengths[keep] * row
+    if np.any(dst < 0) or np.any(dst + n > out_rows * row):
+        raise ValueError(f"pieces placed outside an output of {out_rows} rows")
+    seg = plan.segments
+    if len(seg):
+        # cut the segments wherever a piece starts, then shift each part to its piece's place
+        cuts = np.union1d(seg[:, 1], src)
+        which = np.searchsorted(seg[:, 1], cuts, side="right") - 1
+        piece = np.searchsorted(src, cuts, side="right") - 1
+        ends = np.append(cuts[1:], seg[-1, 1] + seg[-1, 2])
+        seg = np.stack(
+            [seg[which, 0] + cuts - seg[which, 1], dst[piece] + cuts - src[piece], ends - cuts],
+            axis=1,
+        ).astype(np.int64)
+        seg = _merge_segments(seg)
+    return replace(plan, out_shape=(int(out_rows), *plan.out_shape[1:]), segments=seg)
+
+
+class StoreReaders:
+    """Stands in for the reader of a plan made of several stores' plans (:func:`merge_plans`):
+    the executors ask a plan's reader only for chunk errors and a thread pool, and a chunk
+    error must name the store, array and chunk it came from.
+
+    The merged plan numbers chunks ``base[i] + chunk`` for the ``i``-th reader's chunks.
+    """
+
+    def __init__(self, readers: Sequence[DirectReader]) -> None:
+        self.readers = tuple(readers)
+        counts = [-(-r.layout.shape[0] // r.layout.chunk_shape[0]) for r in self.readers]
+        self.bases = run_offsets(np.array(counts, dtype=np.int64))
+        self.name = " + ".join(r.name for r in self.readers)
+        self.shape = self.readers[0].shape  # chunk coordinates have this many axes
+        self.executor = self.readers[0].executor
+
+    def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
+        i = int(np.searchsorted(self.bases, coords[0], side="right")) - 1
+        local = (int(coords[0] - self.bases[i]), *coords[1:])
+        return self.readers[i].chunk_error(local, problem)
+
+
+def _merge_key(plan: ReadPlan) -> tuple | None:
+    """Plans with equal keys can be run as one (None: run this one alone)."""
+    if plan.kind not in GPU_KINDS:  # host decode uses each store's own ChunkDecoder
+        return None
+    fill = np.asarray(plan.fill_value, dtype=plan.dtype).tobytes()  # NaN fills compare equal
+    return (plan.kind, plan.dtype, plan.chunk_shape, plan.slot_nbytes, plan.header_nbytes,
+            fill, plan.out_shape)  # fmt: skip
+
+
+def merge_plans(planned: Sequence[tuple[ReadPlan, Any]]) -> list[tuple[ReadPlan, Any]]:
+    """Several stores' plans for one window's array (each placed in the window with
+    :func:`place_plan`) as few plans as possible, each with the reader to run it with.
+
+    A window of a collection touches many stores; run one by one, each store's plan costs
+    its own reads, checks, decode call, copy launch and stream syncs, so a window of 14
+    stores paid 14 times what one store pays. Plans of the same decode kind and chunk
+    layout become one: their files, reads, extents, staging and chunk buffers laid end to
+    end (staging and slots stay aligned: each plan's sizes are multiples of the alignment),
+    run with a :class:`StoreReaders`. Others (host decode, another chunk shape) stay alone.
+    """
+    groups: dict[Any, list[tuple[ReadPlan, Any]]] = {}
+    for i, (plan, reader) in enumerate(planned):
+        key = _merge_key(plan)
+        groups.setdefault(i if key is None else key, []).append((plan, reader))
+    out: list[tuple[ReadPlan, Any]] = []
+    for members in groups.values():
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        readers = StoreReaders([reader for _, reader in members])
+        out.append((_concat_plans([plan for plan, _ in members], readers), readers))
+    return out
+
+
+def _concat_plans(plans: Sequence[ReadPlan], readers: StoreReaders) -> ReadPlan:
+    first = plans[0]
+    elem = first.dtype.itemsize
+    reads, extents, segments = [], [], []
+    n_files = n_slots = n_staged = n_reads = 0
+    fill_slots: list[int] = []
+    chunks = []
+    for plan, base in zip(plans, readers.bases[:-1].tolist(), strict=True):
+        r = plan.reads.copy()
+        r["chunk"] += base
+        r["file"] += n_files
+        r["decoded_offset"] += n_slots * plan.slot_nbytes
+        if plan.reads_into_chunk_buffer:
+            dest = n_slots * plan.slot_nbytes
+        else:
+            r["staging_offset"] += n_staged
+            dest = n_staged
+        e = plan.extents.copy()
+        e["file"] += n_files
+        e["dest_offset"] += dest
+        e["first"] += n_reads
+        g = plan.segments.copy()
+        g[:, 0] += n_slots * plan.slot_nbytes // elem
+        reads.append(r)
+        extents.append(e)
+        segments.append(g)
+        chunks.append(plan.chunks + base)
+        fill_slots += [slot + n_slots for slot in plan.fill_slots]
+        n_files += len(plan.files)
+        n_slots += len(plan.chunks)
+        n_staged += plan.staging_nbytes
+        n_reads += len(plan.reads)
+    return replace(
+        first,
+        name=readers.name,
+        chunks=np.concatenate(chunks),
+        files=tuple(f for plan in plans for f in plan.files),
+        reads=np.concatenate(reads),
+        extents=np.concatenate(extents),
+        fill_slots=tuple(fill_slots),
+        staging_nbytes=n_staged,
+        segments=np.concatenate(segments),  # window places never overlap: any order
     )
 
 
