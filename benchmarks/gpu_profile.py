@@ -124,8 +124,7 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
 
     gpu_pipeline.plan_rows = counting
     # a collection's window: each store's plans placed in the window, then merged
-    timed(gpu_pipeline, "place_plan", "placing + merging plans (host)")
-    timed(gpu_pipeline, "merge_plans", "placing + merging plans (host)")
+    timed(gpu_pipeline, "window_plans", "joining + placing plans (host)")
     run_into = backend.run_into
 
     def counting_runs(*a, **kw):

@@ -89,8 +89,11 @@ def test_gpu_path_wiring_with_features(rich, where: str, output: str) -> None:
     Batch for batch what the CPU path delivers, which the tests above hold to anndata."""
     dataset = dz.open_dataset(rich[0], features=PANEL)
     cpu, gpu = both(dataset, where, output=output, return_index=True)
-    on_host = [p.endswith("one copy to the device") for p in gpu.read_paths().values()]
-    assert all(on_host) if output == "csr" else not any(on_host), gpu.read_paths()
+    paths = gpu.read_paths()
+    on_host = [p.endswith("one copy to the device") for p in paths.values()]
+    assert all(on_host) if output == "csr" else not any(on_host), paths
+    kept = f"{len(PANEL)} of {N_VARS} features kept in the densify kernel"
+    assert all(p.endswith(kept) for p in paths.values()) == (output == "dense"), paths
     assert assert_same_batches(cpu, gpu, epochs=(2,), where=where) == len(cpu) > 0
 
 
@@ -113,7 +116,10 @@ def test_gpu_path_selects_features_of_collections_and_dense_stores(
     )
     for dataset in on_device:
         cpu, gpu = both(dataset, where, return_index=True)
-        assert not any("host read" in p for p in gpu.read_paths().values()), gpu.read_paths()
+        paths = gpu.read_paths()
+        assert not any("host read" in p for p in paths.values()), paths
+        kept = f"{dataset.n_features} of {30 if dataset.layout == 'dense' else N_VARS} features"
+        assert all(kept in p for p in paths.values()), paths
         assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
     # panels keeping different columns cannot be kept by one kernel: read on the host
     unlike = dz.Collection([panels[0], dz.open_dataset(second, features=PANEL[::-1])])

@@ -37,6 +37,7 @@ from dali_zarr.io.gpu import (
     place_plan,
     plan_rows,
     probe_gpu,
+    window_plans,
 )
 from dali_zarr.io.nvcomp_batched import call_slices
 from tests.stores import (
@@ -144,8 +145,8 @@ def test_placed_plan_writes_its_pieces_where_asked(tmp_path, codec, shape):
 
 def _collection_window(tmp_path, stores, rng):
     """Readers of ``stores`` (``(codec, sharded)`` each, different data, one layout), and a
-    window interleaving some ranges of each: per store its placed plan and the expected
-    window."""
+    window interleaving some ranges of each: per store ``(plan, reader, pieces)`` (where
+    each of its ranges goes), the window's rows, and the expected window."""
     shape, dtype, chunks, shards = SHAPES["1d-float32"]
     readers, datas = [], []
     for i, (codec, sharded) in enumerate(stores):
@@ -170,14 +171,11 @@ def _collection_window(tmp_path, stores, rng):
         starts[i][j] = at
         want.append(datas[i][a:b])
         at += int(b - a)
-    placed = [
-        (
-            place_plan(plan_rows(reader, r), starts=s, lengths=r[:, 1] - r[:, 0], out_rows=at),
-            reader,
-        )
+    planned = [
+        (plan_rows(reader, r), reader, (s, r[:, 1] - r[:, 0]))
         for reader, r, s in zip(readers, ranges, starts, strict=True)
     ]
-    return placed, np.concatenate(want)
+    return planned, at, np.concatenate(want)
 
 
 def test_merged_plans_read_every_store_into_its_places(tmp_path):
@@ -186,18 +184,30 @@ def test_merged_plans_read_every_store_into_its_places(tmp_path):
     Together they write exactly the window the stores' rows make."""
     rng = np.random.default_rng(3)
     stores = [("zstd", True), ("zstd", False), ("none", True), ("zstd", True), ("none", False)]
-    placed, want = _collection_window(tmp_path, stores, rng)
-    merged = merge_plans(placed)
-    assert sorted(plan.kind for plan, _ in merged) == ["none", "zstd"]
-    zstd = next(plan for plan, _ in merged if plan.kind == "zstd")
-    assert len(zstd.files) == sum(len(p.files) for p, _ in placed if p.kind == "zstd")
+    planned, n_rows, want = _collection_window(tmp_path, stores, rng)
+    plans = window_plans(planned, out_rows=n_rows)
+    assert sorted(plan.kind for plan, _ in plans) == ["none", "zstd"]
+    zstd = next(plan for plan, _ in plans if plan.kind == "zstd")
+    assert len(zstd.files) == sum(len(p.files) for p, _, _ in planned if p.kind == "zstd")
+    assert [m for _, _, m in merge_plans([p[:2] for p in planned])] == [[0, 1, 3], [2, 4]]
     got = np.full(want.shape, np.nan, dtype=want.dtype)
-    for plan, reader in merged:
+    for plan, reader in plans:
+        assert plan.out_shape[0] == n_rows
         execute_plan_cpu(plan, reader, out=got)
     np.testing.assert_array_equal(got, want)
     # host-decoded plans are never merged: each keeps its own store's decoder
-    placed, want = _collection_window(tmp_path / "host", [("gzip", False)] * 2, rng)
-    assert len(merge_plans(placed)) == 2
+    planned, n_rows, want = _collection_window(tmp_path / "host", [("gzip", False)] * 2, rng)
+    plans = window_plans(planned, out_rows=n_rows)
+    assert len(plans) == 2
+    got = np.full(want.shape, np.nan, dtype=want.dtype)
+    for plan, reader in plans:
+        execute_plan_cpu(plan, reader, out=got)
+    np.testing.assert_array_equal(got, want)
+    # a plan that is the whole window is not placed, and must be the window's size
+    [(plan, reader, _)] = planned[:1]
+    assert window_plans([(plan, reader, None)], out_rows=plan.out_shape[0])[0][0] is plan
+    with pytest.raises(ValueError, match="for a window of"):
+        window_plans([(plan, reader, None)], out_rows=plan.out_shape[0] + 1)
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "shrink"])
@@ -205,8 +215,8 @@ def test_merged_plan_names_the_store_of_a_bad_chunk(tmp_path, damage):
     """A bad chunk of the middle store, found by decode or by a short read, is named by its
     own store and chunk, not by its place in the merged plan."""
     rng = np.random.default_rng(4)
-    placed, _ = _collection_window(tmp_path, [("zstd", False)] * 3, rng)
-    [(plan, reader)] = merge_plans(placed)
+    planned, n_rows, _ = _collection_window(tmp_path, [("zstd", False)] * 3, rng)
+    [(plan, reader)] = window_plans(planned, out_rows=n_rows)
     assert isinstance(reader, StoreReaders)
     path = tmp_path / "s1.zarr" / "c" / "5"  # the window reads every chunk: [0, n) is in it
     raw = bytearray(path.read_bytes())
@@ -775,15 +785,15 @@ def test_gpu_executor_runs_a_merged_plan_with_faked_cuda(tmp_path, monkeypatch, 
     log: list = []
     _fake_cuda_modules(monkeypatch, log, reads)
     rng = np.random.default_rng(5)
-    placed, want = _collection_window(tmp_path, [("zstd", True), ("zstd", False)] * 2, rng)
-    [(plan, reader)] = merge_plans(placed)
+    planned, n_rows, want = _collection_window(tmp_path, [("zstd", True), ("zstd", False)] * 2, rng)
+    [(plan, reader)] = window_plans(planned, out_rows=n_rows)
     executor = GpuPlanExecutor(0, max_open_files=3)
     out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
     assert executor.run(plan, reader, out) is out
     np.testing.assert_array_equal(out, want)
     if reads == "kvikio":
         assert sorted(e[1] for e in log if e[0] == "pread") == sorted(
-            n for p, _ in placed for n in p.extents["nbytes"].tolist()
+            n for p, _, _ in planned for n in p.extents["nbytes"].tolist()
         )
     assert [e for e in log if e[0] == "decode"] == [("decode", "Zstd", len(plan.reads))]
     path = tmp_path / "s3.zarr" / "c" / "4"

@@ -83,19 +83,17 @@ from dali_zarr.graph.source import (
 )
 from dali_zarr.io.gpu import (
     NotPlannable,
+    Pieces,
     describe_path,
     execute_plan_cpu,
     gpu_codec_kind,
-    merge_plans,
-    place_plan,
     plan_problem,
     plan_rows,
     probe_gpu,
     round_up,
+    window_plans,
 )
 from dali_zarr.planning.partition import ranges_to_rows, run_offsets, validate_count
-
-Pieces = tuple[np.ndarray, np.ndarray]  # (starts, lengths) in an array's axis-0 units
 
 # ---------------------------------------------------------------------------- host helpers
 
@@ -129,12 +127,11 @@ class _Backend:
     def plan_array(
         self, reader: Any, ranges: np.ndarray, out: Any, pieces: Pieces | None = None
     ) -> Any:
-        """The byte plan that writes rows ``ranges`` of ``reader`` into ``out`` (in order, or
-        with ``pieces`` = ``(starts, lengths)``: their consecutive pieces of ``lengths`` rows
-        to rows ``starts`` of ``out``, one store's share of a collection's window). Arrays
-        that cannot be planned are read on the host and copied into place now: None."""
+        """The byte plan for rows ``ranges`` of ``reader`` (its output: those rows in order).
+        Arrays that cannot be planned are read on the host now and copied into ``out``
+        (whole, or as ``pieces``, one store's share of a collection's window): None."""
         try:
-            plan = plan_rows(reader, ranges)
+            return plan_rows(reader, ranges)
         except NotPlannable:
             host = np.ascontiguousarray(reader.read_rows(ranges))
             host = host.view(out.dtype) if host.dtype != out.dtype else host
@@ -146,9 +143,6 @@ class _Backend:
                 if n:
                     self.upload(host[a : a + n], out[start : start + n])
             return None
-        if pieces is not None:
-            plan = place_plan(plan, starts=pieces[0], lengths=pieces[1], out_rows=out.shape[0])
-        return plan
 
     def run_into(self, plan: Any, reader: Any, out: Any) -> None:
         """Run ``plan`` into ``out``, bit for bit (``out`` may be the uint16 view of a
@@ -427,12 +421,12 @@ class DeviceWindowReader:
     """Reads a window's rows of a dataset into one device buffer (one ring slot).
 
     Stores, collections of stores and subsets of either are read through each store's byte
-    plans: per window, one plan per array of each store the window touches, placed so the
-    rows land in window order (:func:`~dali_zarr.io.gpu.place_plan`), then merged, so
-    stores written alike cost one read batch and one decode call per array and window
-    (:func:`~dali_zarr.io.gpu.merge_plans`). Other datasets (a CSR-output feature
-    selection, stores that disagree on a dtype, float16 CSR data that is widened) are read
-    on the host with ``dataset.read_rows`` and copied once (:meth:`read_generic`).
+    plans: per window, one plan per array of each store the window touches, the plans of
+    stores written alike joined and placed so the rows land in window order
+    (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
+    window. Other datasets (a CSR-output feature selection, stores that disagree on a
+    dtype, float16 CSR data that is widened) are read on the host with
+    ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 
     def __init__(self, dataset: Dataset, backend: Any) -> None:
@@ -502,15 +496,16 @@ class DeviceWindowReader:
         return arrays
 
     def _read_runs(self, window: WindowLayout, views: dict[str, Any]) -> None:
-        """Each array of the window with one plan per store, placed where the store's runs
-        go, then merged (:func:`~dali_zarr.io.gpu.merge_plans`): usually one plan per array
-        and window, however many stores the window touches."""
+        """Each array of the window with one plan per store, over all of the store's runs;
+        the plans of like stores joined and placed so the rows land in window order
+        (:func:`~dali_zarr.io.gpu.window_plans`): usually one plan per array and window,
+        however many stores the window touches."""
         by_store: dict[int, list[int]] = {}
         for i, run in enumerate(window.runs):
             by_store.setdefault(id(run.store), []).append(i)
         csr = window.host_indptr is not None
         whole = len(window.runs) == 1  # the window is this one run: no placing
-        planned: dict[str, list[tuple[Any, Any]]] = {}
+        planned: dict[str, list[tuple[Any, Any, Pieces | None]]] = {}
         for members in by_store.values():
             store = window.runs[members[0]].store
             ranges = np.concatenate([window.runs[i].ranges for i in members])
@@ -519,14 +514,15 @@ class DeviceWindowReader:
             if csr:  # rows -> elements of data/indices
                 ranges = store.indptr[ranges]
                 starts, stops = window.host_indptr[starts], window.host_indptr[stops]
+            pieces = None if whole else (starts, stops - starts)
             for name, reader in _store_arrays(store):
-                pieces = None if whole else (starts, stops - starts)
                 plan = self.backend.plan_array(reader, ranges, views[name], pieces)
                 if plan is not None:
-                    planned.setdefault(name, []).append((plan, reader))
+                    planned.setdefault(name, []).append((plan, reader, pieces))
         for name, plans in planned.items():
-            for plan, reader in merge_plans(plans):
-                self.backend.run_into(plan, reader, views[name])
+            out = views[name]
+            for plan, reader in window_plans(plans, out_rows=out.shape[0]):
+                self.backend.run_into(plan, reader, out)
 
     def read_generic(
         self,
@@ -739,7 +735,13 @@ class GpuBatchSource(BatchSource):
         return halves[which]
 
     def read_paths(self) -> dict[str, str]:
-        return self.reader.read_paths()
+        paths = self.reader.read_paths()
+        if self.selector is None:
+            return paths
+        kept = self.dataset.n_features  # the panel's width; the reader reads all features
+        where = "in the densify kernel" if self.dataset.layout == "csr" else "in the row gather"
+        note = f"; {kept} of {self.reader.dataset.n_features} features kept {where}"
+        return {name: path + note for name, path in paths.items()}
 
     def close(self) -> None:
         super().close()

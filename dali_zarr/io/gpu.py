@@ -69,12 +69,16 @@ __all__ = [
     "plan_problem",
     "plan_rows",
     "probe_gpu",
+    "window_plans",
 ]
 
 #: decode paths that run on the GPU ("host" is the CPU decode + one copy).
 GPU_KINDS = ("none", "zstd", "lz4")
 #: kinds whose stored chunks start with a header the plan executors check before decoding
 FRAMED_KINDS = ("zstd", "lz4")
+#: where a plan's output goes in a window: ``(starts, lengths)``, its consecutive pieces of
+#: ``lengths`` rows to rows ``starts`` (axis-0 units: elements for CSR data and indices)
+Pieces = tuple[np.ndarray, np.ndarray]
 ALIGN = 256  # staging and chunk-buffer slots start on 256-byte boundaries (nvCOMP, kvikio)
 _LZ4_HEADER = 4
 
@@ -316,9 +320,9 @@ def place_plan(
     ``lengths`` rows go to rows ``starts`` of an ``out_rows``-row output (pure NumPy).
 
     A window of a collection (or of a subset of one) takes runs of rows from several
-    stores, interleaved. One plan per store, over all of that store's runs, keeps the
-    store's reads and decode in one batch; placing it moves only its copy segments, so
-    every store's plan writes its rows straight to their places in the window.
+    stores, interleaved. Their plans (:func:`window_plans`) are built per store over all of
+    its runs, so each one's output is its runs back to back; placing only moves the copy
+    segments, so the rows go straight to their places in the window, with no extra copy.
     Rows are the array's axis-0 units (elements for CSR ``data``/``indices``).
     """
     starts = np.asarray(starts, dtype=np.int64)
@@ -374,39 +378,68 @@ def _merge_key(plan: ReadPlan) -> tuple | None:
         return None
     fill = np.asarray(plan.fill_value, dtype=plan.dtype).tobytes()  # NaN fills compare equal
     return (plan.kind, plan.dtype, plan.chunk_shape, plan.slot_nbytes, plan.header_nbytes,
-            fill, plan.out_shape)  # fmt: skip
+            fill, plan.out_shape[1:])  # fmt: skip
 
 
-def merge_plans(planned: Sequence[tuple[ReadPlan, Any]]) -> list[tuple[ReadPlan, Any]]:
-    """Several stores' plans for one window's array (each placed in the window with
-    :func:`place_plan`) as few plans as possible, each with the reader to run it with.
+def merge_plans(planned: Sequence[tuple[ReadPlan, Any]]) -> list[tuple[ReadPlan, Any, list[int]]]:
+    """Several stores' plans for one array as few plans as possible: ``(plan, reader to run
+    it with, indices of the plans it joins)``. A joined plan's output is its members'
+    outputs end to end, in the order given.
+
+    Plans of the same decode kind and chunk layout become one: their files, reads, extents,
+    staging and chunk buffers laid end to end (staging and slots stay aligned: each plan's
+    sizes are multiples of the alignment), run with a :class:`StoreReaders`. Others (host
+    decode, another chunk shape) stay alone.
+    """
+    groups: dict[Any, list[int]] = {}
+    for i, (plan, _) in enumerate(planned):
+        key = _merge_key(plan)
+        groups.setdefault(("alone", i) if key is None else key, []).append(i)
+    out: list[tuple[ReadPlan, Any, list[int]]] = []
+    for members in groups.values():
+        if len(members) == 1:
+            out.append((*planned[members[0]], members))
+            continue
+        readers = StoreReaders([planned[i][1] for i in members])
+        out.append((_concat_plans([planned[i][0] for i in members], readers), readers, members))
+    return out
+
+
+def window_plans(
+    planned: Sequence[tuple[ReadPlan, Any, Pieces | None]], *, out_rows: int
+) -> list[tuple[ReadPlan, Any]]:
+    """The plans that write one array of a window: ``planned`` holds each store's plan (over
+    all of the store's runs in the window), its reader, and where its rows go in the window
+    (``(starts, lengths)`` pieces of its output, or None: the plan is the whole window).
 
     A window of a collection touches many stores; run one by one, each store's plan costs
     its own reads, checks, decode call, copy launch and stream syncs, so a window of 14
-    stores paid 14 times what one store pays. Plans of the same decode kind and chunk
-    layout become one: their files, reads, extents, staging and chunk buffers laid end to
-    end (staging and slots stay aligned: each plan's sizes are multiples of the alignment),
-    run with a :class:`StoreReaders`. Others (host decode, another chunk shape) stay alone.
+    stores paid 14 times what one store pays. Like plans are joined first
+    (:func:`merge_plans`), then each joined plan is placed once (:func:`place_plan`) with
+    its members' pieces, so the host work is also paid once per joined plan.
     """
-    groups: dict[Any, list[tuple[ReadPlan, Any]]] = {}
-    for i, (plan, reader) in enumerate(planned):
-        key = _merge_key(plan)
-        groups.setdefault(i if key is None else key, []).append((plan, reader))
     out: list[tuple[ReadPlan, Any]] = []
-    for members in groups.values():
-        if len(members) == 1:
-            out.append(members[0])
-            continue
-        readers = StoreReaders([reader for _, reader in members])
-        out.append((_concat_plans([plan for plan, _ in members], readers), readers))
+    for plan, reader, members in merge_plans([(plan, reader) for plan, reader, _ in planned]):
+        pieces = [planned[i][2] for i in members]
+        if pieces[0] is not None:
+            plan = place_plan(
+                plan,
+                starts=np.concatenate([p[0] for p in pieces]),
+                lengths=np.concatenate([p[1] for p in pieces]),
+                out_rows=out_rows,
+            )
+        elif plan.out_shape[0] != out_rows:
+            raise ValueError(f"a plan of {plan.out_shape[0]} rows for a window of {out_rows}")
+        out.append((plan, reader))
     return out
 
 
 def _concat_plans(plans: Sequence[ReadPlan], readers: StoreReaders) -> ReadPlan:
     first = plans[0]
     elem = first.dtype.itemsize
+    row_elems = math.prod(first.out_shape[1:])
     reads, extents, segments = [], [], []
-    n_files = n_slots = n_staged = n_reads = 0
+    n_files = n_slots = n_staged = n_reads = n_rows = 0
     fill_slots: list[int] = []
     chunks = []
     for plan, base in zip(plans, readers.bases[:-1].tolist(), strict=True):
@@ -425,6 +458,7 @@ def _concat_plans(plans: Sequence[ReadPlan], readers: StoreReaders) -> ReadPlan:
         e["first"] += n_reads
         g = plan.segments.copy()
         g[:, 0] += n_slots * plan.slot_nbytes // elem
+        g[:, 1] += n_rows * row_elems
         reads.append(r)
         extents.append(e)
         segments.append(g)
@@ -434,16 +468,18 @@ def _concat_plans(plans: Sequence[ReadPlan], readers: StoreReaders) -> ReadPlan:
         n_slots += len(plan.chunks)
         n_staged += plan.staging_nbytes
         n_reads += len(plan.reads)
+        n_rows += plan.out_shape[0]
     return replace(
         first,
         name=readers.name,
+        out_shape=(n_rows, *first.out_shape[1:]),
         chunks=np.concatenate(chunks),
         files=tuple(f for plan in plans for f in plan.files),
         reads=np.concatenate(reads),
         extents=np.concatenate(extents),
         fill_slots=tuple(fill_slots),
         staging_nbytes=n_staged,
-        segments=np.concatenate(segments),  # window places never overlap: any order
+        segments=np.concatenate(segments),
     )
 
 
