@@ -294,6 +294,21 @@ def test_dense_collection_read_by_plan(tmp_path, where):
     assert_same_batches(cpu, gpu, epochs=(0,), where=where)
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_collection_with_a_store_that_has_no_plan(tmp_path, where):
+    """A store whose chunks split its rows (no byte plan) among planned ones: its pieces of
+    each window are read on the host and copied into place, the others' by plan."""
+    planned = dense_store(tmp_path, 3, "zstd", 4)
+    split = tmp_path / "split.zarr"
+    data = np.random.default_rng(1).standard_normal((N_OBS, 3, 7)).astype(np.float32)
+    write(split, data, chunks=(24, 3, 4))  # a row spans two chunks
+    joined = dz.Collection([dz.open_dataset(p) for p in (planned, split, planned)])
+    cpu, gpu = both(dz.Subset(joined, np.arange(1, joined.n_obs, 2)), where, return_index=True)
+    paths = gpu.read_paths()
+    assert sum("host read" in p for p in paths.values()) == 1, paths
+    assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
+
+
 def test_collection_of_stores_with_other_index_dtypes_is_read_on_the_host(tmp_path):
     a_path = csr_store(tmp_path, 3, "zstd", None)
     b_path = csr_store(tmp_path, 2, "zstd", None)
