@@ -30,7 +30,6 @@ a measurement of anything the GPU does.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -113,18 +112,18 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
 
         setattr(owner, name, wrapper)
 
-    timed(gpu_pipeline, "plan_rows", "byte plan (host)")
-    planned = gpu_pipeline.plan_rows
+    # the byte plans of a window's array: every store it touches, planned and placed
+    timed(gpu_pipeline, "window_plans", "byte plans (host)")
+    planned = gpu_pipeline.window_plans
 
-    def counting(reader, ranges):
-        plan = planned(reader, ranges)
-        totals["decoded bytes"] += len(plan.chunks) * plan.chunk_nbytes
-        totals["used bytes"] += math.prod(plan.out_shape) * plan.dtype.itemsize
-        return plan
+    def counting(items, *, out_rows):
+        plans, unplannable = planned(items, out_rows=out_rows)
+        for plan, _ in plans:
+            totals["decoded bytes"] += len(plan.chunks) * plan.chunk_nbytes
+            totals["used bytes"] += int(plan.segments[:, 2].sum()) * plan.dtype.itemsize
+        return plans, unplannable
 
-    gpu_pipeline.plan_rows = counting
-    # a collection's window: each store's plans placed in the window, then merged
-    timed(gpu_pipeline, "window_plans", "joining + placing plans (host)")
+    gpu_pipeline.window_plans = counting
     run_into = backend.run_into
 
     def counting_runs(*a, **kw):

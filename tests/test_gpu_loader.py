@@ -255,7 +255,7 @@ def test_collections_and_subsets_read_by_plan(tmp_path, where, output):
 
 
 @pytest.mark.parametrize("where", WHERE)
-def test_collection_of_like_stores_reads_each_array_by_one_merged_plan(tmp_path, where):
+def test_collection_of_like_stores_reads_each_array_by_one_plan(tmp_path, where):
     """Stores written alike (other cells) share one plan per array and window; the
     batches still match the CPU path's, row for row."""
     paths = [csr_store(tmp_path, 3, "zstd", 8, seed=s) for s in (1, 2, 3)]

@@ -33,7 +33,6 @@ from dali_zarr.io.gpu import (
     copy_segments_cpu,
     execute_plan_cpu,
     gpu_codec_kind,
-    merge_plans,
     place_plan,
     plan_rows,
     probe_gpu,
@@ -145,7 +144,7 @@ def test_placed_plan_writes_its_pieces_where_asked(tmp_path, codec, shape):
 
 def _collection_window(tmp_path, stores, rng):
     """Readers of ``stores`` (``(codec, sharded)`` each, different data, one layout), and a
-    window interleaving some ranges of each: per store ``(plan, reader, pieces)`` (where
+    window interleaving some ranges of each: per store ``(reader, ranges, pieces)`` (where
     each of its ranges goes), the window's rows, and the expected window."""
     shape, dtype, chunks, shards = SHAPES["1d-float32"]
     readers, datas = [], []
@@ -171,52 +170,81 @@ def _collection_window(tmp_path, stores, rng):
         starts[i][j] = at
         want.append(datas[i][a:b])
         at += int(b - a)
-    planned = [
-        (plan_rows(reader, r), reader, (s, r[:, 1] - r[:, 0]))
+    items = [
+        (reader, r, (s, r[:, 1] - r[:, 0]))
         for reader, r, s in zip(readers, ranges, starts, strict=True)
     ]
-    return planned, at, np.concatenate(want)
+    return items, at, np.concatenate(want)
 
 
-def test_merged_plans_read_every_store_into_its_places(tmp_path):
-    """A collection window: the plans of stores with one decode kind and chunk layout
-    (sharded or not, other data) run as one plan; another kind stays a plan of its own.
-    Together they write exactly the window the stores' rows make."""
+def test_window_plans_read_every_store_into_its_places(tmp_path):
+    """A collection window: the arrays of stores with one chunk format (sharded or not,
+    other data) are planned as one; another kind gets a plan of its own. Together they
+    write exactly the window the stores' rows make, and each joint plan is what the
+    stores' own plans are, end to end."""
     rng = np.random.default_rng(3)
     stores = [("zstd", True), ("zstd", False), ("none", True), ("zstd", True), ("none", False)]
-    planned, n_rows, want = _collection_window(tmp_path, stores, rng)
-    plans = window_plans(planned, out_rows=n_rows)
-    assert sorted(plan.kind for plan, _ in plans) == ["none", "zstd"]
-    zstd = next(plan for plan, _ in plans if plan.kind == "zstd")
-    assert len(zstd.files) == sum(len(p.files) for p, _, _ in planned if p.kind == "zstd")
-    assert [m for _, _, m in merge_plans([p[:2] for p in planned])] == [[0, 1, 3], [2, 4]]
+    items, n_rows, want = _collection_window(tmp_path, stores, rng)
+    plans, unplannable = window_plans(items, out_rows=n_rows)
+    assert unplannable == [] and sorted(plan.kind for plan, _ in plans) == ["none", "zstd"]
+    for plan, reader in plans:
+        assert isinstance(reader, StoreReaders) and plan.out_shape[0] == n_rows
+        own = [plan_rows(r, ranges) for r, ranges, _ in items if r in reader.readers]
+        assert plan.files == tuple(f for p in own for f in p.files)
+        stored = np.concatenate([p.reads["nbytes"] for p in own])
+        np.testing.assert_array_equal(plan.reads["nbytes"], stored)
+        assert len(plan.fill_slots) == sum(len(p.fill_slots) for p in own) > 0
+    # unplaced, a joint plan is a plan like any other: outputs end to end
+    zstd = [(r, ranges, None) for r, ranges, _ in items if r.layout.codecs.bytes_codecs]
+    n_zstd = sum(int((ranges[:, 1] - ranges[:, 0]).sum()) for _, ranges, _ in zstd)
+    [(joint, reader)], _ = window_plans(zstd, out_rows=n_zstd)
+    _check_plan_invariants(joint, reader)
+    np.testing.assert_array_equal(
+        execute_plan_cpu(joint, reader), np.concatenate([r.read_rows(x) for r, x, _ in zstd])
+    )
     got = np.full(want.shape, np.nan, dtype=want.dtype)
     for plan, reader in plans:
-        assert plan.out_shape[0] == n_rows
         execute_plan_cpu(plan, reader, out=got)
     np.testing.assert_array_equal(got, want)
-    # host-decoded plans are never merged: each keeps its own store's decoder
-    planned, n_rows, want = _collection_window(tmp_path / "host", [("gzip", False)] * 2, rng)
-    plans = window_plans(planned, out_rows=n_rows)
-    assert len(plans) == 2
+    # host-decoded arrays are never planned together: each keeps its own store's decoder
+    items, n_rows, want = _collection_window(tmp_path / "host", [("gzip", False)] * 2, rng)
+    plans, _ = window_plans(items, out_rows=n_rows)
+    assert [reader for _, reader in plans] == [r for r, _, _ in items]
     got = np.full(want.shape, np.nan, dtype=want.dtype)
     for plan, reader in plans:
         execute_plan_cpu(plan, reader, out=got)
     np.testing.assert_array_equal(got, want)
-    # a plan that is the whole window is not placed, and must be the window's size
-    [(plan, reader, _)] = planned[:1]
-    assert window_plans([(plan, reader, None)], out_rows=plan.out_shape[0])[0][0] is plan
+    # rows that are the whole window are not placed, and must be the window's size
+    reader, ranges, _ = items[0]
+    whole = int((ranges[:, 1] - ranges[:, 0]).sum())
+    [(plan, _)], _ = window_plans([(reader, ranges, None)], out_rows=whole)
+    np.testing.assert_array_equal(execute_plan_cpu(plan, reader), reader.read_rows(ranges))
     with pytest.raises(ValueError, match="for a window of"):
-        window_plans([(plan, reader, None)], out_rows=plan.out_shape[0] + 1)
+        window_plans([(reader, ranges, None)], out_rows=whole + 1)
+
+
+def test_window_plans_leave_arrays_without_a_plan_to_the_caller(tmp_path):
+    data = np.zeros((40, 7), dtype=np.float32)
+    split = open_reader(write(tmp_path / "a.zarr", data, chunks=(8, 4)), name="a")
+    whole = open_reader(write(tmp_path / "b.zarr", data, chunks=(8, 7)), name="b")
+    ranges = np.array([[0, 8]])
+    plans, unplannable = window_plans(
+        [
+            (split, ranges, (np.array([0]), np.array([8]))),
+            (whole, ranges, (np.array([8]), np.array([8]))),
+        ],
+        out_rows=16,
+    )
+    assert unplannable == [0] and [reader for _, reader in plans] == [whole]
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "shrink"])
-def test_merged_plan_names_the_store_of_a_bad_chunk(tmp_path, damage):
+def test_joint_plan_names_the_store_of_a_bad_chunk(tmp_path, damage):
     """A bad chunk of the middle store, found by decode or by a short read, is named by its
-    own store and chunk, not by its place in the merged plan."""
+    own store and chunk, not by its place in the joint plan."""
     rng = np.random.default_rng(4)
-    planned, n_rows, _ = _collection_window(tmp_path, [("zstd", False)] * 3, rng)
-    [(plan, reader)] = window_plans(planned, out_rows=n_rows)
+    items, n_rows, _ = _collection_window(tmp_path, [("zstd", False)] * 3, rng)
+    [(plan, reader)], _ = window_plans(items, out_rows=n_rows)
     assert isinstance(reader, StoreReaders)
     path = tmp_path / "s1.zarr" / "c" / "5"  # the window reads every chunk: [0, n) is in it
     raw = bytearray(path.read_bytes())
@@ -776,8 +804,8 @@ def test_gpu_executor_control_flow_with_faked_cuda(
 
 
 @pytest.mark.parametrize("reads", ["kvikio", "pinned"])
-def test_gpu_executor_runs_a_merged_plan_with_faked_cuda(tmp_path, monkeypatch, reads):
-    """A collection window's merged plan through GpuPlanExecutor.run (NumPy stand-ins for
+def test_gpu_executor_runs_a_joint_plan_with_faked_cuda(tmp_path, monkeypatch, reads):
+    """A collection window's joint plan through GpuPlanExecutor.run (NumPy stand-ins for
     cupy, kvikio and nvCOMP): every store's extents read, one decode call for all of their
     chunks, the rows of each store at their places; a bad frame names its own store."""
     from dali_zarr.io.gpu import GpuPlanExecutor
@@ -785,15 +813,15 @@ def test_gpu_executor_runs_a_merged_plan_with_faked_cuda(tmp_path, monkeypatch, 
     log: list = []
     _fake_cuda_modules(monkeypatch, log, reads)
     rng = np.random.default_rng(5)
-    planned, n_rows, want = _collection_window(tmp_path, [("zstd", True), ("zstd", False)] * 2, rng)
-    [(plan, reader)] = window_plans(planned, out_rows=n_rows)
+    items, n_rows, want = _collection_window(tmp_path, [("zstd", True), ("zstd", False)] * 2, rng)
+    [(plan, reader)], _ = window_plans(items, out_rows=n_rows)
     executor = GpuPlanExecutor(0, max_open_files=3)
     out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
     assert executor.run(plan, reader, out) is out
     np.testing.assert_array_equal(out, want)
     if reads == "kvikio":
         assert sorted(e[1] for e in log if e[0] == "pread") == sorted(
-            n for p, _, _ in planned for n in p.extents["nbytes"].tolist()
+            n for r, ranges, _ in items for n in plan_rows(r, ranges).extents["nbytes"].tolist()
         )
     assert [e for e in log if e[0] == "decode"] == [("decode", "Zstd", len(plan.reads))]
     path = tmp_path / "s3.zarr" / "c" / "4"

@@ -5,7 +5,7 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
 ``pos``. What changes:
 
 * windows live on the device. :class:`GpuBatchSource` reads each window with
-  :class:`DeviceWindowReader` (kvikio + nvCOMP through :mod:`dali_zarr.io.gpu`, one merged
+  :class:`DeviceWindowReader` (kvikio + nvCOMP through :mod:`dali_zarr.io.gpu`, one joint
   plan per array however many stores of a collection the window touches; host decode
   + one copy where needed) into a slot of a :class:`BufferRing` of device buffers, on the
   prefetch thread, ``prefetch_windows`` windows ahead of the consumer;
@@ -82,13 +82,11 @@ from dali_zarr.graph.source import (
     window_dtype,
 )
 from dali_zarr.io.gpu import (
-    NotPlannable,
     Pieces,
     describe_path,
     execute_plan_cpu,
     gpu_codec_kind,
     plan_problem,
-    plan_rows,
     probe_gpu,
     round_up,
     window_plans,
@@ -124,25 +122,18 @@ class _Backend:
         n = math.prod(shape) * np.dtype(dtype).itemsize
         return buf[offset : offset + n].view(dtype).reshape(shape)
 
-    def plan_array(
-        self, reader: Any, ranges: np.ndarray, out: Any, pieces: Pieces | None = None
-    ) -> Any:
-        """The byte plan for rows ``ranges`` of ``reader`` (its output: those rows in order).
-        Arrays that cannot be planned are read on the host now and copied into ``out``
-        (whole, or as ``pieces``, one store's share of a collection's window): None."""
-        try:
-            return plan_rows(reader, ranges)
-        except NotPlannable:
-            host = np.ascontiguousarray(reader.read_rows(ranges))
-            host = host.view(out.dtype) if host.dtype != out.dtype else host
-            if pieces is None:
-                self.upload(host, out)
-                return None
-            src = run_offsets(pieces[1])
-            for a, start, n in zip(src[:-1].tolist(), *(p.tolist() for p in pieces), strict=True):
-                if n:
-                    self.upload(host[a : a + n], out[start : start + n])
-            return None
+    def upload_rows(self, reader: Any, ranges: np.ndarray, pieces: Pieces | None, out: Any) -> None:
+        """Rows ``ranges`` of an array that has no byte plan, read on the host and copied
+        into ``out`` (whole, or as ``pieces``: one store's share of a collection's window)."""
+        host = np.ascontiguousarray(reader.read_rows(ranges))
+        host = host.view(out.dtype) if host.dtype != out.dtype else host
+        if pieces is None:
+            self.upload(host, out)
+            return
+        src = run_offsets(pieces[1])
+        for a, start, n in zip(src[:-1].tolist(), *(p.tolist() for p in pieces), strict=True):
+            if n:
+                self.upload(host[a : a + n], out[start : start + n])
 
     def run_into(self, plan: Any, reader: Any, out: Any) -> None:
         """Run ``plan`` into ``out``, bit for bit (``out`` may be the uint16 view of a
@@ -496,16 +487,16 @@ class DeviceWindowReader:
         return arrays
 
     def _read_runs(self, window: WindowLayout, views: dict[str, Any]) -> None:
-        """Each array of the window with one plan per store, over all of the store's runs;
-        the plans of like stores joined and placed so the rows land in window order
-        (:func:`~dali_zarr.io.gpu.window_plans`): usually one plan per array and window,
-        however many stores the window touches."""
+        """Each array of the window from every store it touches (all of a store's runs at
+        once), by the fewest byte plans (:func:`~dali_zarr.io.gpu.window_plans`: one per
+        array and window when the stores are written alike), placed so the rows land in
+        window order; arrays with no plan are read on the host and copied into place."""
         by_store: dict[int, list[int]] = {}
         for i, run in enumerate(window.runs):
             by_store.setdefault(id(run.store), []).append(i)
         csr = window.host_indptr is not None
         whole = len(window.runs) == 1  # the window is this one run: no placing
-        planned: dict[str, list[tuple[Any, Any, Pieces | None]]] = {}
+        items: dict[str, list[tuple[Any, np.ndarray, Pieces | None]]] = {}
         for members in by_store.values():
             store = window.runs[members[0]].store
             ranges = np.concatenate([window.runs[i].ranges for i in members])
@@ -516,12 +507,13 @@ class DeviceWindowReader:
                 starts, stops = window.host_indptr[starts], window.host_indptr[stops]
             pieces = None if whole else (starts, stops - starts)
             for name, reader in _store_arrays(store):
-                plan = self.backend.plan_array(reader, ranges, views[name], pieces)
-                if plan is not None:
-                    planned.setdefault(name, []).append((plan, reader, pieces))
-        for name, plans in planned.items():
+                items.setdefault(name, []).append((reader, ranges, pieces))
+        for name, array_items in items.items():
             out = views[name]
-            for plan, reader in window_plans(plans, out_rows=out.shape[0]):
+            plans, unplannable = window_plans(array_items, out_rows=out.shape[0])
+            for i in unplannable:
+                self.backend.upload_rows(*array_items[i], out)
+            for plan, reader in plans:
                 self.backend.run_into(plan, reader, out)
 
     def read_generic(

@@ -64,7 +64,6 @@ __all__ = [
     "ReadPlan",
     "execute_plan_cpu",
     "gpu_codec_kind",
-    "merge_plans",
     "place_plan",
     "plan_problem",
     "plan_rows",
@@ -228,31 +227,77 @@ def plan_problem(reader: Any) -> str:
     return ""
 
 
-def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
-    """The byte plan for ``reader.read_rows(ranges)`` (same rows, same order).
+@dataclass(frozen=True)
+class _ChunkFormat:
+    """What a plan needs to know of an array's chunks, from its metadata alone; arrays with
+    equal formats can share one plan (one chunk buffer stride, one decoder)."""
 
-    Raises :class:`NotPlannable` when the array's rows are not contiguous within a chunk, and
-    ``ChunkReadError`` for a corrupted shard index.
-    """
+    kind: str
+    reason: str
+    dtype: np.dtype
+    chunk_shape: tuple[int, ...]
+    trailing: tuple[int, ...]  # the array's shape after axis 0
+    chunk_nbytes: int
+    slot_nbytes: int
+    header_nbytes: int
+    fill: bytes  # the fill value's bytes (NaN fills compare equal)
+
+
+def _chunk_format(reader: DirectReader) -> _ChunkFormat:
+    """Raises :class:`NotPlannable` when the array's rows are not contiguous in a chunk."""
     problem = plan_problem(reader)
     if problem:
         raise NotPlannable(f"{getattr(reader, 'name', reader)}: {problem}")
     lay = reader.layout
-    shape, chunk = lay.shape, lay.chunk_shape
     kind, reason = gpu_codec_kind(lay)
     dtype = np.dtype(lay.dtype)
-    n, C = shape[0], int(chunk[0])
-    row_elems = math.prod(shape[1:])
-    chunk_nbytes = math.prod(chunk) * dtype.itemsize
+    chunk_nbytes = math.prod(lay.chunk_shape) * dtype.itemsize
     # decoded chunks start on ALIGN boundaries (nvCOMP writes faster there); uncompressed
     # ones are read straight into their slots, back to back, so that adjacent chunks of a
     # file are one read (the copy kernel needs only the dtype's alignment)
     slot_nbytes = max(chunk_nbytes, dtype.itemsize)
     if kind != "none":
         slot_nbytes = round_up(slot_nbytes)
-    slot_elems = slot_nbytes // dtype.itemsize
+    return _ChunkFormat(
+        kind=kind,
+        reason=reason,
+        dtype=dtype,
+        chunk_shape=tuple(lay.chunk_shape),
+        trailing=tuple(lay.shape[1:]),
+        chunk_nbytes=chunk_nbytes,
+        slot_nbytes=slot_nbytes,
+        header_nbytes=_LZ4_HEADER if kind == "lz4" else 0,
+        fill=np.asarray(lay.fill_value, dtype=dtype).tobytes(),
+    )
 
-    r = _check_ranges(ranges, n, reader.name)
+
+def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
+    """The byte plan for ``reader.read_rows(ranges)`` (same rows, same order).
+
+    Raises :class:`NotPlannable` when the array's rows are not contiguous within a chunk, and
+    ``ChunkReadError`` for a corrupted shard index.
+    """
+    return _plan_stores(_chunk_format(reader), [reader], [ranges], reader)
+
+
+def _plan_stores(
+    fmt: _ChunkFormat, readers: Sequence[DirectReader], ranges: Sequence[Any], named_by: Any
+) -> ReadPlan:
+    """One plan for rows ``ranges[i]`` of ``readers[i]`` (arrays of format ``fmt``), their
+    outputs end to end in that order, in one pass of NumPy over all of them: chunk ``c`` of
+    the ``i``-th reader is chunk ``bases[i] + c`` of the plan (``named_by``, a
+    :class:`StoreReaders` or the one reader, names chunks in errors)."""
+    C = fmt.chunk_shape[0]
+    row_elems = math.prod(fmt.trailing)
+    slot_elems = fmt.slot_nbytes // fmt.dtype.itemsize
+    # one reader: its chunk numbers as they are (every chunk below the second base)
+    bases = getattr(named_by, "bases", np.array([0, np.iinfo(np.int64).max]))
+    checked = [
+        _check_ranges(r, reader.shape[0], reader.name)
+        for reader, r in zip(readers, ranges, strict=True)
+    ]
+    r = np.concatenate(checked) if len(checked) > 1 else checked[0]
+    store = np.repeat(np.arange(len(checked)), [len(c) for c in checked])
     lens = r[:, 1] - r[:, 0]
     total = int(lens.sum())
     nz = np.flatnonzero(lens)
@@ -260,7 +305,7 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     outs = run_offsets(lens)[:-1][nz]
     # one entry per (range, chunk) intersection, in window order
     rep, seg_chunk, lo, hi = split_at_chunks(starts, stops, C)
-    chunks, slot_of = np.unique(seg_chunk, return_inverse=True)
+    chunks, slot_of = np.unique(seg_chunk + bases[store[nz][rep]], return_inverse=True)
     seg = np.stack(
         [
             slot_of * slot_elems + (lo - seg_chunk * C) * row_elems,
@@ -271,43 +316,54 @@ def plan_rows(reader: DirectReader, ranges: Any) -> ReadPlan:
     ).astype(np.int64)
     seg = _merge_segments(seg)
 
-    loc = reader.chunk_locations(chunks)
-    slots = np.flatnonzero(loc.file >= 0)
-    nbytes = loc.nbytes[slots]
-    header = _LZ4_HEADER if kind == "lz4" else 0
-    if kind == "none":
+    # where each chunk is stored: one lookup per store over its (sorted) chunks
+    cuts = np.searchsorted(chunks, bases).tolist()
+    files: list[str] = []
+    file, offset, nbytes = [], [], []
+    for i, reader in enumerate(readers):
+        mine = chunks[cuts[i] : cuts[i + 1]]
+        if len(mine):
+            loc = reader.chunk_locations(mine - bases[i])
+            file.append(np.where(loc.file >= 0, loc.file + len(files), -1))
+            offset.append(loc.offset)
+            nbytes.append(loc.nbytes)
+            files += loc.files
+    file = np.concatenate(file) if file else np.zeros(0, np.int32)
+    slots = np.flatnonzero(file >= 0)
+    nbytes = np.concatenate(nbytes)[slots] if len(slots) else np.zeros(0, np.int64)
+    if fmt.kind == "none":
         _refuse_chunks(
-            reader, chunks[slots], nbytes, nbytes != chunk_nbytes,
-            lambda n: f"stored {n} bytes, expected {chunk_nbytes} (uncompressed)",
+            named_by, chunks[slots], nbytes, nbytes != fmt.chunk_nbytes,
+            lambda n: f"stored {n} bytes, expected {fmt.chunk_nbytes} (uncompressed)",
         )  # fmt: skip
-    if kind == "lz4":
+    if fmt.kind == "lz4":
         _refuse_chunks(
-            reader, chunks[slots], nbytes, nbytes < _LZ4_HEADER,
+            named_by, chunks[slots], nbytes, nbytes < _LZ4_HEADER,
             lambda n: f"lz4 chunk is {n} bytes, shorter than its 4-byte header",
         )  # fmt: skip
     reads = np.empty(len(slots), dtype=READ_FIELDS)
     reads["chunk"] = chunks[slots]
-    reads["file"] = loc.file[slots]
-    reads["file_offset"] = loc.offset[slots]
+    reads["file"] = file[slots]
+    reads["file_offset"] = np.concatenate(offset)[slots] if len(slots) else 0
     reads["nbytes"] = nbytes
-    reads["decoded_offset"] = slots * slot_nbytes
-    extents, staging_nbytes = _coalesce(reads, into_chunk_buffer=kind == "none")
+    reads["decoded_offset"] = slots * fmt.slot_nbytes
+    extents, staging_nbytes = _coalesce(reads, into_chunk_buffer=fmt.kind == "none")
     return ReadPlan(
-        name=reader.name,
-        kind=kind,
-        reason=reason,
-        dtype=dtype,
-        out_shape=(total, *shape[1:]),
-        chunk_shape=tuple(chunk),
-        chunk_nbytes=chunk_nbytes,
-        slot_nbytes=slot_nbytes,
+        name=named_by.name,
+        kind=fmt.kind,
+        reason=fmt.reason,
+        dtype=fmt.dtype,
+        out_shape=(total, *fmt.trailing),
+        chunk_shape=fmt.chunk_shape,
+        chunk_nbytes=fmt.chunk_nbytes,
+        slot_nbytes=fmt.slot_nbytes,
         chunks=chunks.astype(np.int64),
-        files=loc.files,
+        files=tuple(files),
         reads=reads,
         extents=extents,
-        header_nbytes=header,
-        fill_slots=tuple(np.flatnonzero(loc.file < 0).tolist()),
-        fill_value=lay.fill_value,
+        header_nbytes=fmt.header_nbytes,
+        fill_slots=tuple(np.flatnonzero(file < 0).tolist()),
+        fill_value=readers[0].layout.fill_value,
         staging_nbytes=staging_nbytes,
         segments=seg,
     )
@@ -320,9 +376,9 @@ def place_plan(
     ``lengths`` rows go to rows ``starts`` of an ``out_rows``-row output (pure NumPy).
 
     A window of a collection (or of a subset of one) takes runs of rows from several
-    stores, interleaved. Their plans (:func:`window_plans`) are built per store over all of
-    its runs, so each one's output is its runs back to back; placing only moves the copy
-    segments, so the rows go straight to their places in the window, with no extra copy.
+    stores, interleaved. Their plan (:func:`window_plans`) writes each store's runs back to
+    back; placing only moves its copy segments, so the rows go straight to their places in
+    the window, with no extra copy.
     Rows are the array's axis-0 units (elements for CSR ``data``/``indices``).
     """
     starts = np.asarray(starts, dtype=np.int64)
@@ -351,11 +407,11 @@ def place_plan(
 
 
 class StoreReaders:
-    """Stands in for the reader of a plan made of several stores' plans (:func:`merge_plans`):
+    """Stands in for the reader of a plan of several stores' arrays (:func:`window_plans`):
     the executors ask a plan's reader only for chunk errors and a thread pool, and a chunk
     error must name the store, array and chunk it came from.
 
-    The merged plan numbers chunks ``base[i] + chunk`` for the ``i``-th reader's chunks.
+    The plan numbers chunks ``bases[i] + chunk`` for the ``i``-th reader's chunks.
     """
 
     def __init__(self, readers: Sequence[DirectReader]) -> None:
@@ -372,55 +428,41 @@ class StoreReaders:
         return self.readers[i].chunk_error(local, problem)
 
 
-def _merge_key(plan: ReadPlan) -> tuple | None:
-    """Plans with equal keys can be run as one (None: run this one alone)."""
-    if plan.kind not in GPU_KINDS:  # host decode uses each store's own ChunkDecoder
-        return None
-    fill = np.asarray(plan.fill_value, dtype=plan.dtype).tobytes()  # NaN fills compare equal
-    return (plan.kind, plan.dtype, plan.chunk_shape, plan.slot_nbytes, plan.header_nbytes,
-            fill, plan.out_shape[1:])  # fmt: skip
+def window_plans(
+    items: Sequence[tuple[DirectReader, Any, Pieces | None]], *, out_rows: int
+) -> tuple[list[tuple[ReadPlan, Any]], list[int]]:
+    """The plans that write one array of a window, each with the reader to run it with, and
+    the items that cannot be planned (their indices: read them on the host).
 
+    ``items`` holds, per store the window touches, the array's reader, its row ranges (all
+    of the store's runs in the window) and where those rows go in the window
+    (``(starts, lengths)`` pieces, or None: they are the whole window).
 
-def merge_plans(planned: Sequence[tuple[ReadPlan, Any]]) -> list[tuple[ReadPlan, Any, list[int]]]:
-    """Several stores' plans for one array as few plans as possible: ``(plan, reader to run
-    it with, indices of the plans it joins)``. A joined plan's output is its members'
-    outputs end to end, in the order given.
-
-    Plans of the same decode kind and chunk layout become one: their files, reads, extents,
-    staging and chunk buffers laid end to end (staging and slots stay aligned: each plan's
-    sizes are multiples of the alignment), run with a :class:`StoreReaders`. Others (host
-    decode, another chunk shape) stay alone.
+    A window of a collection touches many stores; planned and run one by one, each store
+    costs its own reads, checks, decode call, copy launch and stream syncs, and its own
+    host planning. Stores whose arrays share a chunk format (decode kind, dtype, chunk
+    shape, fill value) are planned together in one NumPy pass instead (their chunk buffers
+    end to end, chunk errors still naming each store through a :class:`StoreReaders`),
+    and the plan is placed once (:func:`place_plan`). Host-decoded arrays keep a plan each:
+    their decode uses each store's own decoder.
     """
     groups: dict[Any, list[int]] = {}
-    for i, (plan, _) in enumerate(planned):
-        key = _merge_key(plan)
-        groups.setdefault(("alone", i) if key is None else key, []).append(i)
-    out: list[tuple[ReadPlan, Any, list[int]]] = []
-    for members in groups.values():
-        if len(members) == 1:
-            out.append((*planned[members[0]], members))
+    formats: dict[int, _ChunkFormat] = {}
+    unplannable: list[int] = []
+    for i, (reader, _, _) in enumerate(items):
+        try:
+            formats[i] = _chunk_format(reader)
+        except NotPlannable:
+            unplannable.append(i)
             continue
-        readers = StoreReaders([planned[i][1] for i in members])
-        out.append((_concat_plans([planned[i][0] for i in members], readers), readers, members))
-    return out
-
-
-def window_plans(
-    planned: Sequence[tuple[ReadPlan, Any, Pieces | None]], *, out_rows: int
-) -> list[tuple[ReadPlan, Any]]:
-    """The plans that write one array of a window: ``planned`` holds each store's plan (over
-    all of the store's runs in the window), its reader, and where its rows go in the window
-    (``(starts, lengths)`` pieces of its output, or None: the plan is the whole window).
-
-    A window of a collection touches many stores; run one by one, each store's plan costs
-    its own reads, checks, decode call, copy launch and stream syncs, so a window of 14
-    stores paid 14 times what one store pays. Like plans are joined first
-    (:func:`merge_plans`), then each joined plan is placed once (:func:`place_plan`) with
-    its members' pieces, so the host work is also paid once per joined plan.
-    """
-    out: list[tuple[ReadPlan, Any]] = []
-    for plan, reader, members in merge_plans([(plan, reader) for plan, reader, _ in planned]):
-        pieces = [planned[i][2] for i in members]
+        key = formats[i] if formats[i].kind in GPU_KINDS else ("alone", i)
+        groups.setdefault(key, []).append(i)
+    plans: list[tuple[ReadPlan, Any]] = []
+    for members in groups.values():
+        readers = [items[i][0] for i in members]
+        named_by = readers[0] if len(readers) == 1 else StoreReaders(readers)
+        plan = _plan_stores(formats[members[0]], readers, [items[i][1] for i in members], named_by)
+        pieces = [items[i][2] for i in members]
         if pieces[0] is not None:
             plan = place_plan(
                 plan,
@@ -430,57 +472,8 @@ def window_plans(
             )
         elif plan.out_shape[0] != out_rows:
             raise ValueError(f"a plan of {plan.out_shape[0]} rows for a window of {out_rows}")
-        out.append((plan, reader))
-    return out
-
-
-def _concat_plans(plans: Sequence[ReadPlan], readers: StoreReaders) -> ReadPlan:
-    first = plans[0]
-    elem = first.dtype.itemsize
-    row_elems = math.prod(first.out_shape[1:])
-    reads, extents, segments = [], [], []
-    n_files = n_slots = n_staged = n_reads = n_rows = 0
-    fill_slots: list[int] = []
-    chunks = []
-    for plan, base in zip(plans, readers.bases[:-1].tolist(), strict=True):
-        r = plan.reads.copy()
-        r["chunk"] += base
-        r["file"] += n_files
-        r["decoded_offset"] += n_slots * plan.slot_nbytes
-        if plan.reads_into_chunk_buffer:
-            dest = n_slots * plan.slot_nbytes
-        else:
-            r["staging_offset"] += n_staged
-            dest = n_staged
-        e = plan.extents.copy()
-        e["file"] += n_files
-        e["dest_offset"] += dest
-        e["first"] += n_reads
-        g = plan.segments.copy()
-        g[:, 0] += n_slots * plan.slot_nbytes // elem
-        g[:, 1] += n_rows * row_elems
-        reads.append(r)
-        extents.append(e)
-        segments.append(g)
-        chunks.append(plan.chunks + base)
-        fill_slots += [slot + n_slots for slot in plan.fill_slots]
-        n_files += len(plan.files)
-        n_slots += len(plan.chunks)
-        n_staged += plan.staging_nbytes
-        n_reads += len(plan.reads)
-        n_rows += plan.out_shape[0]
-    return replace(
-        first,
-        name=readers.name,
-        out_shape=(n_rows, *first.out_shape[1:]),
-        chunks=np.concatenate(chunks),
-        files=tuple(f for plan in plans for f in plan.files),
-        reads=np.concatenate(reads),
-        extents=np.concatenate(extents),
-        fill_slots=tuple(fill_slots),
-        staging_nbytes=n_staged,
-        segments=np.concatenate(segments),
-    )
+        plans.append((plan, named_by))
+    return plans, unplannable
 
 
 def _refuse_chunks(
