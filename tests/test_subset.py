@@ -12,7 +12,7 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr import synthetic
-from dali_zarr.data.subset import _runs
+from dali_zarr.data import subset
 from tests.stores import as_dense, csr_reference
 
 
@@ -22,11 +22,42 @@ def csr_store(tmp_path_factory) -> str:
     return synthetic.make_single_cell(path, n_obs=1_000, n_features=32, chunk_elements=512)
 
 
-def test_runs_are_vectorized_consecutive_spans() -> None:
-    np.testing.assert_array_equal(
-        _runs(np.array([3, 4, 5, 9, 10, 2, 7])), [[3, 6], [9, 11], [2, 3], [7, 8]]
-    )
-    assert _runs(np.zeros(0, dtype=np.int64)).shape == (0, 2)
+def _reference_runs(parent_rows: np.ndarray) -> list[list[int]]:
+    """Runs of consecutive ids, row by row."""
+    runs: list[list[int]] = []
+    for row in parent_rows.tolist():
+        if runs and runs[-1][1] == row:
+            runs[-1][1] += 1
+        else:
+            runs.append([row, row + 1])
+    return runs
+
+
+def test_parent_runs_are_found_per_run_not_per_row(csr_store: str) -> None:
+    """Local ranges → runs of consecutive parent rows, against a row-by-row reference: per
+    range (what a collection's window asks for) and joined (what read_rows reads), for
+    scattered and blocky subsets, empty and edge ranges, breaks found in small blocks."""
+    rng = np.random.default_rng(2)
+    parent = dz.open_dataset(csr_store)
+    masks = [rng.random(1000) < 0.8, np.repeat(rng.random(50) < 0.5, 20), np.ones(1000, bool)]
+    for mask in masks:
+        sub = dz.Subset(parent, mask)
+        assert subset._run_breaks(sub.parent_rows, block=7).tolist() == [
+            i for i in range(1, sub.n_obs) if sub.parent_rows[i] != sub.parent_rows[i - 1] + 1
+        ]
+        for _ in range(20):
+            starts = rng.integers(0, sub.n_obs + 1, 8)
+            ranges = np.stack([starts, np.minimum(starts + rng.integers(0, 60, 8), sub.n_obs)], 1)
+            runs, counts = sub._parent_pieces(ranges)
+            each = [_reference_runs(sub.parent_rows[a:b]) for a, b in ranges]
+            assert counts.tolist() == [len(e) for e in each]
+            assert runs.tolist() == [run for e in each for run in e]
+            rows = np.concatenate([sub.parent_rows[a:b] for a, b in ranges])
+            assert sub._parent_ranges(ranges).tolist() == _reference_runs(rows)
+    empty = dz.Subset(parent, [])
+    assert empty._parent_ranges(np.zeros((0, 2), np.int64)).shape == (0, 2)
+    with pytest.raises(dz.DatasetError, match="outside"):
+        dz.Subset(parent, np.arange(10))._parent_ranges(np.array([[5, 11]]))
 
 
 def test_csr_subset_reads_parent_rows(csr_store: str) -> None:
@@ -114,6 +145,28 @@ def test_collection_splits_ranges_at_store_boundaries(tmp_path: Path) -> None:
         assert all(len(r) and np.all(r[:, 1] > r[:, 0]) for _, r in runs)
         got = as_dense(joined.read_rows(ranges), 32)
         np.testing.assert_array_equal(got, stacked[rows])
+
+
+def test_store_runs_of_a_collection_of_subsets_read_the_window(tmp_path: Path) -> None:
+    """``store_runs`` contract: the runs' stored rows, in order, are the window's rows (each
+    part asked once per window for all of its runs)."""
+    a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=32, seed=1)
+    b = synthetic.make_single_cell(tmp_path / "b.zarr", n_obs=200, n_features=32, seed=2)
+    rng = np.random.default_rng(4)
+    parts = [
+        dz.Subset(dz.open_dataset(a), rng.random(300) < 0.7),
+        dz.open_dataset(b),
+        dz.Subset(dz.open_dataset(b), np.arange(0, 200, 3)),
+    ]
+    joined = dz.Collection(parts)
+    for dataset in (joined, dz.Subset(joined, rng.random(joined.n_obs) < 0.6)):
+        for _ in range(10):
+            chunks = rng.permutation(dataset.n_obs // 16)[:6]
+            ranges = np.stack([chunks * 16, chunks * 16 + 16], 1)
+            runs = dataset.store_runs(ranges)
+            assert {id(run.store) for run in runs} <= {id(s) for s in dataset.stores()}
+            got = np.concatenate([as_dense(r.store.read_rows(r.ranges), 32) for r in runs])
+            np.testing.assert_array_equal(got, as_dense(dataset.read_rows(ranges), 32))
 
 
 def test_loader_over_subset_reports_parent_ids(csr_store: str) -> None:

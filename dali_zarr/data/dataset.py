@@ -110,6 +110,17 @@ class Dataset(ABC):
         """
         return None
 
+    def grouped_store_runs(self, groups: list[np.ndarray]) -> list[list[StoreRun]] | None:
+        """:meth:`store_runs` of each group of ranges (None if any is None). A collection
+        asks each part once per window for all of that part's runs, not once per run."""
+        out = []
+        for ranges in groups:
+            runs = self.store_runs(ranges)
+            if runs is None:
+                return None
+            out.append(runs)
+        return out
+
     def stores(self) -> tuple[Dataset, ...] | None:
         """The single-store datasets :meth:`store_runs` can name (None where it names none)."""
         return None
@@ -370,13 +381,19 @@ class Collection(Dataset):
         return _concat_rows(outputs, self.layout, self.feature_shape, self.dtype)
 
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
-        runs: list[StoreRun] = []
-        for part, local in self.part_runs(ranges):
-            inner = part.store_runs(local)
-            if inner is None:
+        pieces = self.part_runs(ranges)
+        by_part: dict[int, list[int]] = {}
+        for i, (part, _) in enumerate(pieces):
+            by_part.setdefault(id(part), []).append(i)
+        found: list[list[StoreRun]] = [[] for _ in pieces]
+        for members in by_part.values():
+            part = pieces[members[0]][0]
+            runs = part.grouped_store_runs([pieces[i][1] for i in members])
+            if runs is None:
                 return None
-            runs += inner
-        return runs
+            for i, part_runs in zip(members, runs, strict=True):
+                found[i] = part_runs
+        return [run for runs in found for run in runs]
 
     def stores(self) -> tuple[Dataset, ...] | None:
         found = [part.stores() for part in self.parts]

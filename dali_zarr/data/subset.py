@@ -10,6 +10,7 @@ Batches still report the *parent's* observation ids in ``batch["index"]``
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import numpy as np
@@ -17,17 +18,27 @@ import numpy as np
 from dali_zarr.data.dataset import Dataset, Rows, StoreRun
 from dali_zarr.data.obs import ObsColumn
 from dali_zarr.errors import DatasetError
-from dali_zarr.planning.partition import ranges_to_rows
+from dali_zarr.planning.partition import concat_aranges, run_offsets
 
 
-def _runs(parent_rows: np.ndarray) -> np.ndarray:
-    """``(k, 2)`` ``[start, stop)`` runs of consecutive ids, in the order given (vectorized)."""
-    if len(parent_rows) == 0:
-        return np.zeros((0, 2), dtype=np.int64)
-    breaks = np.flatnonzero(np.diff(parent_rows) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    stops = np.concatenate((breaks, [len(parent_rows)]))
-    return np.stack([parent_rows[starts], parent_rows[stops - 1] + 1], axis=1)
+def _run_breaks(parent_rows: np.ndarray, block: int = 1 << 24) -> np.ndarray:
+    """Local rows ``i`` whose parent row does not follow row ``i - 1``'s: where runs of
+    consecutive parent rows start (besides row 0). Computed in blocks, so that a subset of
+    100M rows does not need a second 100M-row temporary."""
+    found = [
+        np.flatnonzero(np.diff(parent_rows[a : a + block + 1]) != 1) + (a + 1)
+        for a in range(0, max(len(parent_rows) - 1, 0), block)
+    ]
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
+
+
+def _join_adjacent(ranges: np.ndarray) -> np.ndarray:
+    """``(k, 2)`` ranges with each range that starts where the one before stops joined to it."""
+    if len(ranges) < 2:
+        return ranges
+    heads = np.flatnonzero(np.concatenate([[True], ranges[1:, 0] != ranges[:-1, 1]]))
+    ends = np.append(heads[1:], len(ranges)) - 1
+    return np.stack([ranges[heads, 0], ranges[ends, 1]], axis=1)
 
 
 def _select(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarray:
@@ -92,6 +103,7 @@ class Subset(Dataset):
         self.layout = dataset.layout
         self.index_dtype = dataset.index_dtype
         self._columns: dict[str, ObsColumn] = {}
+        self._breaks: np.ndarray | None = None  # see _parent_pieces
 
     def read_rows(self, ranges: np.ndarray) -> Rows:
         """Rows of local ``[start, stop)`` ranges, read as runs of consecutive parent rows."""
@@ -99,13 +111,44 @@ class Subset(Dataset):
 
     def _parent_ranges(self, ranges: np.ndarray) -> np.ndarray:
         """Local ``[start, stop)`` ranges → runs of consecutive parent rows, in order."""
-        local = ranges_to_rows(np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
-        if len(local) and (local.min() < 0 or local.max() >= self.n_obs):
+        return _join_adjacent(self._parent_pieces(ranges)[0])
+
+    def _parent_pieces(self, ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each local range as runs of consecutive parent rows: ``(runs, how many runs each
+        range gave)``. Work per run, not per row: a range is cut where a run starts
+        (:func:`_run_breaks`, found once per subset)."""
+        r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        if len(r) and (r[:, 0].min() < 0 or r[:, 1].max() > self.n_obs):
             raise DatasetError(f"{self.name}: row ranges reach outside [0, {self.n_obs}).")
-        return _runs(self.parent_rows[local])
+        if self._breaks is None:
+            self._breaks = _run_breaks(self.parent_rows)
+        a, b = r[:, 0], r[:, 1]
+        full = b > a
+        first_cut = np.searchsorted(self._breaks, a, side="right")
+        inner = np.where(full, np.searchsorted(self._breaks, b, side="left") - first_cut, 0)
+        counts = np.where(full, inner + 1, 0)
+        first = run_offsets(counts)[:-1]  # each range's first run
+        starts = np.empty(int(counts.sum()), dtype=np.int64)
+        head = np.zeros(len(starts), dtype=bool)
+        head[first[full]] = True
+        starts[head] = a[full]
+        starts[~head] = self._breaks[concat_aranges(first_cut, inner)]
+        stops = np.empty_like(starts)
+        stops[:-1] = starts[1:]
+        stops[(first + counts - 1)[full]] = b[full]
+        runs = np.stack([self.parent_rows[starts], self.parent_rows[stops - 1] + 1], axis=1)
+        return runs.reshape(-1, 2), counts
 
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
         return self.parent.store_runs(self._parent_ranges(ranges))
+
+    def grouped_store_runs(self, groups: list[np.ndarray]) -> list[list[StoreRun]] | None:
+        runs, counts = self._parent_pieces(np.concatenate(groups))
+        per_range = run_offsets(counts)
+        cut = per_range[run_offsets(np.array([len(g) for g in groups], dtype=np.int64))]
+        return self.parent.grouped_store_runs(
+            [runs[a:b] for a, b in itertools.pairwise(cut.tolist())]
+        )
 
     def stores(self) -> tuple[Dataset, ...] | None:
         return self.parent.stores()

@@ -59,7 +59,6 @@ from dali_zarr.data.dataset import (
     Dataset,
     DenseDataset,
     StoreRun,
-    concat_indptr,
     sub_indptr,
 )
 from dali_zarr.data.features import split_selection
@@ -91,7 +90,12 @@ from dali_zarr.io.gpu import (
     round_up,
     window_plans,
 )
-from dali_zarr.planning.partition import ranges_to_rows, run_offsets, validate_count
+from dali_zarr.planning.partition import (
+    concat_aranges,
+    ranges_to_rows,
+    run_offsets,
+    validate_count,
+)
 
 # ---------------------------------------------------------------------------- host helpers
 
@@ -398,6 +402,18 @@ class WindowLayout:
     runs: list[StoreRun]
     run_starts: np.ndarray
     host_indptr: np.ndarray | None
+    #: per store the window touches: the store, its runs' indices, and all of its rows'
+    #: ranges, in window order
+    by_store: list[tuple[Dataset, list[int], np.ndarray]]
+
+
+def _group_by_store(runs: list[StoreRun]) -> list[tuple[Dataset, list[int], np.ndarray]]:
+    members: dict[int, list[int]] = {}
+    for i, run in enumerate(runs):
+        members.setdefault(id(run.store), []).append(i)
+    return [
+        (runs[m[0]].store, m, np.concatenate([runs[i].ranges for i in m])) for m in members.values()
+    ]
 
 
 def _store_arrays(store: Dataset) -> list[tuple[str, Any]]:
@@ -454,10 +470,15 @@ class DeviceWindowReader:
         assert runs is not None  # stores() named them
         run_starts = run_offsets(np.array([run.n_rows for run in runs], dtype=np.int64))
         n_rows = int(run_starts[-1])
+        by_store = _group_by_store(runs)
         if self.dataset.layout == "csr":
-            host_indptr = concat_indptr(
-                [sub_indptr(run.store.indptr, ranges_to_rows(run.ranges)) for run in runs]
-            )
+            # each row's length, store by store (NumPy per store, not per run), in window order
+            lengths = np.empty(n_rows, dtype=np.int64)
+            for store, members, store_ranges in by_store:
+                rows = ranges_to_rows(store_ranges)
+                at = concat_aranges(run_starts[members], [runs[i].n_rows for i in members])
+                lengths[at] = store.indptr[rows + 1] - store.indptr[rows]
+            host_indptr = run_offsets(lengths)
             nnz = int(host_indptr[-1])
             shapes = [
                 ("data", (nnz,), self.dtype),
@@ -468,7 +489,7 @@ class DeviceWindowReader:
             host_indptr = None
             shapes = [("values", (n_rows, self.dataset.n_features), self.dtype)]
         slots, nbytes = pack_slot(shapes)
-        return WindowLayout(slots, nbytes, runs, run_starts, host_indptr)
+        return WindowLayout(slots, nbytes, runs, run_starts, host_indptr, by_store)
 
     def read(self, window: WindowLayout, buf: Any) -> tuple:
         """Fill ``buf`` with the window; returns its device arrays."""
@@ -491,15 +512,10 @@ class DeviceWindowReader:
         once), by the fewest byte plans (:func:`~dali_zarr.io.gpu.window_plans`: one per
         array and window when the stores are written alike), placed so the rows land in
         window order; arrays with no plan are read on the host and copied into place."""
-        by_store: dict[int, list[int]] = {}
-        for i, run in enumerate(window.runs):
-            by_store.setdefault(id(run.store), []).append(i)
         csr = window.host_indptr is not None
         whole = len(window.runs) == 1  # the window is this one run: no placing
         items: dict[str, list[tuple[Any, np.ndarray, Pieces | None]]] = {}
-        for members in by_store.values():
-            store = window.runs[members[0]].store
-            ranges = np.concatenate([window.runs[i].ranges for i in members])
+        for store, members, ranges in window.by_store:
             starts = window.run_starts[members]
             stops = window.run_starts[np.add(members, 1)]
             if csr:  # rows -> elements of data/indices
