@@ -12,7 +12,6 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr import synthetic
-from dali_zarr.data import subset
 from tests.stores import as_dense, csr_reference
 
 
@@ -33,18 +32,15 @@ def _reference_runs(parent_rows: np.ndarray) -> list[list[int]]:
     return runs
 
 
-def test_parent_runs_are_found_per_run_not_per_row(csr_store: str) -> None:
+def test_parent_runs_per_range_and_joined(csr_store: str) -> None:
     """Local ranges → runs of consecutive parent rows, against a row-by-row reference: per
     range (what a collection's window asks for) and joined (what read_rows reads), for
-    scattered and blocky subsets, empty and edge ranges, breaks found in small blocks."""
+    scattered, blocky and full subsets, empty and edge ranges."""
     rng = np.random.default_rng(2)
     parent = dz.open_dataset(csr_store)
     masks = [rng.random(1000) < 0.8, np.repeat(rng.random(50) < 0.5, 20), np.ones(1000, bool)]
     for mask in masks:
         sub = dz.Subset(parent, mask)
-        assert subset._run_breaks(sub.parent_rows, block=7).tolist() == [
-            i for i in range(1, sub.n_obs) if sub.parent_rows[i] != sub.parent_rows[i - 1] + 1
-        ]
         for _ in range(20):
             starts = rng.integers(0, sub.n_obs + 1, 8)
             ranges = np.stack([starts, np.minimum(starts + rng.integers(0, 60, 8), sub.n_obs)], 1)
@@ -54,6 +50,13 @@ def test_parent_runs_are_found_per_run_not_per_row(csr_store: str) -> None:
             assert runs.tolist() == [run for e in each for run in e]
             rows = np.concatenate([sub.parent_rows[a:b] for a, b in ranges])
             assert sub._parent_ranges(ranges).tolist() == _reference_runs(rows)
+    # ranges that continue each other: one run each (a collection splits them back by
+    # range), one run joined
+    full = dz.Subset(parent, np.arange(100, 200))
+    adjacent = np.array([[0, 5], [5, 9], [9, 9], [9, 12]])
+    runs, counts = full._parent_pieces(adjacent)
+    assert counts.tolist() == [1, 1, 0, 1] and runs.tolist() == [[100, 105], [105, 109], [109, 112]]
+    assert full._parent_ranges(adjacent).tolist() == [[100, 112]]
     empty = dz.Subset(parent, [])
     assert empty._parent_ranges(np.zeros((0, 2), np.int64)).shape == (0, 2)
     with pytest.raises(dz.DatasetError, match="outside"):

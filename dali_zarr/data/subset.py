@@ -21,24 +21,19 @@ from dali_zarr.errors import DatasetError
 from dali_zarr.planning.partition import concat_aranges, run_offsets
 
 
-def _run_breaks(parent_rows: np.ndarray, block: int = 1 << 24) -> np.ndarray:
-    """Local rows ``i`` whose parent row does not follow row ``i - 1``'s: where runs of
-    consecutive parent rows start (besides row 0). Computed in blocks, so that a subset of
-    100M rows does not need a second 100M-row temporary."""
-    found = [
-        np.flatnonzero(np.diff(parent_rows[a : a + block + 1]) != 1) + (a + 1)
-        for a in range(0, max(len(parent_rows) - 1, 0), block)
-    ]
-    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, np.int64)
-
-
-def _join_adjacent(ranges: np.ndarray) -> np.ndarray:
-    """``(k, 2)`` ranges with each range that starts where the one before stops joined to it."""
-    if len(ranges) < 2:
-        return ranges
-    heads = np.flatnonzero(np.concatenate([[True], ranges[1:, 0] != ranges[:-1, 1]]))
-    ends = np.append(heads[1:], len(ranges)) - 1
-    return np.stack([ranges[heads, 0], ranges[ends, 1]], axis=1)
+def _runs(rows: np.ndarray, forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(k, 2)`` ``[start, stop)`` runs of consecutive ids, in the order given, and where
+    each run starts in ``rows``; a run also starts at each position in ``forced``."""
+    if len(rows) == 0:
+        return np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    head = np.empty(len(rows), dtype=bool)
+    head[0] = True
+    head[1:] = np.diff(rows) != 1
+    if forced is not None:
+        head[forced] = True
+    heads = np.flatnonzero(head)
+    ends = np.append(heads[1:], len(rows)) - 1
+    return np.stack([rows[heads], rows[ends] + 1], axis=1), heads
 
 
 def _select(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarray:
@@ -103,7 +98,6 @@ class Subset(Dataset):
         self.layout = dataset.layout
         self.index_dtype = dataset.index_dtype
         self._columns: dict[str, ObsColumn] = {}
-        self._breaks: np.ndarray | None = None  # see _parent_pieces
 
     def read_rows(self, ranges: np.ndarray) -> Rows:
         """Rows of local ``[start, stop)`` ranges, read as runs of consecutive parent rows."""
@@ -111,33 +105,23 @@ class Subset(Dataset):
 
     def _parent_ranges(self, ranges: np.ndarray) -> np.ndarray:
         """Local ``[start, stop)`` ranges → runs of consecutive parent rows, in order."""
-        return _join_adjacent(self._parent_pieces(ranges)[0])
+        rows, _ = self._rows_of(ranges)
+        return _runs(rows)[0]
 
     def _parent_pieces(self, ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Each local range as runs of consecutive parent rows: ``(runs, how many runs each
-        range gave)``. Work per run, not per row: a range is cut where a run starts
-        (:func:`_run_breaks`, found once per subset)."""
+        range gave)``; no run spans two ranges, so a collection can split them back."""
+        rows, offsets = self._rows_of(ranges)
+        runs, heads = _runs(rows, forced=offsets[:-1][np.diff(offsets) > 0])
+        return runs, np.diff(np.searchsorted(heads, offsets))
+
+    def _rows_of(self, ranges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The parent rows of local ranges, and where each range's rows start among them."""
         r = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
         if len(r) and (r[:, 0].min() < 0 or r[:, 1].max() > self.n_obs):
             raise DatasetError(f"{self.name}: row ranges reach outside [0, {self.n_obs}).")
-        if self._breaks is None:
-            self._breaks = _run_breaks(self.parent_rows)
-        a, b = r[:, 0], r[:, 1]
-        full = b > a
-        first_cut = np.searchsorted(self._breaks, a, side="right")
-        inner = np.where(full, np.searchsorted(self._breaks, b, side="left") - first_cut, 0)
-        counts = np.where(full, inner + 1, 0)
-        first = run_offsets(counts)[:-1]  # each range's first run
-        starts = np.empty(int(counts.sum()), dtype=np.int64)
-        head = np.zeros(len(starts), dtype=bool)
-        head[first[full]] = True
-        starts[head] = a[full]
-        starts[~head] = self._breaks[concat_aranges(first_cut, inner)]
-        stops = np.empty_like(starts)
-        stops[:-1] = starts[1:]
-        stops[(first + counts - 1)[full]] = b[full]
-        runs = np.stack([self.parent_rows[starts], self.parent_rows[stops - 1] + 1], axis=1)
-        return runs.reshape(-1, 2), counts
+        lens = np.maximum(r[:, 1] - r[:, 0], 0)
+        return self.parent_rows[concat_aranges(r[:, 0], lens)], run_offsets(lens)
 
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
         return self.parent.store_runs(self._parent_ranges(ranges))
