@@ -101,15 +101,12 @@ from dali_zarr.planning.partition import (
 
 
 def gpu_source_names(
-    layout: str, output: Output, obs: list[str], return_index: bool, selected: bool = False
+    layout: str, output: Output, obs: list[str], return_index: bool
 ) -> tuple[list[str], list[str]]:
-    """(host names, device names) of the GPU callback's outputs, in order; ``selected``:
-    features are selected in the graph (:func:`device_selection`)."""
+    """(host names, device names) of the GPU callback's outputs, in order."""
     host = ["pos"]
     if layout == "csr" and output == "csr":
         host += ["nnz_hint", "batch_indptr"]
-    if selected:
-        host += ["column_map" if layout == "csr" else "columns"]
     host += [*obs, *(["index"] if return_index else [])]
     device = ["data", "indices", "indptr"] if layout == "csr" else ["values"]
     return host, device
@@ -648,7 +645,7 @@ class GpuBatchSource(BatchSource):
         self.backend = backend if backend is not None else CudaBackend(device_id)
         self.reader, self.selector = device_selection(dataset, output, self.backend)
         self.host_names, self.device_names = gpu_source_names(
-            dataset.layout, output, list(obs), return_index, self.selector is not None
+            dataset.layout, output, list(obs), return_index
         )
         self.names = [*self.host_names, *self.device_names]
         self.retire_after = self._alive.maxlen  # batches DALI may still hold
@@ -709,8 +706,6 @@ class GpuBatchSource(BatchSource):
         if self.dataset.layout == "csr" and self.output == "csr":
             bptr = sub_indptr(window.host_indptr, pos)
             outputs += [np.empty((int(bptr[-1]), 0), dtype=np.uint8), bptr]
-        if self.selector is not None:
-            outputs.append(self.selector)
         outputs += self.row_outputs(window, j)
         with self._lease_lock:
             self._served += 1

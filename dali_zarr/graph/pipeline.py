@@ -80,8 +80,6 @@ def source_nodes(source: BatchSource, callback: Callable, names: Sequence[str], 
         "batch_indptr": (np.dtype(np.int64), 1),
         "values": (window_dtype("dense", ds.dtype), 2),
         "index": (np.dtype(np.int64), 1),
-        "column_map": (np.dtype(np.int64), 1),
-        "columns": (np.dtype(np.int64), 1),
     }
     layout = [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in names]
     nodes = fn.external_source(
@@ -114,6 +112,11 @@ class GraphOps:
 
     def to_device(self, node):
         return node.gpu() if self.on_gpu else node
+
+    def constant(self, values: np.ndarray):
+        """``values`` (int64) as a graph constant on the ops' device: made once, not sent
+        with every batch."""
+        return types.Constant(values, dtype=types.INT64, device="gpu" if self.on_gpu else "cpu")
 
     def _cuda(self) -> tuple[Any, dict]:
         from dali_zarr.graph import cuda_kernels  # numba.cuda: only when the graph needs it
@@ -176,6 +179,8 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
     dtypes), obs columns, ``index``, all on ``ops``' device."""
     ds = source.dataset
     pos = ops.to_device(node["pos"])
+    # a gene panel kept by our op (GPU path: gpu_pipeline.device_selection)
+    selector = getattr(source, "selector", None)
     csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
     out: dict = {}
     if ds.layout == "csr" and source.output == "csr":
@@ -189,10 +194,10 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
             node["indptr"],
             **csr_types,
         )
-    elif ds.layout == "csr" and "column_map" in node:  # features selected on the device
+    elif ds.layout == "csr" and selector is not None:  # selector: stored -> panel column
         out["X"] = ops.densify_selected(
-            pos, node["data"], node["indices"], node["indptr"],
-            ops.to_device(node["column_map"]), n_features=ds.n_features, **csr_types,
+            pos, node["data"], node["indices"], node["indptr"], ops.constant(selector),
+            n_features=ds.n_features, **csr_types,
         )  # fmt: skip
     elif ds.layout == "csr":
         out["X"] = ops.densify_csr(
@@ -200,10 +205,9 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
             **csr_types,
         )  # fmt: skip
     else:
-        columns = node.get("columns")  # features selected on the device
         x = ops.gather_dense_float32(
             pos, node["values"], n_features=ds.n_features, stored=ds.dtype,
-            columns=None if columns is None else ops.to_device(columns),
+            columns=None if selector is None else ops.constant(selector),  # the panel's columns
         )  # fmt: skip
         if len(ds.feature_shape) != 1:
             x = fn.reshape(x, shape=[-1, *ds.feature_shape])
