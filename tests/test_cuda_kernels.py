@@ -259,10 +259,11 @@ def _worker() -> dict:
 
 
 def _variant_choice(K) -> None:
-    assert K.densify_kernel(K.SHARED_COLS) is not K.densify_csr_scatter
+    assert K.densify_kernel(K.SHARED_COLS).__name__ == "densify_csr_shared"
     assert K.densify_kernel(K.SHARED_COLS + 1) is K.densify_csr_scatter
-    assert K.densify_selected_kernel(K.SHARED_COLS) is not K.densify_selected_scatter
-    assert K.densify_selected_kernel(K.SHARED_COLS + 1) is K.densify_selected_scatter
+    shared = K.densify_kernel(K.SHARED_COLS, selected=True)
+    assert shared is not K.densify_selected_scatter and shared.__name__ == "densify_selected_shared"
+    assert K.densify_kernel(K.SHARED_COLS + 1, selected=True) is K.densify_selected_scatter
 
 
 # ---------------------------------------------------------------------------- the tests

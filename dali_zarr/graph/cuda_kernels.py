@@ -43,11 +43,11 @@ Dense gather (:func:`gather_dense_gpu`) copies rows ``pos`` with coalesced loads
 casts to the output dtype in the same pass (float32 by default), so there is no separate
 cast launch.
 
-Gene panels (a feature selection, dense output): :func:`densify_selected_gpu` densifies the
-parent's CSR rows through ``column_map`` (stored column -> output column, -1 dropped) in the
-same pass and with the same two variants as :func:`densify_csr_gpu`; dropped non-zeros are
-read and skipped. :func:`gather_dense_columns_gpu` gathers rows ``pos`` and columns
-``columns`` of a dense window in one pass. Either way the panel costs no extra launch.
+Gene panels (a feature selection, dense output): :func:`densify_csr_gpu` given a
+``column_map`` (stored column -> output column, -1 dropped) runs the ``densify_selected``
+twins of the two variants, which map each column as they scatter; dropped non-zeros are
+read and skipped. :func:`gather_dense_gpu` given ``columns`` gathers rows ``pos`` and those
+columns of a dense window in one pass. Either way the panel costs no extra launch.
 
 Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
 float16 is a DALI ``fn.cast`` after the op; bfloat16 is :func:`to_bfloat16_bits_gpu`, which
@@ -239,18 +239,13 @@ def copy_segments(out, src, seg_src, seg_dst, seg_len):
             out[b + k] = src[a + k]
 
 
-def densify_kernel(n_features: int) -> Callable:
-    """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features``."""
+def densify_kernel(n_features: int, *, selected: bool = False) -> Callable:
+    """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features`` (with a
+    ``column_map`` when ``selected``)."""
     if n_features <= SHARED_COLS:
-        return make_densify_csr_shared(max(1, n_features))
-    return densify_csr_scatter
-
-
-def densify_selected_kernel(n_features: int) -> Callable:
-    """The variant :func:`densify_selected_gpu` uses for ``n_features`` selected features."""
-    if n_features <= SHARED_COLS:
-        return make_densify_selected_shared(max(1, n_features))
-    return densify_selected_scatter
+        make = make_densify_selected_shared if selected else make_densify_csr_shared
+        return make(max(1, n_features))
+    return densify_selected_scatter if selected else densify_csr_scatter
 
 
 # --- setup functions (CPU, compiled by the plugin with njit) -----------------------------------
@@ -312,6 +307,7 @@ def densify_csr_gpu(
     data,
     indices,
     indptr,
+    column_map=None,
     *,
     n_features: int,
     data_dtype,
@@ -319,56 +315,22 @@ def densify_csr_gpu(
     blocks: int = DEFAULT_BLOCKS,
     threads: int = DEFAULT_THREADS,
 ):
-    """GPU op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions."""
+    """GPU op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions;
+    given ``column_map`` (int64, stored column → panel column or -1), only a gene panel."""
+    selected = () if column_map is None else (column_map,)
     return _gpu_op(
         pos,
         data,
         indices,
         indptr,
-        run_fn=densify_kernel(n_features),
+        *selected,
+        run_fn=densify_kernel(n_features, selected=bool(selected)),
         setup_fn=_rows_by_width(n_features),
         out_types=[types.FLOAT],
-        in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64],
+        in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64]
+        + [types.INT64] * len(selected),
         outs_ndim=[2],
-        ins_ndim=[1, 1, 1, 1],
-        blocks=blocks,
-        threads=threads,
-    )
-
-
-def densify_selected_gpu(
-    pos,
-    data,
-    indices,
-    indptr,
-    column_map,
-    *,
-    n_features: int,
-    data_dtype,
-    index_dtype,
-    blocks: int = DEFAULT_BLOCKS,
-    threads: int = DEFAULT_THREADS,
-):
-    """GPU op: dense float32 ``(len(pos), n_features)`` batch of the selected features from
-    window CSR (all stored columns) + positions + ``column_map`` (int64)."""
-    return _gpu_op(
-        pos,
-        data,
-        indices,
-        indptr,
-        column_map,
-        run_fn=densify_selected_kernel(n_features),
-        setup_fn=_rows_by_width(n_features),
-        out_types=[types.FLOAT],
-        in_types=[
-            types.INT64,
-            dali_type(data_dtype),
-            dali_type(index_dtype),
-            types.INT64,
-            types.INT64,
-        ],
-        outs_ndim=[2],
-        ins_ndim=[1, 1, 1, 1, 1],
+        ins_ndim=[1, 1, 1, 1] + [1] * len(selected),
         blocks=blocks,
         threads=threads,
     )
@@ -416,6 +378,7 @@ def gather_csr_gpu(
 def gather_dense_gpu(
     pos,
     values,
+    columns=None,
     *,
     n_features: int,
     dtype,
@@ -423,44 +386,19 @@ def gather_dense_gpu(
     blocks: int = DEFAULT_BLOCKS,
     threads: int = DEFAULT_THREADS,
 ):
-    """GPU op: rows ``pos`` of a 2-D ``(rows, n_features)`` window, cast to ``out_dtype``."""
+    """GPU op: rows ``pos`` of a 2-D ``(rows, n_features)`` window, cast to ``out_dtype``;
+    given ``columns`` (int64), only those ``n_features`` columns (a gene panel)."""
+    selected = () if columns is None else (columns,)
     return _gpu_op(
         pos,
         values,
-        run_fn=gather_dense_rows,
+        *selected,
+        run_fn=gather_dense_rows if columns is None else gather_dense_columns,
         setup_fn=_rows_by_width(n_features),
         out_types=[dali_type(out_dtype)],
-        in_types=[types.INT64, dali_type(dtype)],
+        in_types=[types.INT64, dali_type(dtype)] + [types.INT64] * len(selected),
         outs_ndim=[2],
-        ins_ndim=[1, 2],
-        blocks=blocks,
-        threads=threads,
-    )
-
-
-def gather_dense_columns_gpu(
-    pos,
-    values,
-    columns,
-    *,
-    n_features: int,
-    dtype,
-    out_dtype=np.float32,
-    blocks: int = DEFAULT_BLOCKS,
-    threads: int = DEFAULT_THREADS,
-):
-    """GPU op: rows ``pos`` and the ``n_features`` columns ``columns`` (int64) of a 2-D
-    window, cast to ``out_dtype``."""
-    return _gpu_op(
-        pos,
-        values,
-        columns,
-        run_fn=gather_dense_columns,
-        setup_fn=_rows_by_width(n_features),
-        out_types=[dali_type(out_dtype)],
-        in_types=[types.INT64, dali_type(dtype), types.INT64],
-        outs_ndim=[2],
-        ins_ndim=[1, 2, 1],
+        ins_ndim=[1, 2] + [1] * len(selected),
         blocks=blocks,
         threads=threads,
     )

@@ -191,34 +191,22 @@ def _numba_op(
     )
 
 
-def densify_csr(pos, data, indices, indptr, *, n_features: int, data_dtype, index_dtype):
-    """DALI op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions."""
-    op = _numba_op(
-        "densify_csr",
-        n_features,
-        (types.FLOAT,),
-        (types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64),
-        (2,),
-        (1, 1, 1, 1),
-    )
-    return op(pos, data, indices, indptr)
-
-
-def densify_selected(
-    pos, data, indices, indptr, column_map, *, n_features: int, data_dtype, index_dtype
+def densify_csr(
+    pos, data, indices, indptr, column_map=None, *, n_features: int, data_dtype, index_dtype
 ):
-    """DALI op: dense float32 ``(len(pos), n_features)`` batch of the selected features, from
-    the window CSR with all stored columns and ``column_map`` (int64, stored column →
-    selected column or -1)."""
+    """DALI op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions;
+    given ``column_map`` (int64, stored column → panel column or -1), only a gene panel."""
+    selected = () if column_map is None else (column_map,)
     op = _numba_op(
-        "densify_selected",
+        "densify_csr" if column_map is None else "densify_selected",
         n_features,
         (types.FLOAT,),
-        (types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64, types.INT64),
+        (types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64)
+        + (types.INT64,) * len(selected),
         (2,),
-        (1, 1, 1, 1, 1),
+        (1, 1, 1, 1) + (1,) * len(selected),
     )
-    return op(pos, data, indices, indptr, column_map)
+    return op(pos, data, indices, indptr, *selected)
 
 
 def gather_csr(nnz_hint, pos, data, indices, indptr, *, data_dtype, index_dtype):
@@ -234,31 +222,19 @@ def gather_csr(nnz_hint, pos, data, indices, indptr, *, data_dtype, index_dtype)
     return op(nnz_hint, pos, data, indices, indptr)
 
 
-def gather_dense(pos, values, *, n_features: int, dtype):
-    """DALI op: rows ``pos`` of a window given as a 2-D ``(rows, n_features)`` view."""
+def gather_dense(pos, values, columns=None, *, n_features: int, dtype):
+    """DALI op: rows ``pos`` of a window given as a 2-D ``(rows, n_features)`` view; given
+    ``columns`` (int64), only those ``n_features`` columns (a gene panel)."""
+    selected = () if columns is None else (columns,)
     op = _numba_op(
-        "gather_dense",
+        "gather_dense" if columns is None else "gather_dense_columns",
         n_features,
         (dali_type(dtype),),
-        (types.INT64, dali_type(dtype)),
+        (types.INT64, dali_type(dtype)) + (types.INT64,) * len(selected),
         (2,),
-        (1, 2),
+        (1, 2) + (1,) * len(selected),
     )
-    return op(pos, values)
-
-
-def gather_dense_columns(pos, values, columns, *, n_features: int, dtype):
-    """DALI op: rows ``pos`` and the ``n_features`` columns ``columns`` (int64) of a 2-D
-    window view."""
-    op = _numba_op(
-        "gather_dense_columns",
-        n_features,
-        (dali_type(dtype),),
-        (types.INT64, dali_type(dtype), types.INT64),
-        (2,),
-        (1, 2, 1),
-    )
-    return op(pos, values, columns)
+    return op(pos, values, *selected)
 
 
 def to_bfloat16_bits(bits):

@@ -125,17 +125,11 @@ class GraphOps:
         threads = cuda_kernels.DEFAULT_THREADS if self.threads is None else self.threads
         return cuda_kernels, {"blocks": blocks, "threads": threads}
 
-    def densify_csr(self, pos, data, indices, indptr, **kw):
+    def densify_csr(self, pos, data, indices, indptr, column_map=None, **kw):
         if self.on_gpu:
             K, launch = self._cuda()
-            return K.densify_csr_gpu(pos, data, indices, indptr, **kw, **launch)
-        return kernels.densify_csr(pos, data, indices, indptr, **kw)
-
-    def densify_selected(self, pos, data, indices, indptr, column_map, **kw):
-        if self.on_gpu:
-            K, launch = self._cuda()
-            return K.densify_selected_gpu(pos, data, indices, indptr, column_map, **kw, **launch)
-        return kernels.densify_selected(pos, data, indices, indptr, column_map, **kw)
+            return K.densify_csr_gpu(pos, data, indices, indptr, column_map, **kw, **launch)
+        return kernels.densify_csr(pos, data, indices, indptr, column_map, **kw)
 
     def gather_csr(self, nnz_hint, batch_indptr, pos, data, indices, indptr, **kw):
         if self.on_gpu:
@@ -151,16 +145,13 @@ class GraphOps:
         kernel casts as it copies, except float16, whose bits it copies for DALI to
         reinterpret and cast)."""
         wire = window_dtype("dense", stored)
-        picked = () if columns is None else (columns,)
         if not self.on_gpu:
-            op = kernels.gather_dense if columns is None else kernels.gather_dense_columns
-            x = op(pos, values, *picked, n_features=n_features, dtype=wire)
+            x = kernels.gather_dense(pos, values, columns, n_features=n_features, dtype=wire)
             return dense_to_float32(x, stored)
         K, launch = self._cuda()
-        op = K.gather_dense_gpu if columns is None else K.gather_dense_columns_gpu
         bits = wire != np.dtype(stored).newbyteorder("=")
-        x = op(
-            pos, values, *picked, n_features=n_features, dtype=wire,
+        x = K.gather_dense_gpu(
+            pos, values, columns, n_features=n_features, dtype=wire,
             out_dtype=wire if bits else np.float32, **launch,
         )  # fmt: skip
         return dense_to_float32(x, stored) if bits else x
@@ -179,8 +170,10 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
     dtypes), obs columns, ``index``, all on ``ops``' device."""
     ds = source.dataset
     pos = ops.to_device(node["pos"])
-    # a gene panel kept by our op (GPU path: gpu_pipeline.device_selection)
+    # a gene panel kept by our op (GPU path: gpu_pipeline.device_selection): CSR, stored
+    # column -> panel column or -1; dense, the panel's stored columns
     selector = getattr(source, "selector", None)
+    panel = None if selector is None else ops.constant(selector)
     csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
     out: dict = {}
     if ds.layout == "csr" and source.output == "csr":
@@ -194,20 +187,15 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
             node["indptr"],
             **csr_types,
         )
-    elif ds.layout == "csr" and selector is not None:  # selector: stored -> panel column
-        out["X"] = ops.densify_selected(
-            pos, node["data"], node["indices"], node["indptr"], ops.constant(selector),
-            n_features=ds.n_features, **csr_types,
-        )  # fmt: skip
     elif ds.layout == "csr":
         out["X"] = ops.densify_csr(
-            pos, node["data"], node["indices"], node["indptr"], n_features=ds.n_features,
-            **csr_types,
+            pos, node["data"], node["indices"], node["indptr"], panel,
+            n_features=ds.n_features, **csr_types,
         )  # fmt: skip
     else:
         x = ops.gather_dense_float32(
             pos, node["values"], n_features=ds.n_features, stored=ds.dtype,
-            columns=None if selector is None else ops.constant(selector),  # the panel's columns
+            columns=panel,
         )  # fmt: skip
         if len(ds.feature_shape) != 1:
             x = fn.reshape(x, shape=[-1, *ds.feature_shape])
