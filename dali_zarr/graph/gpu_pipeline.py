@@ -465,7 +465,8 @@ class DeviceWindowReader:
             return None
         runs = self.dataset.store_runs(np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
         assert runs is not None  # stores() named them
-        run_starts = run_offsets(np.array([run.n_rows for run in runs], dtype=np.int64))
+        run_rows = np.array([run.n_rows for run in runs], dtype=np.int64)
+        run_starts = run_offsets(run_rows)
         n_rows = int(run_starts[-1])
         by_store = _group_by_store(runs)
         if self.dataset.layout == "csr":
@@ -473,7 +474,7 @@ class DeviceWindowReader:
             lengths = np.empty(n_rows, dtype=np.int64)
             for store, members, store_ranges in by_store:
                 rows = ranges_to_rows(store_ranges)
-                at = concat_aranges(run_starts[members], [runs[i].n_rows for i in members])
+                at = concat_aranges(run_starts[members], run_rows[members])
                 lengths[at] = store.indptr[rows + 1] - store.indptr[rows]
             host_indptr = run_offsets(lengths)
             nnz = int(host_indptr[-1])
