@@ -57,6 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="kvikio/python,kvikio/c,pinned/python,pinned/c,kvikio/c/none,pinned/c/none",
         help="comma-separated READS/API[/SYNC] (see above)",
     )
+    p.add_argument(
+        "--per-store-panels",
+        action="store_true",
+        help="with --stores and --panel: each store keeps the panel's genes as other stored "
+        "columns (its ids mapped per window, as for stores with different gene orders)",
+    )
     p.add_argument("--smoke", action="store_true", help="host backend, no GPU (a check)")
     args = p.parse_args(argv)
     args.configs = [parse_config(c) for c in args.configs.split(",")]
@@ -228,10 +234,18 @@ def main(argv=None) -> None:
     from dali_zarr.io.gpu import kvikio_threads
 
     store = make_store(args)
-    dataset = open_benchmark_dataset(args, store, stores=args.stores, panel=args.panel)
+    dataset = open_benchmark_dataset(
+        args,
+        store,
+        stores=args.stores,
+        panel=args.panel,
+        per_store_panels=args.per_store_panels and args.stores > 1 and args.panel > 0,
+    )
     kind = "SMOKE RUN on the host backend: not GPU figures" if args.smoke else "GPU"
     split = f" as {args.stores} stores" if args.stores > 1 else ""
     panel = f", a {args.panel}-gene panel" if args.panel else ""
+    if args.per_store_panels and args.stores > 1 and args.panel:
+        panel += " each, over other stored columns"
     print(f"{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows")
     failed = []
     for reads, api, sync in args.configs:

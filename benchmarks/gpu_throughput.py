@@ -15,7 +15,8 @@ float32 ``[B, genes]`` on the GPU (``[B, panel]`` for the panel row):
 * ``dali_zarr gpu``: ``Loader(device="gpu")`` (kvikio reads, nvCOMP decode, densify kernel
   in the DALI graph), batches as torch CUDA tensors (DLPack, no copy);
 * with ``--stores N``: the same, the cells loaded as a collection of N stores; with
-  ``--panel K``: the same, a panel of K genes selected on the GPU;
+  ``--panel K``: the same, a panel of K genes selected on the GPU; with both: N stores
+  whose panels keep different stored columns (each store's ids mapped per window);
 * ``dali_zarr cpu + .cuda()``: the CPU path's dense batches copied to the GPU;
 * ``baseline``: zarr-python reads of ``chunk_size``-row blocks → NumPy CSR → ``torch.cuda`` →
   ``torch.sparse_csr_tensor(...).to_dense()`` (what one writes without a loader);
@@ -194,27 +195,39 @@ def panel_of(n_genes: int, size: int) -> np.ndarray:
     return np.linspace(0, n_genes - 1, min(size, n_genes)).astype(np.int64)[::-1].copy()
 
 
-def open_benchmark_dataset(args, store: str, *, stores: int = 1, panel: int = 0):
+def open_benchmark_dataset(
+    args, store: str, *, stores: int = 1, panel: int = 0, per_store_panels: bool = False
+):
     """The store as one dataset, as a collection of ``stores`` stores (the store opened that
-    many times, each giving one block of cells: every cell once), or with a ``panel``."""
+    many times, each giving one block of cells: every cell once), or with a ``panel``.
+
+    ``per_store_panels``: each store keeps the panel's genes as its own stored columns (the
+    panel rotated by one gene per store), as stores written with different gene orders
+    do when selected by name; the GPU path then maps each store's ids per window."""
     import dali_zarr as dz
 
     dataset = dz.open_dataset(store)
+    genes = panel_of(dataset.n_features, panel)
     if stores > 1:
         bounds = np.linspace(0, dataset.n_obs, stores + 1).astype(np.int64)
-        blocks = itertools.pairwise(bounds.tolist())
-        dataset = dz.Collection([dz.Subset(dz.open_dataset(store), range(a, b)) for a, b in blocks])
-    if panel:
-        dataset = dz.FeatureSubset(dataset, panel_of(dataset.n_features, panel))
+        blocks = [
+            dz.Subset(dz.open_dataset(store), range(a, b))
+            for a, b in itertools.pairwise(bounds.tolist())
+        ]
+        if per_store_panels:
+            blocks = [dz.FeatureSubset(b, np.roll(genes, i)) for i, b in enumerate(blocks)]
+        dataset = dz.Collection(blocks)
+    if panel and not per_store_panels:
+        dataset = dz.FeatureSubset(dataset, genes)
     return dataset
 
 
-def run_dali(args, store: str, device: str, stores: int = 1, panel: int = 0) -> dict:
+def run_dali(args, store: str, device: str, **dataset_kw) -> dict:
     """dali_zarr's dense batches on the GPU: the GPU path, or the CPU path plus ``.cuda()``."""
     import dali_zarr as dz
     from dali_zarr.graph.gpu_pipeline import HostBackend
 
-    dataset = open_benchmark_dataset(args, store, stores=stores, panel=panel)
+    dataset = open_benchmark_dataset(args, store, **dataset_kw)
     loader = dz.Loader(
         dataset,
         sampler(args),
@@ -523,6 +536,14 @@ def main(argv=None) -> None:
                 partial(run_dali, device="gpu", panel=args.panel),
             )
         )
+    if args.panel and args.stores > 1:
+        contenders.append(
+            (
+                f"{DALI_GPU}, {args.stores} stores, a {args.panel}-gene panel each",
+                partial(run_dali, device="gpu", stores=args.stores, panel=args.panel,
+                        per_store_panels=True),
+            )
+        )  # fmt: skip
     contenders += [
         ("dali_zarr cpu + .cuda()", partial(run_dali, device="cpu")),
         (BASELINE, run_baseline),

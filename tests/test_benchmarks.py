@@ -38,11 +38,13 @@ def test_gpu_throughput_smoke_run(tmp_path: Path) -> None:
     assert "SMOKE RUN on the CPU" in stdout  # a smoke figure can't pass for a GPU one
     report = json.loads((tmp_path / "gpu_throughput.json").read_text())
     results = report["results"]
-    gpu_rows = ("dali_zarr gpu", "dali_zarr gpu, 3 stores", "dali_zarr gpu, 50-gene panel")
+    each = "dali_zarr gpu, 3 stores, a 50-gene panel each"
+    gpu_rows = ("dali_zarr gpu", "dali_zarr gpu, 3 stores", "dali_zarr gpu, 50-gene panel", each)
     for name in (*gpu_rows, "dali_zarr cpu + .cuda()"):
         assert results[name]["rows"] == batches * batch_size, (name, results[name])
         assert results[name]["seconds"] > 0
-    assert results["dali_zarr gpu, 50-gene panel"]["width"] == 50
+    assert results["dali_zarr gpu, 50-gene panel"]["width"] == results[each]["width"] == 50
+    assert all("mapped to the panel" in p for p in results[each]["paths"].values())
     for name in gpu_rows:  # each store's windows by byte plans, none read on the host
         paths = results[name]["paths"].values()
         assert paths and all("host-backend plan" in p for p in paths), results[name]["paths"]
@@ -65,9 +67,10 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         *("--cells", 1500, "--genes", 300, "--nnz-per-cell", 20, "--batch-size", 64),
         *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 3, "--batches", 30),
         *("--read-threads", "1,3", "--configs", "pinned/c/none,kvikio/python", "--out", tmp_path),
-        *("--stores", 3),
+        *("--stores", 3, "--panel", 40, "--per-store-panels"),
     )
-    assert "SMOKE RUN" in stdout and "as 3 stores" in stdout and "FAILED" not in stdout
+    assert "SMOKE RUN" in stdout and "as 3 stores, a 40-gene panel each" in stdout
+    assert "FAILED" not in stdout
     for config in (
         "reads pinned, nvCOMP c API, ring sync none",
         "reads kvikio, nvCOMP python API, ring sync device",  # the default sync

@@ -35,6 +35,7 @@ GROUPS = [
     "gather_dense_columns",
     "bfloat16",
     "copy_segments",
+    "remap_columns",
 ]
 
 
@@ -167,6 +168,27 @@ def _worker() -> dict:
         got = run(K.copy_segments, launch, out, src, seg[:, 0], seg[:, 1], seg[:, 2])[0]
         eq(got, want)
 
+    cpu_remap = numba.njit(kernels._remap_run_columns)
+
+    def remap(launch, indices, bounds, offsets, widths, maps, want_bad):
+        out = indices.copy()
+        bad = cpu_remap(out, bounds, offsets, widths, maps)
+        assert (bad > 0) == (want_bad is not None), bad
+        got_bad, got = run(K.remap_run_columns, launch, np.zeros(1, np.int64), indices, bounds,
+                           offsets, widths, maps)[:2]  # fmt: skip
+        if want_bad is None:
+            assert got_bad[0] == 0
+            ref = np.concatenate([
+                maps[o + indices[a:b].astype(np.int64)]
+                for a, b, o in zip(bounds[:-1], bounds[1:], offsets, strict=True)
+            ])  # fmt: skip
+            eq(got, ref.astype(indices.dtype))
+            eq(out, got)
+        else:  # a bad run is named; its bad id is left as it was
+            assert bad == want_bad + 1 and got_bad[0] == want_bad + 1, (bad, got_bad)
+            a, b = bounds[want_bad], bounds[want_bad + 1]
+            assert (got[a:b] == indices[a:b]).any()
+
     rng = np.random.default_rng(1234)
 
     # -- CSR: densify (both variants) and gather ----------------------------------------------
@@ -255,6 +277,30 @@ def _worker() -> dict:
         for launch in LAUNCHES:
             check("copy_segments", f"trial{trial} launch{launch}", segments, launch, src,
                   seg.astype(np.int64))  # fmt: skip
+    # -- per-run panel maps (collections of panels keeping different columns) --------------
+    for idt in (np.int32, np.int64, np.uint32):
+        widths = np.array([7, 12, 7, 5], np.int64)  # four maps (the panel keeps 4 columns)
+        tables = [np.where(rng.random(w) < 0.5, rng.integers(0, 4, w), 4) for w in widths]
+        offsets_of = np.cumsum([0, *widths[:-1]])
+        maps = np.concatenate(tables).astype(np.int64)
+        which = rng.integers(0, 4, 9)  # nine runs, some empty, maps reused
+        lens = rng.integers(0, 15, 9)
+        lens[[0, 4]] = 0
+        lens[6] = 3 + lens[6]  # the run given a bad id below
+        bounds = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        indices = np.concatenate(
+            [rng.integers(0, widths[w], n) for w, n in zip(which, lens, strict=True)]
+        )
+        indices = indices.astype(idt)
+        args = (bounds, offsets_of[which].astype(np.int64), widths[which], maps)
+        for launch in LAUNCHES:
+            check("remap_columns", f"{np.dtype(idt)} launch{launch}", remap, launch, indices,
+                  *args, None)  # fmt: skip
+        bad_run = 6
+        broken = indices.copy()
+        broken[bounds[bad_run] + lens[bad_run] // 2] = widths[which[bad_run]]  # one past
+        check("remap_columns", f"{np.dtype(idt)} bad id", remap, LAUNCHES[1], broken,
+              *args, bad_run)  # fmt: skip
     return results
 
 
@@ -323,6 +369,9 @@ PTX_CASES = [
     ("float32_bits_to_bfloat16_bits", ["u2", "u4"], [2, 2]),
     ("copy_segments", ["f4", "f4", "i8", "i8", "i8"], [1] * 5),
     ("copy_segments", ["u1", "u1", "i8", "i8", "i8"], [1] * 5),
+    ("remap_run_columns", ["i8", "i4", "i8", "i8", "i8", "i8"], [1] * 6),
+    ("remap_run_columns", ["i8", "u4", "i8", "i8", "i8", "i8"], [1] * 6),
+    ("remap_run_columns", ["i8", "i8", "i8", "i8", "i8", "i8"], [1] * 6),
 ]  # fmt: skip
 
 

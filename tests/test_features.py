@@ -12,7 +12,7 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr.data.dataset import CsrRows
-from dali_zarr.data.features import keep_csr_columns, split_selection
+from dali_zarr.data.features import keep_csr_columns
 from tests.test_elements import N_OBS, N_RAW_VARS, N_VARS, element_of, make_adata
 from tests.test_gpu_loader import WHERE, assert_same_batches, both
 from tests.test_loader import assert_rows_match, run_epoch, sampler
@@ -121,33 +121,126 @@ def test_gpu_path_selects_features_of_collections_and_dense_stores(
         kept = f"{dataset.n_features} of {30 if dataset.layout == 'dense' else N_VARS} features"
         assert all(kept in p for p in paths.values()), paths
         assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
-    # panels keeping different columns cannot be kept by one kernel: read on the host
+    # panels keeping different columns: each store's ids mapped as the window is read
     unlike = dz.Collection([panels[0], dz.open_dataset(second, features=PANEL[::-1])])
     cpu, gpu = both(unlike, where, return_index=True)
+    paths = gpu.read_paths()
+    assert all(p.endswith("mapped to the panel") for p in paths.values()), paths
+    assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
+    # a dense store under two different panels is read on the host
+    cubes = dz.Collection([dz.open_dataset(cube, features=c) for c in ([29, 3], [3, 29])])
+    cpu, gpu = both(cubes, where, return_index=True)
     assert all("host read" in p for p in gpu.read_paths().values()), gpu.read_paths()
     assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
 
 
-def test_selection_moves_out_of_subsets_and_like_collections(rich, tmp_path: Path) -> None:
-    """What the GPU path reads for a panel: the same rows with every stored feature, and
-    the stored columns to keep (pure; no data read)."""
-    path = rich[0]
+def _reordered_store(tmp_path: Path, seed: int, n_obs: int):
+    """An AnnData store of other cells whose var lists the genes in another order, with
+    extra genes around them (what a second lab's store looks like); and its AnnData."""
+    import anndata as ad
+    import pandas as pd
+
+    base = make_adata(seed, n_obs=n_obs)
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(N_VARS)
+    extra = sp.random(n_obs, 9, density=0.3, format="csr", random_state=rng, dtype=np.float32)
+    x = sp.hstack([extra[:, :4], base.X[:, order], extra[:, 4:]], format="csr")
+    names = [f"x{j}" for j in range(4)] + [f"g{j}" for j in order] + [f"x{j}" for j in range(4, 9)]
+    other = ad.AnnData(X=x, obs=base.obs, var=pd.DataFrame(index=names))
+    path = tmp_path / f"reordered{seed}.zarr"
+    other.write_zarr(path)
+    return path, other
+
+
+def test_names_select_each_stores_own_columns(rich, tmp_path: Path) -> None:
+    """``open_dataset([a, b], features=names)``: stores with different gene orders and
+    gene sets, each panel looked up in its own var; rows equal anndata's by name."""
+    path, adata = rich
+    other_path, other = _reordered_store(tmp_path, 5, 41)
+    names = [f"g{j}" for j in PANEL]
+    dataset = dz.open_dataset([path, other_path], features=names)
+    assert dataset.feature_shape == (len(PANEL),) and dataset.var_names() == tuple(names)
+    got = run_epoch(dz.Loader(dataset, sampler(), return_index=True))
+    want = np.concatenate([adata[:, names].X.toarray(), other[:, names].X.toarray()])
+    assert_rows_match(got, want, N_OBS + 41)
+    with pytest.raises(dz.DatasetError, match="not in the store's var index"):
+        dz.open_dataset([path, other_path], features=["g0", "x3"])  # x3: only the second
+    with pytest.raises(dz.DatasetError, match="share the feature axis"):
+        dz.open_dataset([path, other_path], features=PANEL)  # ids: one axis for all
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_gpu_path_maps_each_stores_panel(rich, tmp_path: Path, where: str) -> None:
+    """Stores whose panels keep different stored columns (another gene order and width)
+    are read by byte plans, their ids mapped per store as each window is read; batch for
+    batch what the CPU path delivers (held to anndata above)."""
+    import anndata as ad
+
+    path, _ = rich
+    other_path, _ = _reordered_store(tmp_path, 6, 37)
+    names = [f"g{j}" for j in PANEL]
+    joined = dz.open_dataset([path, other_path], features=names)
+    narrow = tmp_path / "narrow.zarr"  # a store of exactly the panel's genes, read whole
+    small = make_adata(7, n_obs=23)[:, names[::-1]]
+    ad.AnnData(X=small.X, obs=small.obs, var=small.var).write_zarr(narrow)
+    mixed = dz.Collection([joined, dz.open_dataset(narrow)])
+    cases = (
+        joined,
+        dz.Subset(joined, np.arange(1, N_OBS + 37, 3)),  # a train split
+        dz.FeatureSubset(joined, [4, 0, 5]),  # a panel of the panels: maps composed
+        mixed,
+    )
+    for dataset in cases:
+        cpu, gpu = both(dataset, where, return_index=True)
+        paths = gpu.read_paths()
+        assert len(paths) == (6 if dataset is mixed else 4), paths  # data+indices per store
+        assert all("mapped to the panel" in p for p in paths.values()), paths
+        assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
+    # CSR output of such panels: the host read, as for any panel
+    cpu, gpu = both(joined, where, output="csr", return_index=True)
+    assert all("host read" in p for p in gpu.read_paths().values())
+    assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
+
+
+def test_store_runs_carry_each_panel(rich, tmp_path: Path) -> None:
+    """The ``store_runs`` contract through panels: each run's stored rows, kept to its
+    ``columns``, concatenated, are the window's rows; every run's (store, columns) is one
+    ``store_columns`` names, by identity (what the GPU reader looks maps up by)."""
+    path, _ = rich
+    other_path, _ = _reordered_store(tmp_path, 8, 45)
     base = dz.open_dataset(path)
-    rows = np.arange(0, N_OBS, 5)
-    inner, columns = split_selection(dz.Subset(dz.FeatureSubset(base, PANEL), rows))
-    assert isinstance(inner, dz.Subset) and inner.parent is base
-    np.testing.assert_array_equal(inner.parent_rows, rows)
-    np.testing.assert_array_equal(columns, PANEL)
-    twice = dz.Collection([dz.FeatureSubset(base, PANEL), dz.FeatureSubset(base, PANEL)])
-    inner, columns = split_selection(dz.Subset(twice, rows))
-    assert isinstance(inner.parent, dz.Collection) and inner.n_features == base.n_features
-    assert [p is base for p in inner.parent.parts] == [True, True]
-    np.testing.assert_array_equal(columns, PANEL)
-    for kept in (
+    joined = dz.open_dataset([path, other_path], features=[f"g{j}" for j in PANEL])
+    datasets = [
+        dz.Subset(dz.FeatureSubset(base, PANEL), np.arange(0, N_OBS, 5)),
         dz.Collection([dz.FeatureSubset(base, PANEL), dz.FeatureSubset(base, PANEL[::-1])]),
-        dz.Subset(base, rows),
-    ):
-        assert split_selection(kept) == (kept, None)
+        dz.FeatureSubset(dz.Subset(joined, np.arange(3, N_OBS + 45, 2)), [5, 1, 2]),
+        dz.Collection([joined, dz.FeatureSubset(base, PANEL)]),
+    ]
+    rng = np.random.default_rng(0)
+    for dataset in datasets:
+        named = {(id(s), id(c)) for s, c in dataset.store_columns()}
+        for _ in range(3):
+            starts = np.sort(rng.choice(dataset.n_obs, 6, replace=False))
+            stops = np.minimum(starts + rng.integers(1, 9, 6), dataset.n_obs)
+            ranges = np.stack([starts, stops], 1)
+            want = dataset.read_rows(ranges)
+            runs = dataset.store_runs(ranges)
+            assert runs and all(r.columns is not None for r in runs)
+            assert {(id(r.store), id(r.columns)) for r in runs} <= named
+            shape = (0, dataset.n_features)
+            got = sp.vstack(
+                [
+                    sp.csr_matrix(
+                        (p.data, p.indices, p.indptr), shape=(p.n_rows, dataset.n_features)
+                    )
+                    for p in (
+                        keep_csr_columns(r.store.read_rows(r.ranges), r.columns) for r in runs
+                    )
+                ]
+            )
+            shape = got.shape
+            wanted = sp.csr_matrix((want.data, want.indices, want.indptr), shape=shape)
+            np.testing.assert_array_equal(got.toarray(), wanted.toarray())
 
 
 def test_selections_compose_with_subsets_and_each_other(rich) -> None:
@@ -166,7 +259,9 @@ def test_selections_compose_with_subsets_and_each_other(rich) -> None:
     assert_rows_match(got, x[:, [4, 17]], N_OBS)
 
 
-def test_collections_select_by_name_only_when_names_agree(tmp_path: Path) -> None:
+def test_collections_select_by_each_stores_names(tmp_path: Path) -> None:
+    """open_dataset looks names up per store (a store that lacks one is named); a selection
+    over a collection built first needs its stores' names to agree."""
     a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
     first, second = make_adata(0, n_obs=120), make_adata(1, n_obs=80)
     first.write_zarr(a)
@@ -177,8 +272,10 @@ def test_collections_select_by_name_only_when_names_agree(tmp_path: Path) -> Non
     assert_rows_match(got, both, 200)
     second.var_names = [f"h{j}" for j in range(N_VARS)]
     second.write_zarr(b)
-    with pytest.raises(dz.DatasetError, match=r"b.zarr/X names feature 0 'h0' but a.zarr/X"):
+    with pytest.raises(dz.DatasetError, match=r"of .*b.zarr/X: 1 name\(s\) not in .* 'g5'"):
         dz.open_dataset([a, b], features=["g5"])
+    with pytest.raises(dz.DatasetError, match=r"b.zarr/X names feature 0 'h0' but a.zarr/X"):
+        dz.FeatureSubset(dz.open_dataset([a, b]), ["g5"])
     assert dz.open_dataset([a, b], features=[5]).n_features == 1  # ids need no names
 
 

@@ -58,10 +58,13 @@ Rows = CsrRows | DenseRows
 @dataclass(frozen=True)
 class StoreRun:
     """Consecutive rows of one window that come from one store: ``ranges`` ``(k, 2)`` of
-    ``store``'s rows, in window order (see :meth:`Dataset.store_runs`)."""
+    ``store``'s rows, in window order (see :meth:`Dataset.store_runs`), and, for rows seen
+    through a gene panel, ``columns``: each stored column's column in the panel (-1 where
+    the panel drops it); None keeps the columns as stored."""
 
     store: Dataset
     ranges: np.ndarray
+    columns: np.ndarray | None = None
 
     @property
     def n_rows(self) -> int:
@@ -102,11 +105,12 @@ class Dataset(ABC):
 
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
         """Which stores and rows ``read_rows(ranges)`` reads, in order, or None where the rows
-        are not simply stored rows (a feature selection rewrites them).
+        are not stored rows (a dataset that computes them).
 
-        Concatenating ``run.store.read_rows(run.ranges)`` over the runs gives
-        ``read_rows(ranges)``. The GPU path reads windows of collections and subsets this
-        way, through each store's byte plans, instead of reading them on the host.
+        Concatenating ``run.store.read_rows(run.ranges)``, each kept to the columns of
+        ``run.columns`` where it has them, over the runs gives ``read_rows(ranges)``. The GPU
+        path reads windows of collections, subsets and gene panels this way, through each
+        store's byte plans, instead of reading them on the host.
         """
         return None
 
@@ -121,9 +125,16 @@ class Dataset(ABC):
             out.append(runs)
         return out
 
+    def store_columns(self) -> list[tuple[Dataset, np.ndarray | None]] | None:
+        """Every (store, columns) pair a :class:`StoreRun` of :meth:`store_runs` can carry,
+        once each (None where it names none): what a reader must be ready for before the
+        first window (which stores' arrays, which panels)."""
+        return None
+
     def stores(self) -> tuple[Dataset, ...] | None:
         """The single-store datasets :meth:`store_runs` can name (None where it names none)."""
-        return None
+        pairs = self.store_columns()
+        return None if pairs is None else tuple(dict.fromkeys(store for store, _ in pairs))
 
     def global_ids(self, rows: np.ndarray) -> np.ndarray:
         """This dataset's row ids → the observation ids batches report (``batch["index"]``).
@@ -156,8 +167,8 @@ class _StoreDataset(Dataset):
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun]:
         return [StoreRun(self, np.asarray(ranges, dtype=np.int64).reshape(-1, 2))]
 
-    def stores(self) -> tuple[Dataset, ...]:
-        return (self,)
+    def store_columns(self) -> list[tuple[Dataset, np.ndarray | None]]:
+        return [(self, None)]
 
     def var_names(self) -> tuple[str, ...] | None:
         if self._var is None:
@@ -395,11 +406,12 @@ class Collection(Dataset):
                 found[i] = part_runs
         return [run for runs in found for run in runs]
 
-    def stores(self) -> tuple[Dataset, ...] | None:
-        found = [part.stores() for part in self.parts]
-        if any(s is None for s in found):
+    def store_columns(self) -> list[tuple[Dataset, np.ndarray | None]] | None:
+        found = [part.store_columns() for part in self.parts]
+        if any(pairs is None for pairs in found):
             return None
-        return tuple(dict.fromkeys(store for s in found for store in s))  # type: ignore[union-attr]
+        unique = {(id(store), id(cols)): (store, cols) for pairs in found for store, cols in pairs}  # type: ignore[union-attr]
+        return list(unique.values())
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:
@@ -485,21 +497,24 @@ def open_dataset(
     ``"obsp/<name>"`` (obs columns still come from the store's ``obs``); in a plain Zarr
     group, the path of one of its arrays. ``features`` keeps only those features, in that
     order: integer ids, ``var`` names or a boolean mask (a
-    :class:`~dali_zarr.data.features.FeatureSubset`). ``force_zarr`` makes every array use
-    zarr-python's reading instead of the direct path (for debugging or comparison).
+    :class:`~dali_zarr.data.features.FeatureSubset`). Names given with several stores are
+    looked up in each store's own ``var``, so stores written with different gene orders or
+    gene sets load as one collection in the order asked. ``force_zarr`` makes every array
+    use zarr-python's reading instead of the direct path (for debugging or comparison).
     """
+    from dali_zarr.data.features import FeatureSubset  # it builds on this module
+
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
         parts = [
             _open_one(s, element=element, executor=executor, force_zarr=force_zarr) for s in source
         ]
+        if features is not None and len(parts) > 1 and np.asarray(features).dtype.kind in "USO":
+            parts = [FeatureSubset(part, features) for part in parts]
+            features = None
         dataset = parts[0] if len(parts) == 1 else Collection(parts)
     else:
         dataset = _open_one(source, element=element, executor=executor, force_zarr=force_zarr)
-    if features is None:
-        return dataset
-    from dali_zarr.data.features import FeatureSubset  # it builds on this module
-
-    return FeatureSubset(dataset, features)
+    return dataset if features is None else FeatureSubset(dataset, features)
 
 
 def _open_one(

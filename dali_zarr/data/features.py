@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from dali_zarr.data.dataset import Collection, CsrRows, Dataset, DenseRows, Rows
+from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, Rows, StoreRun
 from dali_zarr.data.obs import ObsColumn
-from dali_zarr.data.subset import Subset
 from dali_zarr.errors import DatasetError
 
 FeatureSelection = np.ndarray | Sequence[int] | Sequence[str] | Sequence[bool]
@@ -168,6 +168,7 @@ class FeatureSubset(Dataset):
         self.columns.setflags(write=False)
         self.column_map = np.full(dataset.n_features, -1, dtype=np.int64)
         self.column_map[ids] = np.arange(len(ids))
+        self.column_map.setflags(write=False)
         digest = zlib.crc32(np.ascontiguousarray(ids).view(np.uint8))
         self.name = f"{dataset.name}[{len(ids)} of {dataset.n_features} features #{digest:08x}]"
         self.n_obs = dataset.n_obs
@@ -175,6 +176,7 @@ class FeatureSubset(Dataset):
         self.dtype = dataset.dtype
         self.layout = dataset.layout
         self.index_dtype = dataset.index_dtype
+        self._composed: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def read_rows(self, ranges: np.ndarray) -> Rows:
         rows = self.parent.read_rows(ranges)
@@ -185,6 +187,38 @@ class FeatureSubset(Dataset):
                 raise DatasetError(f"{self.parent.name}: {exc}") from None
         assert isinstance(rows, DenseRows)
         return DenseRows(np.take(rows.values, self.columns, axis=1))
+
+    def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
+        runs = self.parent.store_runs(ranges)
+        return None if runs is None else [self._through(run) for run in runs]
+
+    def grouped_store_runs(self, groups: list[np.ndarray]) -> list[list[StoreRun]] | None:
+        grouped = self.parent.grouped_store_runs(groups)
+        return None if grouped is None else [[self._through(r) for r in runs] for runs in grouped]
+
+    def store_columns(self) -> list[tuple[Dataset, np.ndarray | None]] | None:
+        pairs = self.parent.store_columns()
+        return None if pairs is None else [(s, self._panel_of(c)) for s, c in pairs]
+
+    def _through(self, run: StoreRun) -> StoreRun:
+        return replace(run, columns=self._panel_of(run.columns))
+
+    def _panel_of(self, columns: np.ndarray | None) -> np.ndarray:
+        """A parent run's column map (None: the stored columns) followed by this panel's.
+
+        Composed once per parent map and cached, so every window's runs carry the same
+        arrays that :meth:`store_columns` named (readers look them up by identity)."""
+        if columns is None:
+            return self.column_map
+        hit = self._composed.get(id(columns))
+        if hit is None:
+            composed = np.full(len(columns), -1, dtype=np.int64)
+            kept = columns >= 0
+            composed[kept] = self.column_map[columns[kept]]
+            composed.setflags(write=False)
+            # the map is held too, so its id names it while cached; setdefault: one winner
+            hit = self._composed.setdefault(id(columns), (columns, composed))
+        return hit[1]
 
     def obs_column(self, name: str) -> ObsColumn:
         return self.parent.obs_column(name)
@@ -202,34 +236,3 @@ class FeatureSubset(Dataset):
 
 def _names_wanted(features: FeatureSelection) -> bool:
     return np.asarray(features).dtype.kind in "USO"
-
-
-def split_selection(dataset: Dataset) -> tuple[Dataset, np.ndarray | None]:
-    """``dataset`` as (a dataset of the same rows with every stored feature, the stored
-    columns to keep, in output order), or ``(dataset, None)`` when it selects no features.
-
-    Keeping columns commutes with taking rows, so a split of a panel
-    (``Subset(FeatureSubset(d, f), rows)``) reads as ``Subset(d, rows)`` and a collection of
-    like panels as the collection of their parents. The GPU path reads the rows-only dataset
-    by byte plans and keeps the columns in its densify or gather kernel.
-    Returns ``(dataset, None)`` where the selection cannot be moved out (a collection of
-    panels that keep different columns, or of panels and whole datasets).
-    """
-    if isinstance(dataset, FeatureSubset):
-        return dataset.parent, dataset.columns
-    if isinstance(dataset, Subset):
-        inner, columns = split_selection(dataset.parent)
-        if columns is not None:
-            return Subset(inner, dataset.parent_rows), columns
-    if isinstance(dataset, Collection):
-        split = [split_selection(part) for part in dataset.parts]
-        first = split[0][1]
-        like = all(
-            columns is not None
-            and np.array_equal(columns, first)
-            and inner.n_features == split[0][0].n_features
-            for inner, columns in split
-        )
-        if like:
-            return Collection([inner for inner, _ in split]), first
-    return dataset, None

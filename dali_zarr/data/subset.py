@@ -134,8 +134,8 @@ class Subset(Dataset):
             [runs[a:b] for a, b in itertools.pairwise(cut.tolist())]
         )
 
-    def stores(self) -> tuple[Dataset, ...] | None:
-        return self.parent.stores()
+    def store_columns(self) -> list[tuple[Dataset, np.ndarray | None]] | None:
+        return self.parent.store_columns()
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:

@@ -239,6 +239,31 @@ def copy_segments(out, src, seg_src, seg_dst, seg_len):
             out[b + k] = src[a + k]
 
 
+def remap_run_columns(bad, indices, run_bounds, run_maps, run_widths, maps):
+    """Each run's column ids through its own panel map, in place (a collection of gene
+    panels that keep different stored columns; twin of ``kernels._remap_run_columns``).
+
+    One launch per window; threads stride over the window's ids and find their run by a
+    binary search of ``run_bounds`` (a window has tens of runs). An id outside
+    ``[0, run_widths[r])`` is left as is and ``bad[0]`` becomes at least ``1 + r``.
+    """
+    n_runs = run_maps.shape[0]
+    for p in range(cuda.grid(1), run_bounds[n_runs], cuda.gridsize(1)):
+        lo = 0
+        hi = n_runs - 1
+        while lo < hi:  # the last run starting at or before p: empty runs are passed over
+            mid = (lo + hi + 1) // 2
+            if run_bounds[mid] <= p:
+                lo = mid
+            else:
+                hi = mid - 1
+        j = numba.int64(indices[p])
+        if j < 0 or j >= run_widths[lo]:
+            cuda.atomic.max(bad, 0, lo + 1)
+        else:
+            indices[p] = maps[run_maps[lo] + j]
+
+
 def densify_kernel(n_features: int, *, selected: bool = False) -> Callable:
     """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features`` (with a
     ``column_map`` when ``selected``)."""

@@ -10,8 +10,10 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
   + one copy where needed) into a slot of a :class:`BufferRing` of device buffers, on the
   prefetch thread, ``prefetch_windows`` windows ahead of the consumer;
 * a gene panel (:class:`~dali_zarr.data.features.FeatureSubset`, also one split into
-  subsets) with dense output is read as its parent's windows and kept by the densify or
-  gather kernel itself (:func:`device_selection`): no host pass over the window;
+  subsets or in a collection) with dense output is read as its stores' windows and kept
+  by the densify or gather kernel itself (:func:`panel_selection`): no host pass over the
+  window. Panels that keep different stored columns get one more launch per window,
+  which maps each store's ids to the panel's;
 * there are two ``external_source`` ops fed by one :class:`GpuBatchSource`: a GPU one for
   the window arrays (``no_copy=True``: DALI reads our slot in place) and a CPU one for the
   small per-batch arrays (``pos``, the batch's CSR row starts, obs columns, index), which
@@ -61,9 +63,8 @@ from dali_zarr.data.dataset import (
     StoreRun,
     sub_indptr,
 )
-from dali_zarr.data.features import split_selection
 from dali_zarr.errors import ConfigError, DatasetError
-from dali_zarr.graph import cuda_kernels
+from dali_zarr.graph import cuda_kernels, kernels
 from dali_zarr.graph.pipeline import (
     GraphOps,
     Transform,
@@ -82,6 +83,7 @@ from dali_zarr.graph.source import (
 )
 from dali_zarr.io.gpu import (
     Pieces,
+    cuda_jit,
     describe_path,
     execute_plan_cpu,
     gpu_codec_kind,
@@ -150,6 +152,16 @@ class _Backend:
     def upload(self, host: np.ndarray, out: Any) -> None:
         raise NotImplementedError
 
+    def to_device(self, host: np.ndarray) -> Any:
+        """A device copy of ``host``, made once (a table the kernels read every window)."""
+        raise NotImplementedError
+
+    def remap_columns(self, indices: Any, run_bounds: np.ndarray, run_maps: np.ndarray,
+                      run_widths: np.ndarray, maps: Any) -> int:  # fmt: skip
+        """Map each run's column ids through its panel map, in place (the contract of
+        ``kernels._remap_run_columns``); returns 0, or 1 + a run holding an id out of range."""
+        raise NotImplementedError
+
     def finish(self) -> None:
         """Wait until the uploads and plans issued so far have landed."""
 
@@ -178,6 +190,12 @@ class HostBackend(_Backend):
 
     def upload(self, host: np.ndarray, out: Any) -> None:
         out[...] = host.reshape(out.shape)
+
+    def to_device(self, host: np.ndarray) -> np.ndarray:
+        return np.array(host)
+
+    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+        return int(kernels.remap_run_columns()(indices, run_bounds, run_maps, run_widths, maps))
 
     def minmax(self, values: Any) -> tuple[int, int]:
         return int(values.min()), int(values.max())
@@ -243,6 +261,24 @@ class CudaBackend(_Backend):
     def upload(self, host: np.ndarray, out: Any) -> None:
         with self.cp.cuda.Device(self.device_id):
             out.reshape(-1).set(np.ascontiguousarray(host).reshape(-1), stream=self.executor.stream)
+
+    def to_device(self, host: np.ndarray) -> Any:
+        with self.cp.cuda.Device(self.device_id):
+            out = self.cp.asarray(host)
+            self.cp.cuda.runtime.deviceSynchronize()
+        return out
+
+    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+        from numba import cuda
+
+        stream = self.executor.stream
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (run_bounds, run_maps, run_widths)]
+            bad = self.cp.zeros(1, dtype=self.cp.int64)
+            blocks = max(1, min(4096, -(-int(run_bounds[-1]) // 256)))
+            kernel = cuda_jit(cuda_kernels.remap_run_columns)
+            kernel[blocks, 256, cuda.external_stream(stream.ptr)](bad, indices, *args, maps)
+            return int(bad.get(stream=stream)[0])  # waits for the kernel
 
     def minmax(self, values: Any) -> tuple[int, int]:
         with self.cp.cuda.Device(self.device_id), self.executor.stream:
@@ -421,24 +457,108 @@ def _store_arrays(store: Dataset) -> list[tuple[str, Any]]:
     return [("values", store.values_reader)]
 
 
+@dataclass(frozen=True)
+class PanelMaps:
+    """The column maps of a collection whose stores are seen through different gene panels
+    (e.g. stores written with different gene orders, selected by name): each one's stored
+    column -> panel column, with ``n_kept`` where the panel drops it, end to end in
+    ``table``. ``where`` gives each map's (offset, width) by the identity of the run's
+    ``columns`` (None: a store read whole, the identity)."""
+
+    table: np.ndarray
+    where: dict[int | None, tuple[int, int]]
+    #: the maps themselves, so the ids in ``where`` stay theirs
+    held: tuple[np.ndarray, ...]
+
+    def of_runs(self, runs: list[StoreRun]) -> tuple[np.ndarray, np.ndarray]:
+        """Each run's map offset and width in ``table``."""
+        found = [self.where[None if r.columns is None else id(r.columns)] for r in runs]
+        return np.array(found, dtype=np.int64).reshape(-1, 2).T
+
+
+def panel_selection(
+    pairs: list[tuple[Dataset, np.ndarray | None]], layout: str, n_kept: int
+) -> tuple[np.ndarray | None, PanelMaps | None] | None:
+    """How a dataset's gene panels are kept on the device, from its
+    :meth:`~dali_zarr.data.dataset.Dataset.store_columns`: ``(selector, maps)``, or None
+    where its windows must be read on the host.
+
+    ``selector`` is the graph's constant: for CSR the densify kernel's ``column_map``
+    (stored column -> output column, -1 dropped), for dense stores the gather's ``columns``
+    (None: no panel). One panel over every store (a panel, its subsets, a collection of
+    like panels) is kept by that kernel alone. Different panels (CSR only) first get each
+    run's ids mapped as the window is read (``maps``, one launch per window), then the
+    densify kernel drops what the maps sent to ``n_kept``.
+    """
+    panels = [columns for _, columns in pairs]
+    if all(columns is None for columns in panels):
+        return None, None
+    first = panels[0]
+    if all(columns is not None and np.array_equal(columns, first) for columns in panels):
+        if layout == "csr":
+            return np.array(first, dtype=np.int64), None
+        kept = np.flatnonzero(first >= 0)
+        columns = np.empty(n_kept, dtype=np.int64)
+        columns[first[kept]] = kept
+        return columns, None
+    if layout != "csr":
+        return None
+    where: dict[int | None, tuple[int, int]] = {}
+    parts, held, offset = [], [], 0
+    for store, columns in pairs:
+        key = None if columns is None else id(columns)
+        if key in where:
+            continue
+        if columns is None:  # a whole store beside panels: already n_kept wide
+            table = np.arange(store.n_features, dtype=np.int64)
+        else:
+            table = np.where(columns >= 0, columns, n_kept).astype(np.int64)
+            held.append(columns)
+        where[key] = (offset, len(table))
+        parts.append(table)
+        offset += len(table)
+    selector = np.append(np.arange(n_kept, dtype=np.int64), -1)
+    return selector, PanelMaps(np.concatenate(parts), where, tuple(held))
+
+
 class DeviceWindowReader:
     """Reads a window's rows of a dataset into one device buffer (one ring slot).
 
-    Stores, collections of stores and subsets of either are read through each store's byte
-    plans: per window, one plan per array of each store the window touches, the plans of
-    stores written alike joined and placed so the rows land in window order
+    Stores, collections, subsets and gene panels of them are read through each store's
+    byte plans: per window, one plan per array of each store the window touches, the plans
+    of stores written alike joined and placed so the rows land in window order
     (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
-    window. Other datasets (a CSR-output feature selection, stores that disagree on a
-    dtype, float16 CSR data that is widened) are read on the host with
+    window. A panel is read as its stores' rows with every stored column and kept on the
+    device (:func:`panel_selection`; ``selector`` is the graph's constant). Other datasets
+    (panels with CSR output, dense stores under different panels, stores that disagree on
+    a dtype, float16 CSR data that is widened) are read on the host with
     ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 
-    def __init__(self, dataset: Dataset, backend: Any) -> None:
+    def __init__(self, dataset: Dataset, backend: Any, *, output: Output = "dense") -> None:
         self.dataset = dataset
         self.backend = backend
         self.dtype = window_dtype(dataset.layout, dataset.dtype)
         self.index_dtype = np.dtype(dataset.index_dtype)
+        self.selector: np.ndarray | None = None
+        self.panel_maps: PanelMaps | None = None
         self.stores = self._planned_stores()
+        pairs = dataset.store_columns()
+        if self.stores is not None and pairs is not None:
+            panels = any(columns is not None for _, columns in pairs)
+            # CSR output of a panel: a batch's size is known only once its ids are read
+            chosen = None if panels and output == "csr" else (
+                panel_selection(pairs, dataset.layout, dataset.n_features)
+            )  # fmt: skip
+            if chosen is None:
+                self.stores = None
+            else:
+                self.selector, self.panel_maps = chosen
+        self._device_maps = (
+            None if self.panel_maps is None else backend.to_device(self.panel_maps.table)
+        )
+        #: the stored width of every store (they agree unless panel_maps says otherwise)
+        self.stored_width = dataset.n_features if not self.stores else self.stores[0].n_features
 
     def _planned_stores(self) -> tuple[Dataset, ...] | None:
         """The stores read by byte plans, or None when windows are read on the host."""
@@ -453,7 +573,11 @@ class DeviceWindowReader:
                     and np.dtype(store.index_dtype) == self.index_dtype
                 )
             else:
-                same = isinstance(store, DenseDataset) and store.dtype == self.dataset.dtype
+                same = (
+                    isinstance(store, DenseDataset)
+                    and store.dtype == self.dataset.dtype
+                    and store.feature_shape == stores[0].feature_shape
+                )
             if not same:
                 return None
         return stores
@@ -485,7 +609,7 @@ class DeviceWindowReader:
             ]
         else:
             host_indptr = None
-            shapes = [("values", (n_rows, self.dataset.n_features), self.dtype)]
+            shapes = [("values", (n_rows, self.stored_width), self.dtype)]
         slots, nbytes = pack_slot(shapes)
         return WindowLayout(slots, nbytes, runs, run_starts, host_indptr, by_store)
 
@@ -496,7 +620,10 @@ class DeviceWindowReader:
         if window.host_indptr is not None:
             if window.host_indptr[-1] > 0:
                 self._read_runs(window, views)
-                self._check_indices(views["indices"], window)
+                if self.panel_maps is not None:
+                    self._map_panels(views["indices"], window)
+                else:
+                    self._check_indices(views["indices"], window)
             be.upload(window.host_indptr, views["indptr"])
             arrays = (views["data"], views["indices"], views["indptr"])
         else:
@@ -558,15 +685,30 @@ class DeviceWindowReader:
         """Out-of-range column ids would make densify write out of bounds: refuse them,
         naming the store they came from."""
         low, high = self.backend.minmax(indices)
-        if low >= 0 and high < self.dataset.n_features:
+        if low >= 0 and high < self.stored_width:
             return
         bounds = window.host_indptr[window.run_starts]
         for run, a, b in zip(window.runs, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             if b > a:
                 run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
         raise DatasetError(  # not reached: some run holds the bad id
-            f"{self.dataset.name}: column index outside [0, {self.dataset.n_features})"
+            f"{self.dataset.name}: column index outside [0, {self.stored_width})"
         )
+
+    def _map_panels(self, indices: Any, window: WindowLayout) -> None:
+        """Each run's column ids to its panel's columns (one launch), which also checks them
+        against each store's own width: a bad id fails naming its store and rows."""
+        assert self.panel_maps is not None
+        bounds = window.host_indptr[window.run_starts]
+        offsets, widths = self.panel_maps.of_runs(window.runs)
+        bad = self.backend.remap_columns(indices, bounds, offsets, widths, self._device_maps)
+        if bad:
+            run, a, b = window.runs[bad - 1], int(bounds[bad - 1]), int(bounds[bad])
+            # mapped ids are below the store's width, so the unmapped bad one shows
+            run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
+            raise DatasetError(  # not reached: check_index_range raises
+                f"{run.store.name}: column index outside [0, {run.store.n_features})"
+            )
 
     def read_paths(self) -> dict[str, str]:
         if self.stores is None:
@@ -574,37 +716,17 @@ class DeviceWindowReader:
                 name: f"gpu: host read ({path}), one copy to the device"
                 for name, path in self.dataset.read_paths().items()
             }
-        return {
-            reader.name: self.backend.path(reader)
-            for store in self.stores
-            for _, reader in _store_arrays(store)
-        }
-
-
-def device_selection(
-    dataset: Dataset, output: Output, backend: Any
-) -> tuple[DeviceWindowReader, np.ndarray | None]:
-    """The window reader, and the selector the graph applies (None: nothing to apply).
-
-    A feature selection (of a store, collection or subset; also a subset or collection of
-    selections: :func:`~dali_zarr.data.features.split_selection`) is read as the same rows
-    with all stored features, by byte plans (decoded on the GPU), and the graph's op keeps
-    the panel as it densifies through ``column_map`` (CSR) or gathers ``columns`` (dense).
-    CSR output keeps the host read: a batch's size after dropping columns is known only
-    once its column ids are read.
-    """
-    if output == "dense":
-        rows_only, columns = split_selection(dataset)
-        if columns is not None:
-            reader = DeviceWindowReader(rows_only, backend)
-            if reader.stores is not None:
-                if dataset.layout == "csr":
-                    selector = np.full(rows_only.n_features, -1, dtype=np.int64)
-                    selector[columns] = np.arange(len(columns))
-                else:
-                    selector = np.ascontiguousarray(columns, dtype=np.int64)
-                return reader, selector
-    return DeviceWindowReader(dataset, backend), None
+        kept = self.dataset.n_features
+        if self.panel_maps is not None:
+            where = "in the densify kernel, after each store's ids are mapped to the panel"
+        else:
+            where = "in the densify kernel" if self.dataset.layout == "csr" else "in the row gather"
+        paths = {}
+        for store in self.stores:
+            note = "" if self.selector is None else f"; {kept} of {store.n_features} features kept"
+            for _, reader in _store_arrays(store):
+                paths[reader.name] = self.backend.path(reader) + (note and f"{note} {where}")
+        return paths
 
 
 # ---------------------------------------------------------------------------- the source
@@ -644,7 +766,8 @@ class GpuBatchSource(BatchSource):
             read_threads=read_threads,
         )
         self.backend = backend if backend is not None else CudaBackend(device_id)
-        self.reader, self.selector = device_selection(dataset, output, self.backend)
+        self.reader = DeviceWindowReader(dataset, self.backend, output=output)
+        self.selector = self.reader.selector  # the panel the graph keeps (None: no panel)
         self.host_names, self.device_names = gpu_source_names(
             dataset.layout, output, list(obs), return_index
         )
@@ -739,13 +862,7 @@ class GpuBatchSource(BatchSource):
         return halves[which]
 
     def read_paths(self) -> dict[str, str]:
-        paths = self.reader.read_paths()
-        if self.selector is None:
-            return paths
-        kept = self.dataset.n_features  # the panel's width; the reader reads all features
-        where = "in the densify kernel" if self.dataset.layout == "csr" else "in the row gather"
-        note = f"; {kept} of {self.reader.dataset.n_features} features kept {where}"
-        return {name: path + note for name, path in paths.items()}
+        return self.reader.read_paths()
 
     def close(self) -> None:
         super().close()

@@ -101,6 +101,31 @@ def _gather_dense_columns(out, pos, values, columns):
             out[i, j] = values[r, columns[j]]
 
 
+def _remap_run_columns(indices, run_bounds, run_maps, run_widths, maps):
+    """Each run's column ids through its own panel map, in place: the ids of run ``r``
+    (elements ``run_bounds[r]`` to ``run_bounds[r + 1]``) become
+    ``maps[run_maps[r] + id]``. Returns 0, or 1 + a run holding an id outside
+    ``[0, run_widths[r])`` (left unmapped: the caller names the store and fails)."""
+    for r in range(run_maps.shape[0]):
+        base = run_maps[r]
+        width = run_widths[r]
+        for p in range(run_bounds[r], run_bounds[r + 1]):
+            j = np.int64(indices[p])
+            if j < 0 or j >= width:
+                return r + 1
+            indices[p] = maps[base + j]
+    return 0
+
+
+@lru_cache(maxsize=1)
+def remap_run_columns() -> Callable:
+    """:func:`_remap_run_columns` compiled (GIL released); the host backend's twin of
+    ``cuda_kernels.remap_run_columns``."""
+    import numba
+
+    return numba.njit(nogil=True)(_remap_run_columns)
+
+
 def _float32_bits_to_bfloat16_bits(out, bits):
     """out = bfloat16 bits of float32 ``bits`` (2-D), round to nearest even, NaN kept quiet.
 

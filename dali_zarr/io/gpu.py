@@ -974,7 +974,7 @@ class GpuPlanExecutor:
 
         with self.stream:
             seg = self.cp.asarray(np.ascontiguousarray(segments.T))
-        kernel = _jit(cuda_kernels.copy_segments)
+        kernel = cuda_jit(cuda_kernels.copy_segments)
         blocks = min(len(segments), 4096)
         kernel[blocks, 256, cuda.external_stream(self.stream.ptr)](out, src, seg[0], seg[1], seg[2])
 
@@ -1071,7 +1071,9 @@ class GpuPlanExecutor:
 _JITTED: dict[Any, Any] = {}
 
 
-def _jit(fn):
+def cuda_jit(fn):
+    """``fn`` compiled with ``numba.cuda.jit`` once per process (after the toolkit mends of
+    :func:`~dali_zarr.graph.cuda_kernels.numba_cuda_compat`)."""
     from numba import cuda
 
     from dali_zarr.graph.cuda_kernels import numba_cuda_compat
