@@ -36,6 +36,7 @@ GROUPS = [
     "bfloat16",
     "copy_segments",
     "remap_columns",
+    "keep_panel_rows",
 ]
 
 
@@ -85,6 +86,7 @@ def _worker() -> dict:
     from dali_zarr.graph import cuda_kernels as K
     from dali_zarr.graph import kernels
     from dali_zarr.io.gpu import copy_segments_cpu
+    from dali_zarr.planning.partition import concat_aranges
 
     cpu_densify = numba.njit(kernels._densify_csr_rows)
     cpu_gather = numba.njit(kernels._gather_csr_rows)
@@ -140,12 +142,25 @@ def _worker() -> dict:
         got = run(K.gather_csr_rows, launch, *outs, hint, bptr, pos, *csr)[:3]
         ref = [np.empty(nnz, data.dtype), np.empty(nnz, indices.dtype)]
         ref.append(np.empty(len(pos) + 1, np.int64))
-        cpu_gather(*ref, hint, pos, *csr)
+        cpu_gather(*ref, hint, bptr, pos, *csr)
         for g, r in zip(got, ref, strict=True):
             eq(g, r)
             assert g.dtype == r.dtype
         rows = sp.csr_matrix(tuple(got), shape=(len(pos), window.shape[1]))
         eq(rows.toarray(), window[pos].toarray().astype(rows.dtype))
+        # rows cut short in place (a panel kept on the device): each row's first entries
+        short = (indptr[pos + 1] - indptr[pos]) // 2
+        sptr = np.concatenate([[0], np.cumsum(short)]).astype(np.int64)
+        keep = concat_aranges(indptr[pos], short)
+        hint = np.empty((int(sptr[-1]), 0), np.uint8)
+        outs = [np.full(len(keep), 99, data.dtype), np.full(len(keep), 77, indices.dtype)]
+        outs.append(np.full(len(pos) + 1, -1, np.int64))
+        got = run(K.gather_csr_rows, launch, *outs, hint, sptr, pos, *csr)[:3]
+        for g, r in zip(got, (data[keep], indices[keep], sptr), strict=True):
+            eq(g, r)
+        cpu_gather(*outs, hint, sptr, pos, *csr)
+        for g, r in zip(outs, (data[keep], indices[keep], sptr), strict=True):
+            eq(g, r)
 
     def dense(launch, pos, values, ref):
         out = np.full((len(pos), values.shape[1]), np.nan, np.float32)
@@ -188,6 +203,34 @@ def _worker() -> dict:
             assert bad == want_bad + 1 and got_bad[0] == want_bad + 1, (bad, got_bad)
             a, b = bounds[want_bad], bounds[want_bad + 1]
             assert (got[a:b] == indices[a:b]).any()
+
+    cpu_keep = numba.njit(kernels._keep_panel_rows)
+
+    def keep_rows(launch, csr, run_rows, offsets, widths, maps, n_kept, want_bad):
+        data, indices, indptr = csr
+        n_rows = len(indptr) - 1
+        host = [data.copy(), indices.copy()]
+        kept_cpu = np.full(n_rows, -1, np.int64)
+        bad = cpu_keep(kept_cpu, *host, indptr, run_rows, offsets, widths, maps, n_kept)
+        kept, got_bad, d, i = run(K.keep_panel_rows, launch, np.full(n_rows, -1, np.int64),
+                                  np.zeros(1, np.int64), data, indices, indptr, run_rows,
+                                  offsets, widths, maps, np.int64(n_kept))[:4]  # fmt: skip
+        if want_bad is not None:  # the bad run is named; the bad id stays where it was
+            assert bad == want_bad + 1 and got_bad[0] == want_bad + 1, (bad, got_bad)
+            a, b = indptr[run_rows[want_bad]], indptr[run_rows[want_bad + 1]]
+            assert (i[a:b] >= widths[want_bad]).any() and (host[1][a:b] >= widths[want_bad]).any()
+            return
+        assert bad == 0 and got_bad[0] == 0
+        eq(kept, kept_cpu)
+        run_of = np.repeat(np.arange(len(offsets)), np.diff(run_rows))
+        for r in range(n_rows):  # each row's kept entries, in order, at its start
+            a, b = indptr[r], indptr[r + 1]
+            mapped = maps[offsets[run_of[r]] + indices[a:b].astype(np.int64)]
+            keep = mapped < n_kept
+            assert kept[r] == keep.sum()
+            for got_d, got_i in ((d, i), host):
+                eq(got_i[a : a + kept[r]], mapped[keep].astype(indices.dtype))
+                eq(got_d[a : a + kept[r]], data[a:b][keep])
 
     rng = np.random.default_rng(1234)
 
@@ -301,6 +344,21 @@ def _worker() -> dict:
         broken[bounds[bad_run] + lens[bad_run] // 2] = widths[which[bad_run]]  # one past
         check("remap_columns", f"{np.dtype(idt)} bad id", remap, LAUNCHES[1], broken,
               *args, bad_run)  # fmt: skip
+        # the same maps over rows: CSR output of the panels, rows cut in place
+        n_rows = 14
+        csr = _random_csr(rng, n_rows, 5, np.float32, idt)  # ids below every width
+        run_rows = np.array([0, 0, 3, 3, 9, n_rows], np.int64)  # five runs, two empty
+        which = rng.integers(0, 4, 5)
+        rows_args = (run_rows, offsets_of[which].astype(np.int64), widths[which], maps, 4)
+        for launch in LAUNCHES:
+            check("keep_panel_rows", f"{np.dtype(idt)} launch{launch}", keep_rows, launch, csr,
+                  *rows_args, None)  # fmt: skip
+        bad_rows = [r for r in range(3, 9) if csr[2][r + 1] - csr[2][r] >= 2]
+        assert bad_rows, "the test window needs a row of 2+ entries in run 3"
+        broken = csr[1].copy()
+        broken[csr[2][bad_rows[0]]] = widths[which[3]]  # one past run 3's width, first
+        check("keep_panel_rows", f"{np.dtype(idt)} bad id", keep_rows, LAUNCHES[2],
+              (csr[0], broken, csr[2]), *rows_args, 3)  # fmt: skip
     return results
 
 
@@ -372,12 +430,15 @@ PTX_CASES = [
     ("remap_run_columns", ["i8", "i4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "u4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "i8", "i8", "i8", "i8", "i8"], [1] * 6),
+    ("keep_panel_rows", ["i8", "i8", "f4", "i4", *["i8"] * 6], [1] * 9 + [0]),
+    ("keep_panel_rows", ["i8", "i8", "f8", "u4", *["i8"] * 6], [1] * 9 + [0]),
 ]  # fmt: skip
 
 
 @pytest.mark.skipif(not _nvvm_available(), reason="libNVVM not found: cannot compile to PTX")
 @pytest.mark.parametrize(("kernel", "dtypes", "ndims"), PTX_CASES)
 def test_kernels_compile_for_dali_argument_types(kernel, dtypes, ndims):
+    import numba
     from numba import cuda
 
     from dali_zarr.graph import cuda_kernels as K
@@ -387,7 +448,13 @@ def test_kernels_compile_for_dali_argument_types(kernel, dtypes, ndims):
         "selected_shared": K.make_densify_selected_shared,
     }
     fn = makers[kernel](300) if kernel in makers else getattr(K, kernel)
-    ptx, _ = cuda.compile_ptx(fn, K.numba_signature(dtypes, ndims), cc=(8, 0))
+    arrays = K.numba_signature(dtypes, ndims)
+    # ndim 0: a scalar (the window-level kernels launched by the reader take some)
+    sig = tuple(
+        numba.from_dtype(np.dtype(d)) if n == 0 else a
+        for a, d, n in zip(arrays, dtypes, ndims, strict=True)
+    )
+    ptx, _ = cuda.compile_ptx(fn, sig, cc=(8, 0))
     assert ".entry" in ptx or ".visible" in ptx
 
 
@@ -455,7 +522,7 @@ def test_gpu_ops_match_cpu_ops(n_cols, index_dtype):
         kw = dict(data_dtype=np.float32, index_dtype=index_dtype)
         if device == "cpu":
             x = kernels.densify_csr(pos, d, i, p, n_features=n_cols, **kw)
-            c = kernels.gather_csr(hint, pos, d, i, p, **kw)
+            c = kernels.gather_csr(hint, bptr, pos, d, i, p, **kw)
         else:
             g = [n.gpu() for n in (pos, d, i, p, hint, bptr)]
             x = K.densify_csr_gpu(g[0], g[1], g[2], g[3], n_features=n_cols, **kw)

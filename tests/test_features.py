@@ -84,16 +84,19 @@ def test_features_of_other_elements(rich, element: str, width: int) -> None:
 @pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize("output", ["dense", "csr"])
 def test_gpu_path_wiring_with_features(rich, where: str, output: str) -> None:
-    """Dense output: the GPU path reads the store's windows by byte plans and its densify op
-    keeps the panel; CSR output: it reads the selection on the host and copies it once.
-    Batch for batch what the CPU path delivers, which the tests above hold to anndata."""
+    """The GPU path reads the store's windows by byte plans and keeps the panel on the
+    device: dense output in its densify op, CSR output by cutting each row to its kept
+    entries as the window is read. Batch for batch what the CPU path delivers, which the
+    tests above hold to anndata."""
     dataset = dz.open_dataset(rich[0], features=PANEL)
     cpu, gpu = both(dataset, where, output=output, return_index=True)
     paths = gpu.read_paths()
-    on_host = [p.endswith("one copy to the device") for p in paths.values()]
-    assert all(on_host) if output == "csr" else not any(on_host), paths
-    kept = f"{len(PANEL)} of {N_VARS} features kept in the densify kernel"
-    assert all(p.endswith(kept) for p in paths.values()) == (output == "dense"), paths
+    where_kept = {
+        "dense": "in the densify kernel",
+        "csr": "as each window is read (each row's ids mapped to the panel)",
+    }[output]
+    kept = f"{len(PANEL)} of {N_VARS} features kept {where_kept}"
+    assert all(p.endswith(kept) and "host read" not in p for p in paths.values()), paths
     assert assert_same_batches(cpu, gpu, epochs=(2,), where=where) == len(cpu) > 0
 
 
@@ -196,10 +199,12 @@ def test_gpu_path_maps_each_stores_panel(rich, tmp_path: Path, where: str) -> No
         assert len(paths) == (6 if dataset is mixed else 4), paths  # data+indices per store
         assert all("mapped to the panel" in p for p in paths.values()), paths
         assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
-    # CSR output of such panels: the host read, as for any panel
-    cpu, gpu = both(joined, where, output="csr", return_index=True)
-    assert all("host read" in p for p in gpu.read_paths().values())
-    assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
+    # CSR output: each row cut to its panel's entries as the window is read
+    for dataset in cases:
+        cpu, gpu = both(dataset, where, output="csr", return_index=True)
+        paths = gpu.read_paths()
+        assert all("each row's ids mapped to the panel" in p for p in paths.values()), paths
+        assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
 
 
 def test_store_runs_carry_each_panel(rich, tmp_path: Path) -> None:

@@ -320,8 +320,12 @@ def test_collection_of_stores_with_other_index_dtypes_is_read_on_the_host(tmp_pa
     assert_same_batches(cpu, gpu, epochs=(0,))
 
 
-@pytest.mark.parametrize("panels", [False, True], ids=["whole-stores", "unlike-panels"])
-def test_bad_column_id_names_the_store_in_a_collection(tmp_path, panels):
+@pytest.mark.parametrize(
+    ("panels", "output"),
+    [(False, "dense"), (True, "dense"), (True, "csr")],
+    ids=["whole-stores", "unlike-panels", "unlike-panels-csr-output"],
+)
+def test_bad_column_id_names_the_store_in_a_collection(tmp_path, panels, output):
     import zarr
 
     a_path = csr_store(tmp_path, 3, "zstd", None)
@@ -331,7 +335,7 @@ def test_bad_column_id_names_the_store_in_a_collection(tmp_path, panels):
     parts = [dz.open_dataset(p) for p in (a_path, b_path)]
     if panels:  # checked by the kernel that maps each store's ids to its panel
         parts = [dz.FeatureSubset(parts[0], [5, 1, 80]), dz.FeatureSubset(parts[1], [1, 5, 80])]
-    loader = dz.Loader(dz.Collection(parts), sampler(), **gpu_kwargs("host"))
+    loader = dz.Loader(dz.Collection(parts), sampler(), output=output, **gpu_kwargs("host"))
     paths = loader.read_paths().values()
     assert all(("mapped to the panel" in p) == panels and "host read" not in p for p in paths)
     with pytest.raises(dz.DatasetError, match=r"sc-2-zstd-None.zarr/X/indices: column index 83"):

@@ -38,6 +38,10 @@ that is what ``nnz_hint`` carries) and it already holds the window's indptr: a c
 values costs microseconds and avoids a device scan (a single-block scan would serialise the
 prefix over one SM; a multi-block scan is 2-3 extra launches). The kernel then copies each
 row's run of data/indices to its slot, one block per row, and copies ``batch_indptr`` out.
+A row's length is taken from ``batch_indptr``, its start from the window's ``indptr``: a
+window whose rows were cut to a gene panel in place (:func:`keep_panel_rows`, the callback
+then sizes batches by the kept lengths) is gathered with no extra pass. The CPU op has the
+same contract.
 
 Dense gather (:func:`gather_dense_gpu`) copies rows ``pos`` with coalesced loads/stores and
 casts to the output dtype in the same pass (float32 by default), so there is no separate
@@ -48,6 +52,10 @@ Gene panels (a feature selection, dense output): :func:`densify_csr_gpu` given a
 twins of the two variants, which map each column as they scatter; dropped non-zeros are
 read and skipped. :func:`gather_dense_gpu` given ``columns`` gathers rows ``pos`` and those
 columns of a dense window in one pass. Either way the panel costs no extra launch.
+Stores under panels that keep different stored columns need one launch per window, run by
+the window reader (not DALI): :func:`remap_run_columns` maps each store's ids to the panel
+before densify; for CSR output, :func:`keep_panel_rows` maps them and moves each row's
+kept entries to its start.
 
 Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
 float16 is a DALI ``fn.cast`` after the op; bfloat16 is :func:`to_bfloat16_bits_gpu`, which
@@ -70,7 +78,7 @@ from numba import cuda
 from nvidia.dali import types
 from nvidia.dali.plugin.numba.fn.experimental import numba_function
 
-from dali_zarr.graph.kernels import _rows_by_width, _same_shape_2d, dali_type
+from dali_zarr.graph.kernels import _csr_batch_shapes, _rows_by_width, _same_shape_2d, dali_type
 
 #: widest row (in float32 elements) densified through shared memory (32 KiB per block).
 SHARED_COLS = 8192
@@ -171,7 +179,9 @@ def make_densify_selected_shared(width: int) -> Callable:
 def gather_csr_rows(
     out_data, out_indices, out_indptr, nnz_hint, batch_indptr, pos, data, indices, indptr
 ):
-    """The batch's CSR: row pos[i] of the window goes to [batch_indptr[i], batch_indptr[i+1])."""
+    """The batch's CSR: row pos[i] of the window, from its start ``indptr[pos[i]]``, goes
+    to [batch_indptr[i], batch_indptr[i+1]) (lengths from ``batch_indptr``: rows cut short
+    in place by a gene panel are gathered as they are)."""
     n = pos.shape[0]
     g = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     for k in range(g, n + 1, cuda.gridDim.x * cuda.blockDim.x):
@@ -179,10 +189,9 @@ def gather_csr_rows(
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(cuda.blockIdx.x, n, cuda.gridDim.x):
-        r = pos[i]
-        src = indptr[r]
+        src = indptr[pos[i]]
         dst = batch_indptr[i]
-        for k in range(t, indptr[r + 1] - src, nt):
+        for k in range(t, batch_indptr[i + 1] - dst, nt):
             out_data[dst + k] = data[src + k]
             out_indices[dst + k] = indices[src + k]
 
@@ -264,6 +273,42 @@ def remap_run_columns(bad, indices, run_bounds, run_maps, run_widths, maps):
             indices[p] = maps[run_maps[lo] + j]
 
 
+def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+    """CSR output of gene panels, in place (twin of ``kernels._keep_panel_rows``): one
+    thread per row maps the row's ids through its run's map and moves the kept entries,
+    in order, to the row's start; ``kept[r]`` counts them. An id outside ``[0,
+    run_widths[q])`` stops its row where it is and makes ``bad[0]`` at least ``1 + q``.
+
+    One launch per window. A thread walks its row in order (that keeps the order without a
+    scan); the rows of a window are ~10^4, so a launch has that many threads.
+    """
+    n_runs = run_maps.shape[0]
+    for r in range(cuda.grid(1), indptr.shape[0] - 1, cuda.gridsize(1)):
+        lo = 0
+        hi = n_runs - 1
+        while lo < hi:  # the last run starting at or before row r
+            mid = (lo + hi + 1) // 2
+            if run_rows[mid] <= r:
+                lo = mid
+            else:
+                hi = mid - 1
+        base = run_maps[lo]
+        width = run_widths[lo]
+        start = indptr[r]
+        w = start
+        for p in range(start, indptr[r + 1]):
+            j = numba.int64(indices[p])
+            if j < 0 or j >= width:
+                cuda.atomic.max(bad, 0, lo + 1)
+                break
+            c = maps[base + j]
+            if c < n_kept:
+                data[w] = data[p]
+                indices[w] = c
+                w += 1
+        kept[r] = w - start
+
+
 def densify_kernel(n_features: int, *, selected: bool = False) -> Callable:
     """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features`` (with a
     ``column_map`` when ``selected``)."""
@@ -274,14 +319,6 @@ def densify_kernel(n_features: int, *, selected: bool = False) -> Callable:
 
 
 # --- setup functions (CPU, compiled by the plugin with njit) -----------------------------------
-
-
-def _csr_batch_shapes_gpu(outs, ins):
-    """data/indices: nnz from ``nnz_hint`` (nnz, 0); indptr: len(batch_indptr)."""
-    for s in range(len(outs[0])):
-        outs[0][s][0] = ins[0][s][0]
-        outs[1][s][0] = ins[0][s][0]
-        outs[2][s][0] = ins[1][s][0]
 
 
 # --- graph builders (device="gpu"; every input must be a GPU DataNode) -------------------------
@@ -383,7 +420,7 @@ def gather_csr_gpu(
         indices,
         indptr,
         run_fn=gather_csr_rows,
-        setup_fn=_csr_batch_shapes_gpu,
+        setup_fn=_csr_batch_shapes,
         out_types=[dali_type(data_dtype), dali_type(index_dtype), types.INT64],
         in_types=[
             types.UINT8,

@@ -10,10 +10,12 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
   + one copy where needed) into a slot of a :class:`BufferRing` of device buffers, on the
   prefetch thread, ``prefetch_windows`` windows ahead of the consumer;
 * a gene panel (:class:`~dali_zarr.data.features.FeatureSubset`, also one split into
-  subsets or in a collection) with dense output is read as its stores' windows and kept
-  by the densify or gather kernel itself (:func:`panel_selection`): no host pass over the
-  window. Panels that keep different stored columns get one more launch per window,
-  which maps each store's ids to the panel's;
+  subsets or in a collection) is read as its stores' windows and kept on the device
+  (:func:`panel_selection`): with dense output by the densify or gather kernel itself (no
+  host pass over the window; panels that keep different stored columns get one more
+  launch per window, which maps each store's ids to the panel's); with CSR output by one
+  launch per window that cuts each row to its kept entries in place, whose kept lengths
+  come back to the host to size the batches;
 * there are two ``external_source`` ops fed by one :class:`GpuBatchSource`: a GPU one for
   the window arrays (``no_copy=True``: DALI reads our slot in place) and a CPU one for the
   small per-batch arrays (``pos``, the batch's CSR row starts, obs columns, index), which
@@ -162,6 +164,14 @@ class _Backend:
         ``kernels._remap_run_columns``); returns 0, or 1 + a run holding an id out of range."""
         raise NotImplementedError
 
+    def keep_panel_rows(self, data: Any, indices: Any, indptr: Any, run_rows: np.ndarray,
+                        run_maps: np.ndarray, run_widths: np.ndarray, maps: Any,
+                        n_kept: int) -> tuple[np.ndarray, int]:  # fmt: skip
+        """Keep each row's panel entries at its start, in place (the contract of
+        ``kernels._keep_panel_rows``); returns (each row's kept count on the host, 0 or 1 +
+        a run holding an id out of range)."""
+        raise NotImplementedError
+
     def finish(self) -> None:
         """Wait until the uploads and plans issued so far have landed."""
 
@@ -196,6 +206,13 @@ class HostBackend(_Backend):
 
     def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
         return int(kernels.remap_run_columns()(indices, run_bounds, run_maps, run_widths, maps))
+
+    def keep_panel_rows(self, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+        kept = np.empty(len(indptr) - 1, dtype=np.int64)
+        bad = kernels.keep_panel_rows()(
+            kept, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept
+        )
+        return kept, int(bad)
 
     def minmax(self, values: Any) -> tuple[int, int]:
         return int(values.min()), int(values.max())
@@ -279,6 +296,23 @@ class CudaBackend(_Backend):
             kernel = cuda_jit(cuda_kernels.remap_run_columns)
             kernel[blocks, 256, cuda.external_stream(stream.ptr)](bad, indices, *args, maps)
             return int(bad.get(stream=stream)[0])  # waits for the kernel
+
+    def keep_panel_rows(self, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+        from numba import cuda
+
+        stream = self.executor.stream
+        n_rows = len(indptr) - 1
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (run_rows, run_maps, run_widths)]
+            kept = self.cp.empty(n_rows, dtype=self.cp.int64)
+            bad = self.cp.zeros(1, dtype=self.cp.int64)
+            # one thread per row; small blocks spread a window's ~10^4 rows over the SMs
+            blocks = max(1, min(65535, -(-n_rows // 64)))
+            kernel = cuda_jit(cuda_kernels.keep_panel_rows)
+            kernel[blocks, 64, cuda.external_stream(stream.ptr)](
+                kept, bad, data, indices, indptr, *args, maps, n_kept
+            )
+            return kept.get(stream=stream), int(bad.get(stream=stream)[0])
 
     def minmax(self, values: Any) -> tuple[int, int]:
         with self.cp.cuda.Device(self.device_id), self.executor.stream:
@@ -477,7 +511,7 @@ class PanelMaps:
 
 
 def panel_selection(
-    pairs: list[tuple[Dataset, np.ndarray | None]], layout: str, n_kept: int
+    pairs: list[tuple[Dataset, np.ndarray | None]], layout: str, n_kept: int, output: Output
 ) -> tuple[np.ndarray | None, PanelMaps | None] | None:
     """How a dataset's gene panels are kept on the device, from its
     :meth:`~dali_zarr.data.dataset.Dataset.store_columns`: ``(selector, maps)``, or None
@@ -488,13 +522,16 @@ def panel_selection(
     (None: no panel). One panel over every store (a panel, its subsets, a collection of
     like panels) is kept by that kernel alone. Different panels (CSR only) first get each
     run's ids mapped as the window is read (``maps``, one launch per window), then the
-    densify kernel drops what the maps sent to ``n_kept``.
+    densify kernel drops what the maps sent to ``n_kept``. CSR output of any panel takes
+    ``maps`` and no selector: each row's kept entries are moved to its start as the window
+    is read, and the batch gather takes the rows as they are then.
     """
     panels = [columns for _, columns in pairs]
     if all(columns is None for columns in panels):
         return None, None
     first = panels[0]
-    if all(columns is not None and np.array_equal(columns, first) for columns in panels):
+    like = all(columns is not None and np.array_equal(columns, first) for columns in panels)
+    if like and output != "csr":
         if layout == "csr":
             return np.array(first, dtype=np.int64), None
         kept = np.flatnonzero(first >= 0)
@@ -517,8 +554,8 @@ def panel_selection(
         where[key] = (offset, len(table))
         parts.append(table)
         offset += len(table)
-    selector = np.append(np.arange(n_kept, dtype=np.int64), -1)
-    return selector, PanelMaps(np.concatenate(parts), where, tuple(held))
+    maps = PanelMaps(np.concatenate(parts), where, tuple(held))
+    return (None if output == "csr" else np.append(np.arange(n_kept, dtype=np.int64), -1)), maps
 
 
 class DeviceWindowReader:
@@ -545,15 +582,13 @@ class DeviceWindowReader:
         self.stores = self._planned_stores()
         pairs = dataset.store_columns()
         if self.stores is not None and pairs is not None:
-            panels = any(columns is not None for _, columns in pairs)
-            # CSR output of a panel: a batch's size is known only once its ids are read
-            chosen = None if panels and output == "csr" else (
-                panel_selection(pairs, dataset.layout, dataset.n_features)
-            )  # fmt: skip
+            chosen = panel_selection(pairs, dataset.layout, dataset.n_features, output)
             if chosen is None:
                 self.stores = None
             else:
                 self.selector, self.panel_maps = chosen
+        #: CSR output of a panel: rows cut to their kept entries as each window is read
+        self.cuts_rows = output == "csr" and self.panel_maps is not None
         self._device_maps = (
             None if self.panel_maps is None else backend.to_device(self.panel_maps.table)
         )
@@ -613,24 +648,28 @@ class DeviceWindowReader:
         slots, nbytes = pack_slot(shapes)
         return WindowLayout(slots, nbytes, runs, run_starts, host_indptr, by_store)
 
-    def read(self, window: WindowLayout, buf: Any) -> tuple:
-        """Fill ``buf`` with the window; returns its device arrays."""
+    def read(self, window: WindowLayout, buf: Any) -> tuple[tuple, np.ndarray | None]:
+        """Fill ``buf`` with the window; returns its device arrays and, for CSR, the host
+        indptr of what its rows hold now (with rows cut to a panel: their kept lengths)."""
         be = self.backend
         views = {name: be.view(buf, off, shape, dt) for name, shape, dt, off in window.slots}
-        if window.host_indptr is not None:
-            if window.host_indptr[-1] > 0:
+        host_indptr = window.host_indptr
+        if host_indptr is not None:
+            be.upload(host_indptr, views["indptr"])  # each row's start in the slot
+            if host_indptr[-1] > 0:
                 self._read_runs(window, views)
-                if self.panel_maps is not None:
+                if self.cuts_rows:
+                    host_indptr = self._keep_panel_rows(views, window)
+                elif self.panel_maps is not None:
                     self._map_panels(views["indices"], window)
                 else:
                     self._check_indices(views["indices"], window)
-            be.upload(window.host_indptr, views["indptr"])
             arrays = (views["data"], views["indices"], views["indptr"])
         else:
             self._read_runs(window, views)
             arrays = (views["values"],)
         be.finish()
-        return arrays
+        return arrays, host_indptr
 
     def _read_runs(self, window: WindowLayout, views: dict[str, Any]) -> None:
         """Each array of the window from every store it touches (all of a store's runs at
@@ -695,6 +734,30 @@ class DeviceWindowReader:
             f"{self.dataset.name}: column index outside [0, {self.stored_width})"
         )
 
+    def _keep_panel_rows(self, views: dict[str, Any], window: WindowLayout) -> np.ndarray:
+        """CSR output of a panel: each row's kept entries moved to its start, renumbered
+        to the panel (one launch); returns the prefix sum of the kept lengths, from which
+        the callback sizes each batch. A bad id fails naming its store and rows."""
+        assert self.panel_maps is not None
+        offsets, widths = self.panel_maps.of_runs(window.runs)
+        kept, bad = self.backend.keep_panel_rows(
+            views["data"], views["indices"], views["indptr"], window.run_starts,
+            offsets, widths, self._device_maps, self.dataset.n_features,
+        )  # fmt: skip
+        if bad:
+            self._name_bad_run(views["indices"], window, bad - 1)
+        return run_offsets(kept)
+
+    def _name_bad_run(self, indices: Any, window: WindowLayout, i: int) -> None:
+        """Raise the error of run ``i``, which holds a column id outside its store's width
+        (ids mapped or moved before it are below that width, so the bad one shows)."""
+        bounds = window.host_indptr[window.run_starts]
+        run, a, b = window.runs[i], int(bounds[i]), int(bounds[i + 1])
+        run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
+        raise DatasetError(  # not reached: check_index_range raises
+            f"{run.store.name}: column index outside [0, {run.store.n_features})"
+        )
+
     def _map_panels(self, indices: Any, window: WindowLayout) -> None:
         """Each run's column ids to its panel's columns (one launch), which also checks them
         against each store's own width: a bad id fails naming its store and rows."""
@@ -703,12 +766,7 @@ class DeviceWindowReader:
         offsets, widths = self.panel_maps.of_runs(window.runs)
         bad = self.backend.remap_columns(indices, bounds, offsets, widths, self._device_maps)
         if bad:
-            run, a, b = window.runs[bad - 1], int(bounds[bad - 1]), int(bounds[bad])
-            # mapped ids are below the store's width, so the unmapped bad one shows
-            run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
-            raise DatasetError(  # not reached: check_index_range raises
-                f"{run.store.name}: column index outside [0, {run.store.n_features})"
-            )
+            self._name_bad_run(indices, window, bad - 1)
 
     def read_paths(self) -> dict[str, str]:
         if self.stores is None:
@@ -717,13 +775,16 @@ class DeviceWindowReader:
                 for name, path in self.dataset.read_paths().items()
             }
         kept = self.dataset.n_features
-        if self.panel_maps is not None:
+        if self.cuts_rows:
+            where = "as each window is read (each row's ids mapped to the panel)"
+        elif self.panel_maps is not None:
             where = "in the densify kernel, after each store's ids are mapped to the panel"
         else:
             where = "in the densify kernel" if self.dataset.layout == "csr" else "in the row gather"
         paths = {}
         for store in self.stores:
-            note = "" if self.selector is None else f"; {kept} of {store.n_features} features kept"
+            panel = self.selector is not None or self.panel_maps is not None
+            note = f"; {kept} of {store.n_features} features kept" if panel else ""
             for _, reader in _store_arrays(store):
                 paths[reader.name] = self.backend.path(reader) + (note and f"{note} {where}")
         return paths
@@ -788,10 +849,9 @@ class GpuBatchSource(BatchSource):
         ranges = plan.row_ranges
         layout = self.reader.layout(ranges)
         if layout is not None:
-            host_indptr = layout.host_indptr
             lease = self.ring.acquire(layout.nbytes, self._reclaim)
             try:
-                arrays = self.reader.read(layout, lease.buf)
+                arrays, host_indptr = self.reader.read(layout, lease.buf)
             except BaseException:
                 self.ring.release(lease)
                 raise

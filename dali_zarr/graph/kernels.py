@@ -74,17 +74,21 @@ def _densify_selected_rows(out, pos, data, indices, indptr, column_map):
                 row[c] += data[p]
 
 
-def _gather_csr_rows(out_data, out_indices, out_indptr, nnz_hint, pos, data, indices, indptr):
-    """The batch's own CSR: rows pos[i] of the window CSR, in batch order."""
-    out_indptr[0] = 0
-    k = 0
+def _gather_csr_rows(
+    out_data, out_indices, out_indptr, nnz_hint, batch_indptr, pos, data, indices, indptr
+):
+    """The batch's own CSR: row pos[i] of the window, from its start ``indptr[pos[i]]``,
+    goes to ``[batch_indptr[i], batch_indptr[i + 1])``. The lengths come from
+    ``batch_indptr``, so a window whose rows were cut short in place (a gene panel kept on
+    the device) is gathered as it is."""
+    for i in range(pos.shape[0] + 1):
+        out_indptr[i] = batch_indptr[i]
     for i in range(pos.shape[0]):
-        r = pos[i]
-        for p in range(indptr[r], indptr[r + 1]):
-            out_data[k] = data[p]
-            out_indices[k] = indices[p]
-            k += 1
-        out_indptr[i + 1] = k
+        src = indptr[pos[i]]
+        dst = batch_indptr[i]
+        for k in range(batch_indptr[i + 1] - dst):
+            out_data[dst + k] = data[src + k]
+            out_indices[dst + k] = indices[src + k]
 
 
 def _gather_dense_rows(out, pos, values):
@@ -115,6 +119,40 @@ def _remap_run_columns(indices, run_bounds, run_maps, run_widths, maps):
                 return r + 1
             indices[p] = maps[base + j]
     return 0
+
+
+def _keep_panel_rows(kept, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+    """CSR output of gene panels: each row's entries through its run's map, the kept ones
+    (panel column below ``n_kept``) moved to the row's start in their order, in place;
+    ``kept[r]`` = how many row ``r`` keeps. Rows of run ``q`` are ``run_rows[q]`` to
+    ``run_rows[q + 1]``. Returns 0, or 1 + a run holding an id outside ``[0,
+    run_widths[q])`` (that row stops at the bad id, which stays where it was)."""
+    for q in range(run_maps.shape[0]):
+        base = run_maps[q]
+        width = run_widths[q]
+        for r in range(run_rows[q], run_rows[q + 1]):
+            start = indptr[r]
+            w = start
+            for p in range(start, indptr[r + 1]):
+                j = np.int64(indices[p])
+                if j < 0 or j >= width:
+                    return q + 1
+                c = maps[base + j]
+                if c < n_kept:
+                    data[w] = data[p]
+                    indices[w] = c
+                    w += 1
+            kept[r] = w - start
+    return 0
+
+
+@lru_cache(maxsize=1)
+def keep_panel_rows() -> Callable:
+    """:func:`_keep_panel_rows` compiled (GIL released); the host backend's twin of
+    ``cuda_kernels.keep_panel_rows``."""
+    import numba
+
+    return numba.njit(nogil=True)(_keep_panel_rows)
 
 
 @lru_cache(maxsize=1)
@@ -169,11 +207,11 @@ def _same_shape_2d(outs, ins):
 
 
 def _csr_batch_shapes(outs, ins):
-    """data/indices get nnz from the shape of ``nnz_hint`` (nnz, 0); indptr gets len(pos)+1."""
+    """data/indices: nnz from ``nnz_hint`` (nnz, 0); indptr: len(batch_indptr) (both ops)."""
     for s in range(len(outs[0])):
         outs[0][s][0] = ins[0][s][0]
         outs[1][s][0] = ins[0][s][0]
-        outs[2][s][0] = ins[1][s][0] + 1
+        outs[2][s][0] = ins[1][s][0]
 
 
 # --- graph builders ---------------------------------------------------------------------------
@@ -234,17 +272,19 @@ def densify_csr(
     return op(pos, data, indices, indptr, *selected)
 
 
-def gather_csr(nnz_hint, pos, data, indices, indptr, *, data_dtype, index_dtype):
-    """DALI op: the batch's (data, indices, indptr) from window CSR + positions."""
+def gather_csr(nnz_hint, batch_indptr, pos, data, indices, indptr, *, data_dtype, index_dtype):
+    """DALI op: the batch's (data, indices, indptr) from window CSR + positions + the batch's
+    row starts (computed by the callback, which must know the batch's nnz anyway)."""
+    data_t, index_t = dali_type(data_dtype), dali_type(index_dtype)
     op = _numba_op(
         "gather_csr",
         None,
-        (dali_type(data_dtype), dali_type(index_dtype), types.INT64),
-        (types.UINT8, types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64),
+        (data_t, index_t, types.INT64),
+        (types.UINT8, types.INT64, types.INT64, data_t, index_t, types.INT64),
         (1, 1, 1),
-        (2, 1, 1, 1, 1),
+        (2, 1, 1, 1, 1, 1),
     )
-    return op(nnz_hint, pos, data, indices, indptr)
+    return op(nnz_hint, batch_indptr, pos, data, indices, indptr)
 
 
 def gather_dense(pos, values, columns=None, *, n_features: int, dtype):

@@ -137,8 +137,7 @@ class GraphOps:
             return K.gather_csr_gpu(
                 nnz_hint, batch_indptr, pos, data, indices, indptr, **kw, **launch
             )
-        # the CPU kernel computes the batch's row starts itself (batch_indptr may be None)
-        return kernels.gather_csr(nnz_hint, pos, data, indices, indptr, **kw)
+        return kernels.gather_csr(nnz_hint, batch_indptr, pos, data, indices, indptr, **kw)
 
     def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype, columns=None):
         """Rows ``pos`` (and, given ``columns``, only those columns) as float32 (the CUDA
@@ -177,10 +176,9 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
     csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
     out: dict = {}
     if ds.layout == "csr" and source.output == "csr":
-        batch_indptr = node.get("batch_indptr")  # the GPU source's; the CPU kernel needs none
         out["X_data"], out["X_indices"], out["X_indptr"] = ops.gather_csr(
             ops.to_device(node["nnz_hint"]),
-            None if batch_indptr is None else ops.to_device(batch_indptr),
+            ops.to_device(node["batch_indptr"]),
             pos,
             node["data"],
             node["indices"],

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows
+from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, sub_indptr
 from dali_zarr.planning import EpochPlan, WindowPlan
 from dali_zarr.planning.partition import validate_count
 from dali_zarr.planning.resume import Segment, plan_resumed_epoch
@@ -89,7 +89,8 @@ def window_arrays(dataset: Dataset, rows: CsrRows | DenseRows) -> tuple[np.ndarr
 def source_names(layout: str, output: Output, obs: list[str], return_index: bool) -> list[str]:
     """Names of the callback's outputs, in order (the DALI graph unpacks them by name)."""
     if layout == "csr":
-        names = ["pos", "data", "indices", "indptr"] + (["nnz_hint"] if output == "csr" else [])
+        names = ["pos", "data", "indices", "indptr"]
+        names += ["nnz_hint", "batch_indptr"] if output == "csr" else []
     else:
         names = ["pos", "values"]
     return names + list(obs) + (["index"] if return_index else [])
@@ -229,9 +230,9 @@ class BatchSource:
         pos = np.ascontiguousarray(window.plan.batch_positions(j), dtype=np.int64)
         outputs = [pos, *window.arrays]
         if self.dataset.layout == "csr" and self.output == "csr":
-            indptr = window.arrays[2]
-            nnz = int((indptr[pos + 1] - indptr[pos]).sum())
-            outputs.append(np.empty((nnz, 0), dtype=np.uint8))  # shape carries nnz, no bytes
+            batch_indptr = sub_indptr(window.arrays[2], pos)
+            # the hint's shape carries the batch's nnz to the op's setup, no bytes
+            outputs += [np.empty((int(batch_indptr[-1]), 0), dtype=np.uint8), batch_indptr]
         return outputs + self.row_outputs(window, j)
 
     def row_outputs(self, window: Window, j: int) -> list[np.ndarray]:
