@@ -176,10 +176,11 @@ def _worker() -> dict:
         back = torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()
         assert np.isnan(back[nan]).all()
 
-    def segments(launch, src, seg):
-        want = np.zeros(int(seg[:, 2].sum()), np.float32)
+    def segments(launch, src, seg, out_dtype):
+        want = np.zeros(int(seg[:, 2].sum()), out_dtype)
         copy_segments_cpu(want, src, seg)
-        out = np.full(len(want), -1, np.float32)
+        eq(want, np.concatenate([src[a : a + n] for a, _, n in seg]).astype(out_dtype))
+        out = np.full(len(want), -1, out_dtype)
         got = run(K.copy_segments, launch, out, src, seg[:, 0], seg[:, 1], seg[:, 2])[0]
         eq(got, want)
 
@@ -313,13 +314,15 @@ def _worker() -> dict:
         check("bfloat16", f"launch{launch}", bf16, launch, x, want16)
 
     # -- segment copies (the GPU read path's window assembly) ---------------------------------
-    for trial in range(4):
-        src = rng.integers(0, 1000, 500).astype(np.float32)
+    # the last two widen as they copy (a store's int32 ids or float16 values in a wider window)
+    kinds = [(np.float32, np.float32)] * 3 + [(np.int32, np.int64), (np.float16, np.float32)]
+    for trial, (src_dtype, out_dtype) in enumerate(kinds):
+        src = (rng.integers(0, 1000, 500) - 400).astype(src_dtype)
         lens = rng.integers(1, 30, 12)
         seg = np.stack([rng.integers(0, 470, 12), np.cumsum(lens) - lens, lens], 1)
         for launch in LAUNCHES:
             check("copy_segments", f"trial{trial} launch{launch}", segments, launch, src,
-                  seg.astype(np.int64))  # fmt: skip
+                  seg.astype(np.int64), out_dtype)  # fmt: skip
     # -- per-run panel maps (collections of panels keeping different columns) --------------
     for idt in (np.int32, np.int64, np.uint32):
         widths = np.array([7, 12, 7, 5], np.int64)  # four maps (the panel keeps 4 columns)
@@ -427,6 +430,9 @@ PTX_CASES = [
     ("float32_bits_to_bfloat16_bits", ["u2", "u4"], [2, 2]),
     ("copy_segments", ["f4", "f4", "i8", "i8", "i8"], [1] * 5),
     ("copy_segments", ["u1", "u1", "i8", "i8", "i8"], [1] * 5),
+    ("copy_segments", ["i8", "i4", "i8", "i8", "i8"], [1] * 5),  # widened as placed
+    ("copy_segments", ["i8", "u4", "i8", "i8", "i8"], [1] * 5),
+    ("copy_segments", ["f4", "f2", "i8", "i8", "i8"], [1] * 5),
     ("remap_run_columns", ["i8", "i4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "u4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "i8", "i8", "i8", "i8", "i8"], [1] * 6),

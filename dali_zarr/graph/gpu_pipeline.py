@@ -130,8 +130,7 @@ class _Backend:
     def upload_rows(self, reader: Any, ranges: np.ndarray, pieces: Pieces | None, out: Any) -> None:
         """Rows ``ranges`` of an array that has no byte plan, read on the host and copied
         into ``out`` (whole, or as ``pieces``: one store's share of a collection's window)."""
-        host = np.ascontiguousarray(reader.read_rows(ranges))
-        host = host.view(out.dtype) if host.dtype != out.dtype else host
+        host = _as_window_dtype(np.ascontiguousarray(reader.read_rows(ranges)), out.dtype)
         if pieces is None:
             self.upload(host, out)
             return
@@ -141,12 +140,16 @@ class _Backend:
                 self.upload(host[a : a + n], out[start : start + n])
 
     def run_into(self, plan: Any, reader: Any, out: Any) -> None:
-        """Run ``plan`` into ``out``, bit for bit (``out`` may be the uint16 view of a
-        float16 array: see :func:`~dali_zarr.graph.source.window_dtype`)."""
+        """Run ``plan`` into ``out``: bit for bit where ``out`` is a view of the same width
+        (the uint16 bits of a float16 array: see
+        :func:`~dali_zarr.graph.source.window_dtype`), widened by the plan's final copy
+        where ``out`` is wider (int32 column ids of one store in a collection's int64
+        window, float16 CSR values in a float32 window)."""
         target = out.reshape(plan.out_shape)
-        self.run_plan(
-            plan, reader, target.view(plan.dtype) if target.dtype != plan.dtype else target
-        )
+        same_width = np.dtype(target.dtype).itemsize == np.dtype(plan.dtype).itemsize
+        if target.dtype != plan.dtype and same_width:
+            target = target.view(plan.dtype)
+        self.run_plan(plan, reader, target)
 
     def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
         raise NotImplementedError
@@ -180,6 +183,16 @@ class _Backend:
 
     def close(self) -> None:
         """Release what the backend holds open."""
+
+
+def _as_window_dtype(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``host`` as a window array of ``dtype``: its bits where the width is the same (see
+    :meth:`_Backend.run_into`), widened otherwise."""
+    if host.dtype == dtype:
+        return host
+    return (
+        host.view(dtype) if host.dtype.itemsize == np.dtype(dtype).itemsize else host.astype(dtype)
+    )
 
 
 class HostBackend(_Backend):
@@ -566,9 +579,10 @@ class DeviceWindowReader:
     of stores written alike joined and placed so the rows land in window order
     (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
     window. A panel is read as its stores' rows with every stored column and kept on the
-    device (:func:`panel_selection`; ``selector`` is the graph's constant). Other datasets
-    (panels with CSR output, dense stores under different panels, stores that disagree on
-    a dtype, float16 CSR data that is widened) are read on the host with
+    device (:func:`panel_selection`; ``selector`` is the graph's constant). A store's
+    narrower CSR dtype (int32 ids in an int64 window, float16 values) is widened by its
+    plan's final copy. Other datasets (dense stores under different panels, dense stores
+    that disagree on a dtype, stores not read by byte plans) are read on the host with
     ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 
@@ -601,11 +615,11 @@ class DeviceWindowReader:
         if not stores:
             return None
         for store in stores:
-            if self.dataset.layout == "csr":
+            if self.dataset.layout == "csr":  # a narrower dtype is widened as it is placed
                 same = (
                     isinstance(store, CsrDataset)
-                    and np.dtype(store.dtype).newbyteorder("=") == self.dtype
-                    and np.dtype(store.index_dtype) == self.index_dtype
+                    and np.can_cast(np.dtype(store.dtype).newbyteorder("="), self.dtype, "safe")
+                    and np.can_cast(store.index_dtype, self.index_dtype, "safe")
                 )
             else:
                 same = (
