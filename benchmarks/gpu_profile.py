@@ -90,7 +90,7 @@ def parse_config(text: str) -> tuple[str, str, str]:
 
 def use_config(reads: str, api: str, sync: str) -> None:
     """Set the switches the GPU path reads when it is built (executors, the CUDA backend)."""
-    from dali_zarr.graph.gpu_pipeline import RING_SYNC_ENV
+    from dali_zarr.graph.device_window import RING_SYNC_ENV
     from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import READS_ENV
 
@@ -102,7 +102,7 @@ def use_config(reads: str, api: str, sync: str) -> None:
 def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
     """Wrap the reader's stages so that each adds its own time (device synchronised after
     it) to the returned dict, keyed by stage name."""
-    import dali_zarr.graph.gpu_pipeline as gpu_pipeline
+    import dali_zarr.graph.device_window as device_window
 
     totals: dict[str, float] = defaultdict(float)
 
@@ -119,8 +119,8 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
         setattr(owner, name, wrapper)
 
     # the byte plans of a window's array: every store it touches, planned and placed
-    timed(gpu_pipeline, "window_plans", "byte plans (host)")
-    planned = gpu_pipeline.window_plans
+    timed(device_window, "window_plans", "byte plans (host)")
+    planned = device_window.window_plans
 
     def counting(items, *, out_rows):
         plans, unplannable = planned(items, out_rows=out_rows)
@@ -129,7 +129,7 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
             totals["used bytes"] += int(plan.segments[:, 2].sum()) * plan.dtype.itemsize
         return plans, unplannable
 
-    gpu_pipeline.window_plans = counting
+    device_window.window_plans = counting
     run_into = backend.run_into
 
     def counting_runs(*a, **kw):
@@ -137,6 +137,9 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
         return run_into(*a, **kw)
 
     backend.run_into = counting_runs
+    # gene panels whose stores keep different columns: one launch per window
+    timed(backend, "remap_columns", "panel ids mapped per store")
+    timed(backend, "keep_panel_rows", "rows cut to the panel (CSR output)")
     if args.smoke:
         timed(backend, "run_plan", "read + decode + copy (host backend)")
     else:
@@ -148,7 +151,8 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
 
 
 def profile_reader(args: argparse.Namespace, dataset) -> None:
-    from dali_zarr.graph.gpu_pipeline import GpuBatchSource, HostBackend
+    from dali_zarr.graph.device_window import HostBackend
+    from dali_zarr.graph.gpu_pipeline import GpuBatchSource
 
     source = GpuBatchSource(
         dataset,
@@ -193,7 +197,7 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
 
 def profile_loader(args: argparse.Namespace, dataset) -> None:
     import dali_zarr as dz
-    from dali_zarr.graph.gpu_pipeline import HostBackend
+    from dali_zarr.graph.device_window import HostBackend
 
     for threads in [int(t) for t in args.read_threads.split(",")]:
         loader = dz.Loader(

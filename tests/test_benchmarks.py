@@ -84,6 +84,7 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         # a window of the 3-store collection: one plan per array, whatever stores it touches
         assert "byte plans run per window: 2.0" in part, stdout
         assert re.search(r"byte plans \(host\) +[\d.]+ ms", part), stdout
+        assert re.search(r"panel ids mapped per store +[\d.]+ ms", part), stdout  # its launch
         for threads in (1, 3):
             assert f"loader, read_threads={threads}: " in part
         assert part.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows

@@ -19,15 +19,13 @@ import zarr
 import dali_zarr as dz
 from dali_zarr.data.dataset import sub_indptr
 from dali_zarr.errors import ConfigError
+from dali_zarr.graph.device_window import RING_SYNC_ENV, HostBackend, ring_sync
 from dali_zarr.graph.gpu_pipeline import (
-    RING_SYNC_ENV,
     BufferRing,
     GpuBatchSource,
-    HostBackend,
     RingClosed,
     gpu_source_names,
     gpu_status,
-    ring_sync,
 )
 from dali_zarr.graph.source import BatchSource
 from dali_zarr.synthetic import make_single_cell

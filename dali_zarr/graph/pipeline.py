@@ -169,7 +169,7 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
     dtypes), obs columns, ``index``, all on ``ops``' device."""
     ds = source.dataset
     pos = ops.to_device(node["pos"])
-    # a gene panel kept by our op (GPU path: gpu_pipeline.panel_selection): CSR, stored
+    # a gene panel kept by our op (GPU path: device_window.panel_selection): CSR, stored
     # column -> panel column or -1; dense, the panel's stored columns
     selector = getattr(source, "selector", None)
     panel = None if selector is None else ops.constant(selector)

@@ -1,0 +1,636 @@
+"""Windows on the device: where a window's arrays go in a ring slot, and how they get there.
+
+:class:`DeviceWindowReader` turns a window's row ranges into its stores' runs
+(:meth:`~dali_zarr.data.dataset.Dataset.store_runs`), lays the window's arrays out in one
+slot (:class:`WindowLayout`) and fills it through each store's byte plans
+(:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and window
+for stores written alike, narrower dtypes widened as the rows are placed. Gene panels are
+kept on the device (:func:`panel_selection`): by a graph kernel, or by one launch per
+window that maps each store's column ids to the panel (and, for CSR output, cuts each row
+to its kept entries).
+
+A backend is where the slot lives: :class:`CudaBackend` (cupy buffers,
+:class:`~dali_zarr.io.gpu.GpuPlanExecutor` per reader thread) or :class:`HostBackend`
+(NumPy stand-ins, the same logic on the CPU: how CI tests the GPU path end to end).
+:mod:`dali_zarr.graph.gpu_pipeline` owns the ring of slots, the callbacks and the graph.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset, StoreRun
+from dali_zarr.errors import ConfigError, DatasetError
+from dali_zarr.graph import cuda_kernels, kernels
+from dali_zarr.graph.source import Output, window_arrays, window_dtype
+from dali_zarr.io.gpu import (
+    Pieces,
+    cuda_jit,
+    describe_path,
+    execute_plan_cpu,
+    gpu_codec_kind,
+    plan_problem,
+    probe_gpu,
+    round_up,
+    window_plans,
+)
+from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
+
+# ---------------------------------------------------------------------------- backends
+
+
+class _Backend:
+    """What the host and CUDA backends share: typed views of a byte buffer, and reading an
+    array's rows through its byte plan (or, when it has none, a host read plus one upload)."""
+
+    def view(self, buf: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        return buf[offset : offset + n].view(dtype).reshape(shape)
+
+    def upload_rows(self, reader: Any, ranges: np.ndarray, pieces: Pieces | None, out: Any) -> None:
+        """Rows ``ranges`` of an array that has no byte plan, read on the host and copied
+        into ``out`` (whole, or as ``pieces``: one store's share of a collection's window)."""
+        host = _as_window_dtype(np.ascontiguousarray(reader.read_rows(ranges)), out.dtype)
+        if pieces is None:
+            self.upload(host, out)
+            return
+        src = run_offsets(pieces[1])
+        for a, start, n in zip(src[:-1].tolist(), *(p.tolist() for p in pieces), strict=True):
+            if n:
+                self.upload(host[a : a + n], out[start : start + n])
+
+    def run_into(self, plan: Any, reader: Any, out: Any) -> None:
+        """Run ``plan`` into ``out``: bit for bit where ``out`` is a view of the same width
+        (the uint16 bits of a float16 array: see
+        :func:`~dali_zarr.graph.source.window_dtype`), widened by the plan's final copy
+        where ``out`` is wider (int32 column ids of one store in a collection's int64
+        window, float16 CSR values in a float32 window)."""
+        target = out.reshape(plan.out_shape)
+        same_width = np.dtype(target.dtype).itemsize == np.dtype(plan.dtype).itemsize
+        if target.dtype != plan.dtype and same_width:
+            target = target.view(plan.dtype)
+        self.run_plan(plan, reader, target)
+
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        raise NotImplementedError
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        raise NotImplementedError
+
+    def to_device(self, host: np.ndarray) -> Any:
+        """A device copy of ``host``, made once (a table the kernels read every window)."""
+        raise NotImplementedError
+
+    def remap_columns(self, indices: Any, run_bounds: np.ndarray, run_maps: np.ndarray,
+                      run_widths: np.ndarray, maps: Any) -> int:  # fmt: skip
+        """Map each run's column ids through its panel map, in place (the contract of
+        ``kernels._remap_run_columns``); returns 0, or 1 + a run holding an id out of range."""
+        raise NotImplementedError
+
+    def keep_panel_rows(self, data: Any, indices: Any, indptr: Any, run_rows: np.ndarray,
+                        run_maps: np.ndarray, run_widths: np.ndarray, maps: Any,
+                        n_kept: int) -> tuple[np.ndarray, int]:  # fmt: skip
+        """Keep each row's panel entries at its start, in place (the contract of
+        ``kernels._keep_panel_rows``); returns (each row's kept count on the host, 0 or 1 +
+        a run holding an id out of range)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait until the uploads and plans issued so far have landed."""
+
+    def before_reuse(self) -> None:
+        """Wait until nothing may still read a buffer about to be overwritten."""
+
+    def close(self) -> None:
+        """Release what the backend holds open."""
+
+
+def _as_window_dtype(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``host`` as a window array of ``dtype``: its bits where the width is the same (see
+    :meth:`_Backend.run_into`), widened otherwise."""
+    if host.dtype == dtype:
+        return host
+    return (
+        host.view(dtype) if host.dtype.itemsize == np.dtype(dtype).itemsize else host.astype(dtype)
+    )
+
+
+class HostBackend(_Backend):
+    """NumPy stand-in for the device: runs the same window reader and ring logic on the CPU.
+
+    Used by the tests (and usable for debugging): "device" buffers are host arrays and the
+    byte plans run with :func:`dali_zarr.io.gpu.execute_plan_cpu`.
+    """
+
+    name = "host"
+    on_device = False  # the graph runs on DALI's CPU backend with the CPU kernels
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        execute_plan_cpu(plan, reader, out=out)
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        out[...] = host.reshape(out.shape)
+
+    def to_device(self, host: np.ndarray) -> np.ndarray:
+        return np.array(host)
+
+    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+        return int(kernels.remap_run_columns()(indices, run_bounds, run_maps, run_widths, maps))
+
+    def keep_panel_rows(self, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+        kept = np.empty(len(indptr) - 1, dtype=np.int64)
+        bad = kernels.keep_panel_rows()(
+            kept, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept
+        )
+        return kept, int(bad)
+
+    def minmax(self, values: Any) -> tuple[int, int]:
+        return int(values.min()), int(values.max())
+
+    def path(self, reader: Any) -> str:
+        return _plan_path(reader, "host")
+
+
+RING_SYNC_ENV = "DALI_ZARR_RING_SYNC"
+
+
+def ring_sync() -> str:
+    """What the CUDA backend waits for before it rewrites a recycled ring slot: ``"device"``
+    (``cudaDeviceSynchronize``, the default) or ``"none"`` (rely on DALI's host-synchronised
+    outputs, see the module docstring); from ``DALI_ZARR_RING_SYNC``."""
+    want = os.environ.get(RING_SYNC_ENV, "").strip().lower() or "device"
+    if want not in ("device", "none"):
+        raise ConfigError(f"{RING_SYNC_ENV}={want!r}: use 'device' or 'none', or leave it unset")
+    return want
+
+
+class CudaBackend(_Backend):
+    """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only).
+
+    Each reader thread gets its own executor (stream, staging buffers, nvCOMP codecs), so
+    windows read on several threads overlap one's file reads with another's decode.
+    """
+
+    name = "cuda"
+    on_device = True
+
+    def __init__(self, device_id: int = 0) -> None:
+        import cupy
+
+        self.cp = cupy
+        self.device_id = device_id
+        self.support = probe_gpu()
+        self.ring_sync = ring_sync()
+        self._local = threading.local()
+        self._executors: list[Any] = []
+        self._executors_lock = threading.Lock()
+
+    @property
+    def executor(self) -> Any:
+        """This thread's executor (made on first use)."""
+        executor = getattr(self._local, "executor", None)
+        if executor is None:
+            from dali_zarr.io.gpu import GpuPlanExecutor
+
+            executor = GpuPlanExecutor(self.device_id, support=self.support)
+            self._local.executor = executor
+            with self._executors_lock:
+                self._executors.append(executor)
+        return executor
+
+    def alloc(self, nbytes: int) -> Any:
+        with self.cp.cuda.Device(self.device_id):
+            return self.cp.empty(max(nbytes, 1), dtype=self.cp.uint8)
+
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        self.executor.run(plan, reader, out)
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        with self.cp.cuda.Device(self.device_id):
+            out.reshape(-1).set(np.ascontiguousarray(host).reshape(-1), stream=self.executor.stream)
+
+    def to_device(self, host: np.ndarray) -> Any:
+        with self.cp.cuda.Device(self.device_id):
+            out = self.cp.asarray(host)
+            self.cp.cuda.runtime.deviceSynchronize()
+        return out
+
+    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+        from numba import cuda
+
+        stream = self.executor.stream
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (run_bounds, run_maps, run_widths)]
+            bad = self.cp.zeros(1, dtype=self.cp.int64)
+            blocks = max(1, min(4096, -(-int(run_bounds[-1]) // 256)))
+            kernel = cuda_jit(cuda_kernels.remap_run_columns)
+            kernel[blocks, 256, cuda.external_stream(stream.ptr)](bad, indices, *args, maps)
+            return int(bad.get(stream=stream)[0])  # waits for the kernel
+
+    def keep_panel_rows(self, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+        from numba import cuda
+
+        stream = self.executor.stream
+        n_rows = len(indptr) - 1
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (run_rows, run_maps, run_widths)]
+            kept = self.cp.empty(n_rows, dtype=self.cp.int64)
+            bad = self.cp.zeros(1, dtype=self.cp.int64)
+            # one thread per row; small blocks spread a window's ~10^4 rows over the SMs
+            blocks = max(1, min(65535, -(-n_rows // 64)))
+            kernel = cuda_jit(cuda_kernels.keep_panel_rows)
+            kernel[blocks, 64, cuda.external_stream(stream.ptr)](
+                kept, bad, data, indices, indptr, *args, maps, n_kept
+            )
+            return kept.get(stream=stream), int(bad.get(stream=stream)[0])
+
+    def minmax(self, values: Any) -> tuple[int, int]:
+        with self.cp.cuda.Device(self.device_id), self.executor.stream:
+            both = self.cp.stack([values.min(), values.max()]).get()
+        return int(both[0]), int(both[1])
+
+    def finish(self) -> None:
+        self.executor.stream.synchronize()
+
+    def before_reuse(self) -> None:
+        if self.ring_sync == "device":  # any DALI kernel still reading the slot has finished
+            with self.cp.cuda.Device(self.device_id):
+                self.cp.cuda.runtime.deviceSynchronize()
+
+    def close(self) -> None:
+        with self._executors_lock:
+            for executor in self._executors:
+                executor.close()  # the kvikio file handles, the nvCOMP codecs
+
+    def path(self, reader: Any) -> str:
+        return _plan_path(reader, "cuda", self.support)
+
+
+def _plan_path(reader: Any, backend: str, support: Any = None) -> str:
+    problem = plan_problem(reader)
+    if problem:
+        return f"gpu: host read ({problem}), one copy to the device"
+    kind, why = gpu_codec_kind(reader.layout)
+    if backend == "host":
+        return f"host-backend plan: {kind}" + (f" ({why})" if why else "")
+    return describe_path(kind, why, support)
+
+
+# ---------------------------------------------------------------------------- window reader
+
+
+Slots = list[tuple[str, tuple, np.dtype, int]]  # (name, shape, dtype, byte offset)
+
+
+def pack_slot(arrays: list[tuple[str, tuple, np.dtype]]) -> tuple[Slots, int]:
+    """Byte offsets of ``arrays`` packed into one slot (each start aligned for kvikio and
+    nvCOMP), and the slot's size."""
+    slots, offset = [], 0
+    for name, shape, dtype in arrays:
+        slots.append((name, shape, dtype, offset))
+        offset += round_up(max(1, math.prod(shape) * dtype.itemsize))
+    return slots, offset
+
+
+@dataclass(frozen=True)
+class WindowLayout:
+    """A window read by byte plans: its arrays' places in one ring slot, the store runs that
+    fill it (:meth:`~dali_zarr.data.dataset.Dataset.store_runs`), where each run starts in
+    the window (``run_starts``, rows, one more entry than runs) and, for CSR, the window's
+    row starts on the host."""
+
+    slots: Slots
+    nbytes: int
+    runs: list[StoreRun]
+    run_starts: np.ndarray
+    host_indptr: np.ndarray | None
+    #: per store the window touches: the store, its runs' indices, and all of its rows'
+    #: ranges, in window order
+    by_store: list[tuple[Dataset, list[int], np.ndarray]]
+
+
+def _group_by_store(runs: list[StoreRun]) -> list[tuple[Dataset, list[int], np.ndarray]]:
+    members: dict[int, list[int]] = {}
+    for i, run in enumerate(runs):
+        members.setdefault(id(run.store), []).append(i)
+    return [
+        (runs[m[0]].store, m, np.concatenate([runs[i].ranges for i in m])) for m in members.values()
+    ]
+
+
+def _store_arrays(store: Dataset) -> list[tuple[str, Any]]:
+    """(slot name, reader) of the arrays a store's window rows are read from."""
+    if isinstance(store, CsrDataset):
+        return [("data", store.data_reader), ("indices", store.indices_reader)]
+    assert isinstance(store, DenseDataset)
+    return [("values", store.values_reader)]
+
+
+@dataclass(frozen=True)
+class PanelMaps:
+    """The column maps of a collection whose stores are seen through different gene panels
+    (e.g. stores written with different gene orders, selected by name): each one's stored
+    column -> panel column, with ``n_kept`` where the panel drops it, end to end in
+    ``table``. ``where`` gives each map's (offset, width) by the identity of the run's
+    ``columns`` (None: a store read whole, the identity)."""
+
+    table: np.ndarray
+    where: dict[int | None, tuple[int, int]]
+    #: the maps themselves, so the ids in ``where`` stay theirs
+    held: tuple[np.ndarray, ...]
+
+    def of_runs(self, runs: list[StoreRun]) -> tuple[np.ndarray, np.ndarray]:
+        """Each run's map offset and width in ``table``."""
+        found = [self.where[None if r.columns is None else id(r.columns)] for r in runs]
+        return np.array(found, dtype=np.int64).reshape(-1, 2).T
+
+
+def panel_selection(
+    pairs: list[tuple[Dataset, np.ndarray | None]], layout: str, n_kept: int, output: Output
+) -> tuple[np.ndarray | None, PanelMaps | None] | None:
+    """How a dataset's gene panels are kept on the device, from its
+    :meth:`~dali_zarr.data.dataset.Dataset.store_columns`: ``(selector, maps)``, or None
+    where its windows must be read on the host.
+
+    ``selector`` is the graph's constant: for CSR the densify kernel's ``column_map``
+    (stored column -> output column, -1 dropped), for dense stores the gather's ``columns``
+    (None: no panel). One panel over every store (a panel, its subsets, a collection of
+    like panels) is kept by that kernel alone. Different panels (CSR only) first get each
+    run's ids mapped as the window is read (``maps``, one launch per window), then the
+    densify kernel drops what the maps sent to ``n_kept``. CSR output of any panel takes
+    ``maps`` and no selector: each row's kept entries are moved to its start as the window
+    is read, and the batch gather takes the rows as they are then.
+    """
+    panels = [columns for _, columns in pairs]
+    if all(columns is None for columns in panels):
+        return None, None
+    first = panels[0]
+    like = all(columns is not None and np.array_equal(columns, first) for columns in panels)
+    if like and output != "csr":
+        if layout == "csr":
+            return np.array(first, dtype=np.int64), None
+        kept = np.flatnonzero(first >= 0)
+        columns = np.empty(n_kept, dtype=np.int64)
+        columns[first[kept]] = kept
+        return columns, None
+    if layout != "csr":
+        return None
+    where: dict[int | None, tuple[int, int]] = {}
+    parts, held, offset = [], [], 0
+    for store, columns in pairs:
+        key = None if columns is None else id(columns)
+        if key in where:
+            continue
+        if columns is None:  # a whole store beside panels: already n_kept wide
+            table = np.arange(store.n_features, dtype=np.int64)
+        else:
+            table = np.where(columns >= 0, columns, n_kept).astype(np.int64)
+            held.append(columns)
+        where[key] = (offset, len(table))
+        parts.append(table)
+        offset += len(table)
+    maps = PanelMaps(np.concatenate(parts), where, tuple(held))
+    return (None if output == "csr" else np.append(np.arange(n_kept, dtype=np.int64), -1)), maps
+
+
+class DeviceWindowReader:
+    """Reads a window's rows of a dataset into one device buffer (one ring slot).
+
+    Stores, collections, subsets and gene panels of them are read through each store's
+    byte plans: per window, one plan per array of each store the window touches, the plans
+    of stores written alike joined and placed so the rows land in window order
+    (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
+    window. A panel is read as its stores' rows with every stored column and kept on the
+    device (:func:`panel_selection`; ``selector`` is the graph's constant). A store's
+    narrower CSR dtype (int32 ids in an int64 window, float16 values) is widened by its
+    plan's final copy. Other datasets (dense stores under different panels, dense stores
+    that disagree on a dtype, stores not read by byte plans) are read on the host with
+    ``dataset.read_rows`` and copied once (:meth:`read_generic`).
+    """
+
+    def __init__(self, dataset: Dataset, backend: Any, *, output: Output = "dense") -> None:
+        self.dataset = dataset
+        self.backend = backend
+        self.dtype = window_dtype(dataset.layout, dataset.dtype)
+        self.index_dtype = np.dtype(dataset.index_dtype)
+        self.selector: np.ndarray | None = None
+        self.panel_maps: PanelMaps | None = None
+        self.stores = self._planned_stores()
+        pairs = dataset.store_columns()
+        if self.stores is not None and pairs is not None:
+            chosen = panel_selection(pairs, dataset.layout, dataset.n_features, output)
+            if chosen is None:
+                self.stores = None
+            else:
+                self.selector, self.panel_maps = chosen
+        #: CSR output of a panel: rows cut to their kept entries as each window is read
+        self.cuts_rows = output == "csr" and self.panel_maps is not None
+        self._device_maps = (
+            None if self.panel_maps is None else backend.to_device(self.panel_maps.table)
+        )
+        #: the stored width of every store (they agree unless panel_maps says otherwise)
+        self.stored_width = dataset.n_features if not self.stores else self.stores[0].n_features
+
+    def _planned_stores(self) -> tuple[Dataset, ...] | None:
+        """The stores read by byte plans, or None when windows are read on the host."""
+        stores = self.dataset.stores()
+        if not stores:
+            return None
+        for store in stores:
+            if self.dataset.layout == "csr":  # a narrower dtype is widened as it is placed
+                same = (
+                    isinstance(store, CsrDataset)
+                    and np.can_cast(np.dtype(store.dtype).newbyteorder("="), self.dtype, "safe")
+                    and np.can_cast(store.index_dtype, self.index_dtype, "safe")
+                )
+            else:
+                same = (
+                    isinstance(store, DenseDataset)
+                    and store.dtype == self.dataset.dtype
+                    and store.feature_shape == stores[0].feature_shape
+                )
+            if not same:
+                return None
+        return stores
+
+    def layout(self, ranges: np.ndarray) -> WindowLayout | None:
+        """Where the window of row ``ranges`` goes in a slot (None: read by read_generic,
+        whose sizes are known only after reading)."""
+        if self.stores is None:
+            return None
+        runs = self.dataset.store_runs(np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
+        assert runs is not None  # stores() named them
+        run_rows = np.array([run.n_rows for run in runs], dtype=np.int64)
+        run_starts = run_offsets(run_rows)
+        n_rows = int(run_starts[-1])
+        by_store = _group_by_store(runs)
+        if self.dataset.layout == "csr":
+            # each row's length, store by store (NumPy per store, not per run), in window order
+            lengths = np.empty(n_rows, dtype=np.int64)
+            for store, members, store_ranges in by_store:
+                rows = ranges_to_rows(store_ranges)
+                at = concat_aranges(run_starts[members], run_rows[members])
+                lengths[at] = store.indptr[rows + 1] - store.indptr[rows]
+            host_indptr = run_offsets(lengths)
+            nnz = int(host_indptr[-1])
+            shapes = [
+                ("data", (nnz,), self.dtype),
+                ("indices", (nnz,), self.index_dtype),
+                ("indptr", (n_rows + 1,), np.dtype(np.int64)),
+            ]
+        else:
+            host_indptr = None
+            shapes = [("values", (n_rows, self.stored_width), self.dtype)]
+        slots, nbytes = pack_slot(shapes)
+        return WindowLayout(slots, nbytes, runs, run_starts, host_indptr, by_store)
+
+    def read(self, window: WindowLayout, buf: Any) -> tuple[tuple, np.ndarray | None]:
+        """Fill ``buf`` with the window; returns its device arrays and, for CSR, the host
+        indptr of what its rows hold now (with rows cut to a panel: their kept lengths)."""
+        be = self.backend
+        views = {name: be.view(buf, off, shape, dt) for name, shape, dt, off in window.slots}
+        host_indptr = window.host_indptr
+        if host_indptr is not None:
+            be.upload(host_indptr, views["indptr"])  # each row's start in the slot
+            if host_indptr[-1] > 0:
+                self._read_runs(window, views)
+                if self.cuts_rows:
+                    host_indptr = self._keep_panel_rows(views, window)
+                elif self.panel_maps is not None:
+                    self._map_panels(views["indices"], window)
+                else:
+                    self._check_indices(views["indices"], window)
+            arrays = (views["data"], views["indices"], views["indptr"])
+        else:
+            self._read_runs(window, views)
+            arrays = (views["values"],)
+        be.finish()
+        return arrays, host_indptr
+
+    def _read_runs(self, window: WindowLayout, views: dict[str, Any]) -> None:
+        """Each array of the window from every store it touches (all of a store's runs at
+        once), by the fewest byte plans (:func:`~dali_zarr.io.gpu.window_plans`: one per
+        array and window when the stores are written alike), placed so the rows land in
+        window order; arrays with no plan are read on the host and copied into place."""
+        csr = window.host_indptr is not None
+        whole = len(window.runs) == 1  # the window is this one run: no placing
+        items: dict[str, list[tuple[Any, np.ndarray, Pieces | None]]] = {}
+        for store, members, ranges in window.by_store:
+            starts = window.run_starts[members]
+            stops = window.run_starts[np.add(members, 1)]
+            if csr:  # rows -> elements of data/indices
+                ranges = store.indptr[ranges]
+                starts, stops = window.host_indptr[starts], window.host_indptr[stops]
+            pieces = None if whole else (starts, stops - starts)
+            for name, reader in _store_arrays(store):
+                items.setdefault(name, []).append((reader, ranges, pieces))
+        for name, array_items in items.items():
+            out = views[name]
+            plans, unplannable = window_plans(array_items, out_rows=out.shape[0])
+            for i in unplannable:
+                self.backend.upload_rows(*array_items[i], out)
+            for plan, reader in plans:
+                self.backend.run_into(plan, reader, out)
+
+    def read_generic(
+        self,
+        ranges: np.ndarray,
+        alloc: Callable[[int], Any],
+        release: Callable[[Any], None],
+    ):
+        """Feature selections and mixed stores: host read, then one copy per array into a
+        slot from ``alloc`` (given back with ``release`` if the copy fails)."""
+        host = window_arrays(self.dataset, self.dataset.read_rows(ranges))
+        host_indptr = host[2] if self.dataset.layout == "csr" else None
+        slots, nbytes = pack_slot([(str(i), a.shape, a.dtype) for i, a in enumerate(host)])
+        lease = alloc(nbytes)
+        try:
+            arrays = []
+            for a, (_, shape, dt, off) in zip(host, slots, strict=True):
+                view = self.backend.view(lease.buf, off, shape, dt)
+                self.backend.upload(a, view)
+                arrays.append(view)
+            self.backend.finish()
+        except BaseException:
+            release(lease)
+            raise
+        return tuple(arrays), host_indptr, lease
+
+    def _check_indices(self, indices: Any, window: WindowLayout) -> None:
+        """Out-of-range column ids would make densify write out of bounds: refuse them,
+        naming the store they came from."""
+        low, high = self.backend.minmax(indices)
+        if low >= 0 and high < self.stored_width:
+            return
+        bounds = window.host_indptr[window.run_starts]
+        for run, a, b in zip(window.runs, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            if b > a:
+                run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
+        raise DatasetError(  # not reached: some run holds the bad id
+            f"{self.dataset.name}: column index outside [0, {self.stored_width})"
+        )
+
+    def _keep_panel_rows(self, views: dict[str, Any], window: WindowLayout) -> np.ndarray:
+        """CSR output of a panel: each row's kept entries moved to its start, renumbered
+        to the panel (one launch); returns the prefix sum of the kept lengths, from which
+        the callback sizes each batch. A bad id fails naming its store and rows."""
+        assert self.panel_maps is not None
+        offsets, widths = self.panel_maps.of_runs(window.runs)
+        kept, bad = self.backend.keep_panel_rows(
+            views["data"], views["indices"], views["indptr"], window.run_starts,
+            offsets, widths, self._device_maps, self.dataset.n_features,
+        )  # fmt: skip
+        if bad:
+            self._name_bad_run(views["indices"], window, bad - 1)
+        return run_offsets(kept)
+
+    def _name_bad_run(self, indices: Any, window: WindowLayout, i: int) -> None:
+        """Raise the error of run ``i``, which holds a column id outside its store's width
+        (ids mapped or moved before it are below that width, so the bad one shows)."""
+        bounds = window.host_indptr[window.run_starts]
+        run, a, b = window.runs[i], int(bounds[i]), int(bounds[i + 1])
+        run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
+        raise DatasetError(  # not reached: check_index_range raises
+            f"{run.store.name}: column index outside [0, {run.store.n_features})"
+        )
+
+    def _map_panels(self, indices: Any, window: WindowLayout) -> None:
+        """Each run's column ids to its panel's columns (one launch), which also checks them
+        against each store's own width: a bad id fails naming its store and rows."""
+        assert self.panel_maps is not None
+        bounds = window.host_indptr[window.run_starts]
+        offsets, widths = self.panel_maps.of_runs(window.runs)
+        bad = self.backend.remap_columns(indices, bounds, offsets, widths, self._device_maps)
+        if bad:
+            self._name_bad_run(indices, window, bad - 1)
+
+    def read_paths(self) -> dict[str, str]:
+        if self.stores is None:
+            return {
+                name: f"gpu: host read ({path}), one copy to the device"
+                for name, path in self.dataset.read_paths().items()
+            }
+        kept = self.dataset.n_features
+        if self.cuts_rows:
+            where = "as each window is read (each row's ids mapped to the panel)"
+        elif self.panel_maps is not None:
+            where = "in the densify kernel, after each store's ids are mapped to the panel"
+        else:
+            where = "in the densify kernel" if self.dataset.layout == "csr" else "in the row gather"
+        paths = {}
+        for store in self.stores:
+            panel = self.selector is not None or self.panel_maps is not None
+            note = f"; {kept} of {store.n_features} features kept" if panel else ""
+            for _, reader in _store_arrays(store):
+                paths[reader.name] = self.backend.path(reader) + (note and f"{note} {where}")
+        return paths
