@@ -51,7 +51,8 @@ class Loader:
     tensors there (see :mod:`dali_zarr.graph.gpu_pipeline`); ``"auto"`` takes the GPU when
     it is usable. :attr:`device` and :attr:`device_reason` say which path runs and why.
     ``gpu_backend=HostBackend()`` (:mod:`dali_zarr.graph.device_window`) runs the GPU
-    path's source and graph on the host (for debugging and CI; no GPU needed). ``dtype``: float32, float16, float64 or bfloat16.
+    path's source and graph on the host (for debugging and CI; no GPU needed).
+    ``dtype``: float32, float16, float64 or bfloat16.
     ``read_threads``: windows read at once (default 1 on the CPU path, whose reader is
     parallel inside a window already, and 4 on the GPU path, where one window's file reads
     overlap another's nvCOMP decode; the GPU path reads at least that many windows ahead).

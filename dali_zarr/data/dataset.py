@@ -407,10 +407,13 @@ class Collection(Dataset):
         return [run for runs in found for run in runs]
 
     def store_columns(self) -> list[tuple[Dataset, np.ndarray | None]] | None:
-        found = [part.store_columns() for part in self.parts]
-        if any(pairs is None for pairs in found):
-            return None
-        unique = {(id(store), id(cols)): (store, cols) for pairs in found for store, cols in pairs}  # type: ignore[union-attr]
+        unique: dict[tuple[int, int], tuple[Dataset, np.ndarray | None]] = {}
+        for part in self.parts:
+            pairs = part.store_columns()
+            if pairs is None:
+                return None
+            for store, columns in pairs:
+                unique.setdefault((id(store), id(columns)), (store, columns))
         return list(unique.values())
 
     def obs_column(self, name: str) -> ObsColumn:
@@ -502,13 +505,13 @@ def open_dataset(
     gene sets load as one collection in the order asked. ``force_zarr`` makes every array
     use zarr-python's reading instead of the direct path (for debugging or comparison).
     """
-    from dali_zarr.data.features import FeatureSubset  # it builds on this module
+    from dali_zarr.data.features import FeatureSubset, selects_by_name  # builds on this module
 
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
         parts = [
             _open_one(s, element=element, executor=executor, force_zarr=force_zarr) for s in source
         ]
-        if features is not None and len(parts) > 1 and np.asarray(features).dtype.kind in "USO":
+        if features is not None and len(parts) > 1 and selects_by_name(features):
             parts = [FeatureSubset(part, features) for part in parts]
             features = None
         dataset = parts[0] if len(parts) == 1 else Collection(parts)

@@ -157,7 +157,7 @@ class FeatureSubset(Dataset):
         ids = select_features(
             features,
             dataset.n_features,
-            dataset.var_names() if _names_wanted(features) else None,
+            dataset.var_names() if selects_by_name(features) else None,
             dataset=dataset.name,
         )
         if isinstance(dataset, FeatureSubset):  # flatten: one map onto the stored columns
@@ -234,5 +234,6 @@ class FeatureSubset(Dataset):
         return None if names is None else tuple(names[i] for i in self.columns.tolist())
 
 
-def _names_wanted(features: FeatureSelection) -> bool:
+def selects_by_name(features: FeatureSelection) -> bool:
+    """Whether ``features`` are names (looked up in a ``var`` index), not ids or a mask."""
     return np.asarray(features).dtype.kind in "USO"
