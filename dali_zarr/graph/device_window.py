@@ -338,11 +338,12 @@ def _store_arrays(store: Dataset) -> list[tuple[str, Any]]:
 
 @dataclass(frozen=True)
 class PanelMaps:
-    """The column maps of a collection whose stores are seen through different gene panels
-    (e.g. stores written with different gene orders, selected by name): each one's stored
-    column -> panel column, with ``n_kept`` where the panel drops it, end to end in
-    ``table``. ``where`` gives each map's (offset, width) by the identity of the run's
-    ``columns`` (None: a store read whole, the identity)."""
+    """The panel maps a window's ids go through as it is read (stores seen through
+    different gene panels, e.g. written with different gene orders and selected by name;
+    or CSR output of any panel): each stored column -> panel column, with ``n_kept`` where
+    the panel drops it, all maps end to end in ``table``. ``where`` gives each map's
+    (offset, width) by the identity of the run's ``columns`` (None: a store read whole,
+    the identity)."""
 
     table: np.ndarray
     where: dict[int | None, tuple[int, int]]
