@@ -384,6 +384,34 @@ def test_short_read_names_the_chunk_where_the_file_ends(tmp_path):
         execute_plan_cpu(plan, reader)
 
 
+def test_unsharded_chunk_sizes_are_looked_up_once(tmp_path, monkeypatch):
+    """Unsharded stores: a chunk's file is stat'ed once, then windows are planned without
+    a stat per chunk. A chunk that shrinks after that fails its read naming the chunk; a
+    chunk missing at first (fill value) is found once it is written."""
+    data = np.arange(64 * 40, dtype=np.float32).reshape(640, 4)
+    arr = write(tmp_path / "u.zarr", data, chunks=(10, 4), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="u")
+    whole = np.array([[0, 640]])
+    missing = tmp_path / "u.zarr" / "c" / "7" / "0"
+    saved = missing.read_bytes()
+    missing.unlink()
+    first = plan_rows(reader, whole)
+    assert 7 not in first.reads["chunk"].tolist()
+    assert (execute_plan_cpu(first, reader)[70:80] == 0).all()  # the fill value
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(p) or real_stat(p, *a, **k))
+    missing.write_bytes(saved)
+    again = plan_rows(reader, whole)
+    assert stats == [str(missing)]  # only the chunk not seen yet is looked for
+    np.testing.assert_array_equal(execute_plan_cpu(again, reader), data)
+    shrunk = tmp_path / "u.zarr" / "c" / "3" / "0"
+    shrunk.write_bytes(shrunk.read_bytes()[:-5])
+    later = plan_rows(reader, whole)
+    with pytest.raises(ChunkReadError, match=r"u: chunk 'c/3/0'"):
+        execute_plan_cpu(later, reader)
+
+
 def test_contiguous_window_is_one_segment(tmp_path):
     # 64 float32 = 256 bytes per chunk: slots are back to back, so a window of whole
     # consecutive chunks is a single copy

@@ -332,6 +332,10 @@ class DirectReader:
         grid = layout.chunk_grid
         self._other_coords = list(product(*(range(g) for g in grid[1:])))
         self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
+        # unsharded: each row chunk's file and stored size once seen (-1: not seen, or not
+        # stored yet; a missing chunk is looked for again, as a missing shard is)
+        self._chunk_files: list[str | None] = [None] * grid[0]
+        self._chunk_nbytes = np.full(grid[0], -1, dtype=np.int64)
         self.chunks_read = 0  # pieces (chunks / inner chunks) read so far, over all calls
         self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
         self._count_lock = threading.Lock()
@@ -439,7 +443,8 @@ class DirectReader:
     def chunk_locations(self, chunks: np.ndarray) -> ChunkLocations:
         """Where the stored bytes of row chunks ``chunks`` (indices along axis 0, coordinates
         ``(c, 0, ..., 0)``; inner chunks when sharded) are, as arrays: vectorized so that a
-        window of hundreds of chunks costs a few NumPy calls per shard, not Python per chunk.
+        window of hundreds of chunks costs a few NumPy calls per shard (unsharded: per
+        window, once each chunk's file size is known), not Python per chunk.
 
         Shard indexes are read, crc32c-checked and cached exactly as ``read_rows`` does; an
         index entry pointing past the end of its shard raises ``ChunkReadError``. A chunk
@@ -453,17 +458,15 @@ class DirectReader:
         nbytes = np.zeros(len(chunks), dtype=np.int64)
         files: list[str] = []
         if lay.shard is None:  # a file per chunk: its size is its stored bytes
-            for i, c in enumerate(chunks.tolist()):
-                path = self._file(lay.key((c, *zeros)))
-                try:
-                    size = os.stat(path).st_size
-                except FileNotFoundError:
-                    continue
-                except OSError as e:
-                    raise self._error((c, *zeros), f"stat failed ({e})") from e
-                file[i], nbytes[i] = len(files), size
-                files.append(path)
-            return ChunkLocations(tuple(files), file, offset, nbytes)
+            self._stat_chunks(chunks[self._chunk_nbytes[chunks] < 0])
+            nbytes = self._chunk_nbytes[chunks]
+            stored = np.flatnonzero(nbytes >= 0)
+            file[stored] = np.arange(len(stored), dtype=np.int32)
+            nbytes[nbytes < 0] = 0
+            paths = self._chunk_files
+            return ChunkLocations(
+                tuple(paths[c] for c in chunks[stored].tolist()), file, offset, nbytes
+            )
         per_shard = lay.shard.chunks_per_shard[0]
         order = np.argsort(chunks, kind="stable")
         shard_of = chunks[order] // per_shard
@@ -490,6 +493,23 @@ class DirectReader:
             file[at], offset[at], nbytes[at] = len(files), start, n_stored
             files.append(self._file(lay.key((shard, *zeros))))
         return ChunkLocations(tuple(files), file, offset, nbytes)
+
+    def _stat_chunks(self, chunks: np.ndarray) -> None:
+        """Find the files of row chunks not seen yet and record their sizes (unsharded
+        stores): a window's locations are then NumPy lookups, not a stat per chunk. A
+        chunk that changes size later fails its read (a short read or a bad frame), as a
+        changed shard does against its cached index."""
+        zeros = (0,) * (len(self.shape) - 1)
+        for c in np.unique(chunks).tolist():
+            path = self._file(self.layout.key((c, *zeros)))
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                continue  # reads as the fill value; looked for again next time
+            except OSError as e:
+                raise self._error((c, *zeros), f"stat failed ({e})") from e
+            self._chunk_files[c] = path
+            self._chunk_nbytes[c] = size
 
     def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
         """The error ``read_rows`` raises for a bad chunk (names the array, key and file)."""
