@@ -58,8 +58,9 @@ case "$step" in
     bench=${DZ_BENCH_DIR:-$HOME/dz/bench}
     # 200 timed batches (50 windows) so that windows read during the warm-up are a small
     # part of the clock (they are free for it), and epoch boundaries are in it.
-    # Two more dali_zarr rows: the cells as a collection of 14 stores (Tahoe-100M's plates)
-    # and a 1,000-gene panel, both read by byte plans (DZ_STORES=1 DZ_PANEL=0 drop them).
+    # Three more dali_zarr rows: the cells as a collection of 14 stores (Tahoe-100M's plates),
+    # a 1,000-gene panel, and the 14 stores each under its own panel map (stores written
+    # with other gene orders), all read by byte plans (DZ_STORES=1 DZ_PANEL=0 drop them).
     python3 benchmarks/gpu_throughput.py --cells "${DZ_CELLS:-400000}" --genes 20000 \
       --nnz-per-cell 2000 --batches "${DZ_BATCHES:-200}" --out "$bench" \
       --stores "${DZ_STORES:-14}" --panel "${DZ_PANEL:-1000}" ${DZ_BENCH_ARGS:-} 2>&1 \

@@ -17,7 +17,7 @@ import pytest
 import zarr
 
 import dali_zarr as dz
-from dali_zarr.data.dataset import sub_indptr
+from dali_zarr.data.dataset import StoreRun, sub_indptr
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.device_window import RING_SYNC_ENV, HostBackend, ring_sync
 from dali_zarr.graph.gpu_pipeline import (
@@ -472,3 +472,29 @@ def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
             if name == "X" and dtype == "bfloat16":
                 want = want.to(torch.bfloat16)
             torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=name)
+
+
+def test_panel_selection_chooses_where_a_panel_is_kept(csr_store):
+    """Pure: one panel over every store goes to the graph's kernel; different panels (or
+    CSR output) get per-run maps, dropped columns sent to ``n_kept``; dense stores under
+    different panels are left to the host."""
+    from dali_zarr.graph.device_window import panel_selection
+
+    store = dz.open_dataset(csr_store)
+    a = np.array([-1, 0, -1, 1, 2])  # stored column -> panel column
+    b = np.array([2, -1, 1, 0, -1])
+    assert panel_selection([(store, None)], "csr", 5, "dense") == (None, None)
+    selector, maps = panel_selection([(store, a), (store, a.copy())], "csr", 3, "dense")
+    np.testing.assert_array_equal(selector, a)
+    assert maps is None
+    columns, maps = panel_selection([(store, a)], "dense", 3, "dense")
+    np.testing.assert_array_equal(columns, [1, 3, 4])  # the gather's stored columns
+    assert panel_selection([(store, a), (store, b)], "dense", 3, "dense") is None
+    selector, maps = panel_selection([(store, a), (store, b)], "csr", 3, "dense")
+    np.testing.assert_array_equal(selector, [0, 1, 2, -1])
+    np.testing.assert_array_equal(maps.table, [3, 0, 3, 1, 2, 2, 3, 1, 0, 3])
+    runs = [StoreRun(store, np.zeros((1, 2), np.int64), c) for c in (b, a, b)]
+    offsets, widths = maps.of_runs(runs)
+    assert offsets.tolist() == [5, 0, 5] and widths.tolist() == [5, 5, 5]
+    selector, maps = panel_selection([(store, a), (store, a)], "csr", 3, "csr")
+    assert selector is None and maps.table.tolist() == [3, 0, 3, 1, 2]

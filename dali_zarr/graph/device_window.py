@@ -353,7 +353,8 @@ class PanelMaps:
     def of_runs(self, runs: list[StoreRun]) -> tuple[np.ndarray, np.ndarray]:
         """Each run's map offset and width in ``table``."""
         found = [self.where[None if r.columns is None else id(r.columns)] for r in runs]
-        return np.array(found, dtype=np.int64).reshape(-1, 2).T
+        both = np.array(found, dtype=np.int64).reshape(-1, 2)
+        return np.ascontiguousarray(both[:, 0]), np.ascontiguousarray(both[:, 1])
 
 
 def panel_selection(
