@@ -29,7 +29,7 @@ from tests.stores import needs_cuda
 
 GROUPS = [
     "densify",
-    "densify_selected",
+    "densify_panel",
     "gather_csr",
     "gather_dense",
     "gather_dense_columns",
@@ -91,7 +91,6 @@ def _worker() -> dict:
     cpu_densify = numba.njit(kernels._densify_csr_rows)
     cpu_gather = numba.njit(kernels._gather_csr_rows)
     cpu_dense = numba.njit(kernels._gather_dense_rows)
-    cpu_selected = numba.njit(kernels._densify_selected_rows)
     cpu_columns = numba.njit(kernels._gather_dense_columns)
     jitted: dict = {}
     eq = np.testing.assert_array_equal
@@ -114,12 +113,6 @@ def _worker() -> dict:
     def densify(fn, launch, pos, csr, n_cols, want, cpu):
         out = np.full((len(pos), n_cols), np.nan, np.float32)  # garbage where not written
         got = run(fn, launch, out, pos, *csr)[0]
-        eq(got, want)
-        eq(got, cpu)
-
-    def selected(fn, launch, pos, csr, column_map, want, cpu):
-        out = np.full(want.shape, np.nan, np.float32)
-        got = run(fn, launch, out, pos, *csr, column_map)[0]
         eq(got, want)
         eq(got, cpu)
 
@@ -260,23 +253,29 @@ def _worker() -> dict:
                     check("densify", f"{variant} {tag}", densify, fn, launch, pos, csr, n_cols,
                           want, cpu)  # fmt: skip
                 check("gather_csr", tag, gather, launch, pos, csr, window)
-        # a panel: some columns dropped (the last one kept), the rest reordered
+        # a panel: some columns dropped (the last one kept), the rest reordered; the window
+        # reader maps ids to panel columns, dropped ones to the panel's width, which both
+        # densify variants skip
         keep = np.concatenate([[n_cols - 1], rng.permutation(n_cols - 1)[: n_cols // 2]])
-        column_map = np.full(n_cols, -1, np.int64)
-        column_map[keep] = np.arange(len(keep))
-        selected_variants = [
-            ("scatter", K.densify_selected_scatter),
-            ("shared", K.make_densify_selected_shared(len(keep))),
+        table = np.full(n_cols, len(keep), np.int64)
+        table[keep] = np.arange(len(keep))
+        mapped = csr[1].copy()  # one run through the table, as the reader maps a window
+        one_run = (np.array([0, len(mapped)]), np.zeros(1, np.int64), np.array([n_cols]))
+        assert kernels._remap_run_columns(mapped, *one_run, table) == 0
+        panel_csr = (csr[0], mapped, csr[2])
+        panel_variants = [
+            ("scatter", K.densify_csr_scatter),
+            ("shared", K.make_densify_csr_shared(len(keep))),
         ]
         for bi, pos in enumerate(_batches(rng, n_rows)):
             want = np.asarray(window[pos][:, keep].toarray(), dtype=np.float32)
             cpu = np.empty(want.shape, np.float32)
-            cpu_selected(cpu, pos, *csr, column_map)
+            cpu_densify(cpu, pos, *panel_csr)
             for launch in _launches(wi, bi):
                 tag = f"window{wi} {np.dtype(ddt)}/{np.dtype(idt)} batch{bi} launch{launch}"
-                for variant, fn in selected_variants:
-                    check("densify_selected", f"{variant} {tag}", selected, fn, launch, pos, csr,
-                          column_map, want, cpu)  # fmt: skip
+                for variant, fn in panel_variants:
+                    check("densify_panel", f"{variant} {tag}", densify, fn, launch, pos,
+                          panel_csr, len(keep), want, cpu)  # fmt: skip
     check("densify", "variant choice", _variant_choice, K)
 
     # -- dense gather (fused cast) ------------------------------------------------------------
@@ -368,9 +367,6 @@ def _worker() -> dict:
 def _variant_choice(K) -> None:
     assert K.densify_kernel(K.SHARED_COLS).__name__ == "densify_csr_shared"
     assert K.densify_kernel(K.SHARED_COLS + 1) is K.densify_csr_scatter
-    shared = K.densify_kernel(K.SHARED_COLS, selected=True)
-    assert shared is not K.densify_selected_scatter and shared.__name__ == "densify_selected_shared"
-    assert K.densify_kernel(K.SHARED_COLS + 1, selected=True) is K.densify_selected_scatter
 
 
 # ---------------------------------------------------------------------------- the tests
@@ -420,8 +416,6 @@ PTX_CASES = [
     ("shared", ["f4", "i8", "u2", "u4", "i8"], [2, 1, 1, 1, 1]),
     ("gather_csr_rows", ["f4", "i4", "i8", "u1", "i8", "i8", "f4", "i4", "i8"], _GATHER_NDIMS),
     ("gather_csr_rows", ["f8", "i8", "i8", "u1", "i8", "i8", "f8", "i8", "i8"], _GATHER_NDIMS),
-    ("densify_selected_scatter", ["f4", "i8", "f4", "i4", "i8", "i8"], [2, 1, 1, 1, 1, 1]),
-    ("selected_shared", ["f4", "i8", "f8", "i8", "i8", "i8"], [2, 1, 1, 1, 1, 1]),
     ("gather_dense_columns", ["f4", "i8", "f4", "i8"], [2, 1, 2, 1]),
     ("gather_dense_columns", ["u2", "i8", "u2", "i8"], [2, 1, 2, 1]),
     ("gather_dense_rows", ["f4", "i8", "f8"], [2, 1, 2]),
@@ -449,11 +443,7 @@ def test_kernels_compile_for_dali_argument_types(kernel, dtypes, ndims):
 
     from dali_zarr.graph import cuda_kernels as K
 
-    makers = {
-        "shared": K.make_densify_csr_shared,
-        "selected_shared": K.make_densify_selected_shared,
-    }
-    fn = makers[kernel](300) if kernel in makers else getattr(K, kernel)
+    fn = K.make_densify_csr_shared(300) if kernel == "shared" else getattr(K, kernel)
     arrays = K.numba_signature(dtypes, ndims)
     # ndim 0: a scalar (the window-level kernels launched by the reader take some)
     sig = tuple(

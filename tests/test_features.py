@@ -85,15 +85,15 @@ def test_features_of_other_elements(rich, element: str, width: int) -> None:
 @pytest.mark.parametrize("output", ["dense", "csr"])
 def test_gpu_path_wiring_with_features(rich, where: str, output: str) -> None:
     """The GPU path reads the store's windows by byte plans and keeps the panel on the
-    device: dense output in its densify op, CSR output by cutting each row to its kept
-    entries as the window is read. Batch for batch what the CPU path delivers, which the
-    tests above hold to anndata."""
+    device: ids mapped to the panel as the window is read, then densify skips the dropped
+    ones (dense output) or each row is cut to its kept entries (CSR output). Batch for
+    batch what the CPU path delivers, which the tests above hold to anndata."""
     dataset = dz.open_dataset(rich[0], features=PANEL)
     cpu, gpu = both(dataset, where, output=output, return_index=True)
     paths = gpu.read_paths()
     where_kept = {
-        "dense": "in the densify kernel",
-        "csr": "as each window is read (each row's ids mapped to the panel)",
+        "dense": "as each window is read (ids mapped to the panel, densify skips the rest)",
+        "csr": "as each window is read (ids mapped to the panel, rows cut to it)",
     }[output]
     kept = f"{len(PANEL)} of {N_VARS} features kept {where_kept}"
     assert all(p.endswith(kept) and "host read" not in p for p in paths.values()), paths
@@ -128,7 +128,9 @@ def test_gpu_path_selects_features_of_collections_and_dense_stores(
     unlike = dz.Collection([panels[0], dz.open_dataset(second, features=PANEL[::-1])])
     cpu, gpu = both(unlike, where, return_index=True)
     paths = gpu.read_paths()
-    assert all(p.endswith("mapped to the panel") for p in paths.values()), paths
+    assert all(
+        p.endswith("(ids mapped to the panel, densify skips the rest)") for p in paths.values()
+    ), paths
     assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
     # a dense store under two different panels is read on the host
     cubes = dz.Collection([dz.open_dataset(cube, features=c) for c in ([29, 3], [3, 29])])
@@ -203,7 +205,7 @@ def test_gpu_path_maps_each_stores_panel(rich, tmp_path: Path, where: str) -> No
     for dataset in cases:
         cpu, gpu = both(dataset, where, output="csr", return_index=True)
         paths = gpu.read_paths()
-        assert all("each row's ids mapped to the panel" in p for p in paths.values()), paths
+        assert all(p.endswith("rows cut to it)") for p in paths.values()), paths
         assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
 
 

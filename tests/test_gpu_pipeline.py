@@ -384,7 +384,6 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
 
     store, _, selected = store.partition("+")
     ds = dz.open_dataset(request.getfixturevalue(store), features=[5, 0, 2] if selected else None)
-    on_device = bool(selected) and output == "dense"  # else read on the host, as before
     calls, out_dtypes = [], []
 
     def numba_function(*inputs, run_fn, setup_fn, out_types, in_types, outs_ndim, ins_ndim,
@@ -412,11 +411,15 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
     op = {"csr": "gather_csr_rows", "dense": "gather_dense_rows"}[ds.layout]
     if ds.layout == "csr" and output == "dense":
         op = "densify_csr_shared"
-    if on_device:
-        op = {"csr": "densify_selected_shared", "dense": "gather_dense_columns"}[ds.layout]
+    if selected and ds.layout == "dense":
+        op = "gather_dense_columns"
     assert calls[0] == op
-    assert (src.selector is not None) == on_device
-    assert not {"column_map", "columns"} & set(src.host_names)  # a graph constant, not per batch
+    # a panel is kept on the device: a dense store's columns by the graph's row gather (a
+    # graph constant, not sent per batch), a CSR store's by the window reader's maps
+    assert src.reader.stores is not None
+    assert (src.selector is not None) == (bool(selected) and ds.layout == "dense")
+    assert (src.reader.panel_maps is not None) == (bool(selected) and ds.layout == "csr")
+    assert not {"column_map", "columns"} & set(src.host_names)
     if ds.dtype == np.float16:  # float16 rows are gathered as their bits, cast after
         assert out_dtypes[0] == [types.UINT16]
     elif ds.layout == "dense":
@@ -475,26 +478,25 @@ def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
 
 
 def test_panel_selection_chooses_where_a_panel_is_kept(csr_store):
-    """Pure: one panel over every store goes to the graph's kernel; different panels (or
-    CSR output) get per-run maps, dropped columns sent to ``n_kept``; dense stores under
-    different panels are left to the host."""
+    """Pure: a CSR store's panels (one, or one per store) get per-run maps, dropped columns
+    sent to ``n_kept``; one panel over every dense store goes to the graph's row gather;
+    dense stores under different panels are left to the host."""
     from dali_zarr.graph.device_window import panel_selection
 
     store = dz.open_dataset(csr_store)
     a = np.array([-1, 0, -1, 1, 2])  # stored column -> panel column
     b = np.array([2, -1, 1, 0, -1])
-    assert panel_selection([(store, None)], "csr", 5, "dense") == (None, None)
-    selector, maps = panel_selection([(store, a), (store, a.copy())], "csr", 3, "dense")
-    np.testing.assert_array_equal(selector, a)
-    assert maps is None
-    columns, maps = panel_selection([(store, a)], "dense", 3, "dense")
+    assert panel_selection([(store, None)], "csr", 5) == (None, None)
+    columns, maps = panel_selection([(store, a), (store, a.copy())], "dense", 3)
     np.testing.assert_array_equal(columns, [1, 3, 4])  # the gather's stored columns
-    assert panel_selection([(store, a), (store, b)], "dense", 3, "dense") is None
-    selector, maps = panel_selection([(store, a), (store, b)], "csr", 3, "dense")
-    np.testing.assert_array_equal(selector, [0, 1, 2, -1])
+    assert maps is None
+    assert panel_selection([(store, a), (store, b)], "dense", 3) is None
+    columns, maps = panel_selection([(store, a), (store, b)], "csr", 3)
+    assert columns is None
     np.testing.assert_array_equal(maps.table, [3, 0, 3, 1, 2, 2, 3, 1, 0, 3])
     runs = [StoreRun(store, np.zeros((1, 2), np.int64), c) for c in (b, a, b)]
     offsets, widths = maps.of_runs(runs)
     assert offsets.tolist() == [5, 0, 5] and widths.tolist() == [5, 5, 5]
-    selector, maps = panel_selection([(store, a), (store, a)], "csr", 3, "csr")
-    assert selector is None and maps.table.tolist() == [3, 0, 3, 1, 2]
+    columns, maps = panel_selection([(store, a), (store, a)], "csr", 3)  # one panel: one map
+    assert columns is None and maps.table.tolist() == [3, 0, 3, 1, 2]
+    assert maps.where == {id(a): (0, 5)}

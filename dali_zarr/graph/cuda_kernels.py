@@ -47,15 +47,13 @@ Dense gather (:func:`gather_dense_gpu`) copies rows ``pos`` with coalesced loads
 casts to the output dtype in the same pass (float32 by default), so there is no separate
 cast launch.
 
-Gene panels (a feature selection, dense output): :func:`densify_csr_gpu` given a
-``column_map`` (stored column -> output column, -1 dropped) runs the ``densify_selected``
-twins of the two variants, which map each column as they scatter; dropped non-zeros are
-read and skipped. :func:`gather_dense_gpu` given ``columns`` gathers rows ``pos`` and those
-columns of a dense window in one pass. Either way the panel costs no extra launch.
-Stores under panels that keep different stored columns need one launch per window, run by
-the window reader (not DALI): :func:`remap_run_columns` maps each store's ids to the panel
-before densify; for CSR output, :func:`keep_panel_rows` maps them and moves each row's
-kept entries to its start.
+Gene panels (a feature selection). CSR stores: the window reader (not DALI) maps each
+store's column ids to the panel once per window, one launch: :func:`remap_run_columns`
+sends dropped columns to the panel's width, which both densify variants skip; for CSR
+output, :func:`keep_panel_rows` also moves each row's kept entries to its start. One
+mechanism serves one panel and panels that differ per store. Dense stores:
+:func:`gather_dense_gpu` given ``columns`` gathers rows ``pos`` and those columns of the
+window in one pass.
 
 Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
 float16 is a DALI ``fn.cast`` after the op; bfloat16 is :func:`to_bfloat16_bits_gpu`, which
@@ -93,7 +91,9 @@ _f32 = numba.float32
 
 
 def densify_csr_scatter(out, pos, data, indices, indptr):
-    """out[i, :] = dense row pos[i]: zero-fill the row, sync, scatter with global atomics."""
+    """out[i, :] = dense row pos[i]: zero-fill the row, sync, scatter with global atomics.
+    Ids at or past the width are skipped: a gene panel's dropped columns (the window
+    reader maps them there; every other id was checked against the width)."""
     width = out.shape[1]
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -103,7 +103,9 @@ def densify_csr_scatter(out, pos, data, indices, indptr):
         cuda.syncthreads()  # the block's zeros are visible to its own threads after this
         r = pos[i]
         for p in range(indptr[r] + t, indptr[r + 1], nt):
-            cuda.atomic.add(out, (i, indices[p]), _f32(data[p]))
+            j = indices[p]
+            if j < width:
+                cuda.atomic.add(out, (i, j), _f32(data[p]))
 
 
 def make_densify_csr_shared(width: int) -> Callable:
@@ -122,58 +124,15 @@ def make_densify_csr_shared(width: int) -> Callable:
             cuda.syncthreads()
             r = pos[i]
             for p in range(indptr[r] + t, indptr[r + 1], nt):
-                cuda.atomic.add(row, indices[p], _f32(data[p]))
+                j = indices[p]
+                if j < width:  # a panel's dropped column (see densify_csr_scatter)
+                    cuda.atomic.add(row, j, _f32(data[p]))
             cuda.syncthreads()
             for c in range(t, width, nt):
                 out[i, c] = row[c]
             cuda.syncthreads()  # before the next row reuses `row`
 
     return densify_csr_shared
-
-
-def densify_selected_scatter(out, pos, data, indices, indptr, column_map):
-    """:func:`densify_csr_scatter` keeping stored column c as column column_map[c] (< 0:
-    dropped): a feature selection applied while densifying."""
-    width = out.shape[1]
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-        for c in range(t, width, nt):
-            out[i, c] = 0
-        cuda.syncthreads()
-        r = pos[i]
-        for p in range(indptr[r] + t, indptr[r + 1], nt):
-            c = column_map[indices[p]]
-            if c >= 0:
-                cuda.atomic.add(out, (i, c), _f32(data[p]))
-
-
-def make_densify_selected_shared(width: int) -> Callable:
-    """The shared-memory twin of :func:`densify_selected_scatter` (``width <= SHARED_COLS``
-    selected features)."""
-    if not 0 < width <= SHARED_COLS:
-        raise ValueError(f"width {width} is not in (0, {SHARED_COLS}]")
-
-    def densify_selected_shared(out, pos, data, indices, indptr, column_map):
-        """out[i, :] = selected columns of dense row pos[i], built in shared memory."""
-        row = cuda.shared.array(width, numba.float32)
-        t = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-            for c in range(t, width, nt):
-                row[c] = 0
-            cuda.syncthreads()
-            r = pos[i]
-            for p in range(indptr[r] + t, indptr[r + 1], nt):
-                c = column_map[indices[p]]
-                if c >= 0:
-                    cuda.atomic.add(row, c, _f32(data[p]))
-            cuda.syncthreads()
-            for c in range(t, width, nt):
-                out[i, c] = row[c]
-            cuda.syncthreads()
-
-    return densify_selected_shared
 
 
 def gather_csr_rows(
@@ -309,13 +268,11 @@ def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_wi
         kept[r] = w - start
 
 
-def densify_kernel(n_features: int, *, selected: bool = False) -> Callable:
-    """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features`` (with a
-    ``column_map`` when ``selected``)."""
+def densify_kernel(n_features: int) -> Callable:
+    """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features``."""
     if n_features <= SHARED_COLS:
-        make = make_densify_selected_shared if selected else make_densify_csr_shared
-        return make(max(1, n_features))
-    return densify_selected_scatter if selected else densify_csr_scatter
+        return make_densify_csr_shared(max(1, n_features))
+    return densify_csr_scatter
 
 
 # --- setup functions (CPU, compiled by the plugin with njit) -----------------------------------
@@ -369,7 +326,6 @@ def densify_csr_gpu(
     data,
     indices,
     indptr,
-    column_map=None,
     *,
     n_features: int,
     data_dtype,
@@ -377,22 +333,19 @@ def densify_csr_gpu(
     blocks: int = DEFAULT_BLOCKS,
     threads: int = DEFAULT_THREADS,
 ):
-    """GPU op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions;
-    given ``column_map`` (int64, stored column → panel column or -1), only a gene panel."""
-    selected = () if column_map is None else (column_map,)
+    """GPU op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions
+    (ids at ``n_features`` or past it are a panel's dropped columns and are skipped)."""
     return _gpu_op(
         pos,
         data,
         indices,
         indptr,
-        *selected,
-        run_fn=densify_kernel(n_features, selected=bool(selected)),
+        run_fn=densify_kernel(n_features),
         setup_fn=_rows_by_width(n_features),
         out_types=[types.FLOAT],
-        in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64]
-        + [types.INT64] * len(selected),
+        in_types=[types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64],
         outs_ndim=[2],
-        ins_ndim=[1, 1, 1, 1] + [1] * len(selected),
+        ins_ndim=[1, 1, 1, 1],
         blocks=blocks,
         threads=threads,
     )

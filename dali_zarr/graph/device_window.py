@@ -5,9 +5,9 @@
 slot (:class:`WindowLayout`) and fills it through each store's byte plans
 (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and window
 for stores written alike, narrower dtypes widened as the rows are placed. Gene panels are
-kept on the device (:func:`panel_selection`): by a graph kernel, or by one launch per
-window that maps each store's column ids to the panel (and, for CSR output, cuts each row
-to its kept entries).
+kept on the device (:func:`panel_selection`): for CSR stores by one launch per window that
+maps each store's column ids to the panel (and, for CSR output, cuts each row to its kept
+entries); for dense stores by the graph's row gather.
 
 A backend is where the slot lives: :class:`CudaBackend` (cupy buffers,
 :class:`~dali_zarr.io.gpu.GpuPlanExecutor` per reader thread) or :class:`HostBackend`
@@ -338,10 +338,10 @@ def _store_arrays(store: Dataset) -> list[tuple[str, Any]]:
 
 @dataclass(frozen=True)
 class PanelMaps:
-    """The panel maps a window's ids go through as it is read (stores seen through
-    different gene panels, e.g. written with different gene orders and selected by name;
-    or CSR output of any panel): each stored column -> panel column, with ``n_kept`` where
-    the panel drops it, all maps end to end in ``table``. ``where`` gives each map's
+    """The panel maps a CSR window's ids go through as it is read: each stored column ->
+    panel column, with ``n_kept`` where the panel drops it, all of a dataset's maps (one
+    per panel; stores written with other gene orders have their own) end to end in
+    ``table``. ``where`` gives each map's
     (offset, width) by the identity of the run's ``columns`` (None: a store read whole,
     the identity)."""
 
@@ -358,35 +358,30 @@ class PanelMaps:
 
 
 def panel_selection(
-    pairs: list[tuple[Dataset, np.ndarray | None]], layout: str, n_kept: int, output: Output
+    pairs: list[tuple[Dataset, np.ndarray | None]], layout: str, n_kept: int
 ) -> tuple[np.ndarray | None, PanelMaps | None] | None:
     """How a dataset's gene panels are kept on the device, from its
-    :meth:`~dali_zarr.data.dataset.Dataset.store_columns`: ``(selector, maps)``, or None
+    :meth:`~dali_zarr.data.dataset.Dataset.store_columns`: ``(columns, maps)``, or None
     where its windows must be read on the host.
 
-    ``selector`` is the graph's constant: for CSR the densify kernel's ``column_map``
-    (stored column -> output column, -1 dropped), for dense stores the gather's ``columns``
-    (None: no panel). One panel over every store (a panel, its subsets, a collection of
-    like panels) is kept by that kernel alone. Different panels (CSR only) first get each
-    run's ids mapped as the window is read (``maps``, one launch per window), then the
-    densify kernel drops what the maps sent to ``n_kept``. CSR output of any panel takes
-    ``maps`` and no selector: each row's kept entries are moved to its start as the window
-    is read, and the batch gather takes the rows as they are then.
+    CSR stores: ``maps``. Each run's column ids are mapped to its panel as the window is
+    read (one launch per window), dropped columns to ``n_kept``, which densify skips; with
+    CSR output each row's kept entries are also moved to its start. One panel over every
+    store and panels that differ per store (stores written with other gene orders) take
+    the same path. Dense stores: ``columns``, the stored columns the graph's row gather
+    takes, when every store has the same panel (else None: read on the host).
     """
     panels = [columns for _, columns in pairs]
     if all(columns is None for columns in panels):
         return None, None
-    first = panels[0]
-    like = all(columns is not None and np.array_equal(columns, first) for columns in panels)
-    if like and output != "csr":
-        if layout == "csr":
-            return np.array(first, dtype=np.int64), None
+    if layout != "csr":
+        first = panels[0]
+        if not all(c is not None and np.array_equal(c, first) for c in panels):
+            return None
         kept = np.flatnonzero(first >= 0)
         columns = np.empty(n_kept, dtype=np.int64)
         columns[first[kept]] = kept
         return columns, None
-    if layout != "csr":
-        return None
     where: dict[int | None, tuple[int, int]] = {}
     parts, held, offset = [], [], 0
     for store, columns in pairs:
@@ -401,8 +396,7 @@ def panel_selection(
         where[key] = (offset, len(table))
         parts.append(table)
         offset += len(table)
-    maps = PanelMaps(np.concatenate(parts), where, tuple(held))
-    return (None if output == "csr" else np.append(np.arange(n_kept, dtype=np.int64), -1)), maps
+    return None, PanelMaps(np.concatenate(parts), where, tuple(held))
 
 
 class DeviceWindowReader:
@@ -413,7 +407,8 @@ class DeviceWindowReader:
     of stores written alike joined and placed so the rows land in window order
     (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
     window. A panel is read as its stores' rows with every stored column and kept on the
-    device (:func:`panel_selection`; ``selector`` is the graph's constant). A store's
+    device (:func:`panel_selection`; ``selector``: a dense store's panel columns, the
+    graph's constant). A store's
     narrower CSR dtype (int32 ids in an int64 window, float16 values) is widened by its
     plan's final copy. Other datasets (dense stores under different panels, dense stores
     that disagree on a dtype, stores not read by byte plans) are read on the host with
@@ -430,7 +425,7 @@ class DeviceWindowReader:
         self.stores = self._planned_stores()
         pairs = dataset.store_columns()
         if self.stores is not None and pairs is not None:
-            chosen = panel_selection(pairs, dataset.layout, dataset.n_features, output)
+            chosen = panel_selection(pairs, dataset.layout, dataset.n_features)
             if chosen is None:
                 self.stores = None
             else:
@@ -607,8 +602,9 @@ class DeviceWindowReader:
         )
 
     def _map_panels(self, indices: Any, window: WindowLayout) -> None:
-        """Each run's column ids to its panel's columns (one launch), which also checks them
-        against each store's own width: a bad id fails naming its store and rows."""
+        """Each run's column ids to its panel's columns, dropped ones to the panel's width
+        (one launch), which also checks them against each store's own width: a bad id
+        fails naming its store and rows."""
         assert self.panel_maps is not None
         bounds = window.host_indptr[window.run_starts]
         offsets, widths = self.panel_maps.of_runs(window.runs)
@@ -624,11 +620,11 @@ class DeviceWindowReader:
             }
         kept = self.dataset.n_features
         if self.cuts_rows:
-            where = "as each window is read (each row's ids mapped to the panel)"
+            where = "as each window is read (ids mapped to the panel, rows cut to it)"
         elif self.panel_maps is not None:
-            where = "in the densify kernel, after each store's ids are mapped to the panel"
+            where = "as each window is read (ids mapped to the panel, densify skips the rest)"
         else:
-            where = "in the densify kernel" if self.dataset.layout == "csr" else "in the row gather"
+            where = "in the row gather"
         paths = {}
         for store in self.stores:
             panel = self.selector is not None or self.panel_maps is not None

@@ -11,11 +11,11 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
   one joint plan per array however many stores of a collection the window touches; host
   decode + one copy where needed);
 * a gene panel (:class:`~dali_zarr.data.features.FeatureSubset`, also one split into
-  subsets or in a collection) is read as its stores' windows and kept on the device: with
-  dense output by the densify or gather kernel itself (panels that keep different stored
-  columns get one more launch per window, which maps each store's ids to the panel's);
-  with CSR output by one launch per window that cuts each row to its kept entries in
-  place, whose kept lengths come back to the host to size the batches;
+  subsets or in a collection) is read as its stores' windows and kept on the device: a
+  CSR store's ids are mapped to the panel by one launch per window (dropped columns go
+  past the panel's width, which densify skips; with CSR output the launch also cuts each
+  row to its kept entries in place, whose kept lengths come back to the host to size the
+  batches); a dense store's panel columns are taken by the graph's row gather;
 * there are two ``external_source`` ops fed by one :class:`GpuBatchSource`: a GPU one for
   the window arrays (``no_copy=True``: DALI reads our slot in place) and a CPU one for the
   small per-batch arrays (``pos``, the batch's CSR row starts, obs columns, index), which

@@ -58,20 +58,9 @@ def _densify_csr_rows(out, pos, data, indices, indptr):
         row[:] = 0
         r = pos[i]
         for p in range(indptr[r], indptr[r + 1]):
-            row[indices[p]] += data[p]
-
-
-def _densify_selected_rows(out, pos, data, indices, indptr, column_map):
-    """out[i, :] = dense row pos[i], keeping column c as column column_map[c] (dropped where
-    it is negative): a feature selection applied while densifying, with no filtered copy."""
-    for i in range(pos.shape[0]):
-        row = out[i]
-        row[:] = 0
-        r = pos[i]
-        for p in range(indptr[r], indptr[r + 1]):
-            c = column_map[indices[p]]
-            if c >= 0:
-                row[c] += data[p]
+            j = indices[p]
+            if j < row.shape[0]:  # else a panel's dropped column (the GPU reader maps them there)
+                row[j] += data[p]
 
 
 def _gather_csr_rows(
@@ -220,7 +209,6 @@ def _csr_batch_shapes(outs, ins):
 #: kernel name -> (run function, setup function for a row width)
 _KERNELS: dict[str, tuple[Callable, Callable[[int], Callable]]] = {
     "densify_csr": (_densify_csr_rows, _rows_by_width),
-    "densify_selected": (_densify_selected_rows, _rows_by_width),
     "gather_csr": (_gather_csr_rows, lambda _width: _csr_batch_shapes),
     "gather_dense": (_gather_dense_rows, _rows_by_width),
     "gather_dense_columns": (_gather_dense_columns, _rows_by_width),
@@ -254,22 +242,18 @@ def _numba_op(
     )
 
 
-def densify_csr(
-    pos, data, indices, indptr, column_map=None, *, n_features: int, data_dtype, index_dtype
-):
-    """DALI op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions;
-    given ``column_map`` (int64, stored column → panel column or -1), only a gene panel."""
-    selected = () if column_map is None else (column_map,)
+def densify_csr(pos, data, indices, indptr, *, n_features: int, data_dtype, index_dtype):
+    """DALI op: dense float32 ``(len(pos), n_features)`` batch from window CSR + positions
+    (ids at ``n_features`` or past it are a panel's dropped columns and are skipped)."""
     op = _numba_op(
-        "densify_csr" if column_map is None else "densify_selected",
+        "densify_csr",
         n_features,
         (types.FLOAT,),
-        (types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64)
-        + (types.INT64,) * len(selected),
+        (types.INT64, dali_type(data_dtype), dali_type(index_dtype), types.INT64),
         (2,),
-        (1, 1, 1, 1) + (1,) * len(selected),
+        (1, 1, 1, 1),
     )
-    return op(pos, data, indices, indptr, *selected)
+    return op(pos, data, indices, indptr)
 
 
 def gather_csr(nnz_hint, batch_indptr, pos, data, indices, indptr, *, data_dtype, index_dtype):

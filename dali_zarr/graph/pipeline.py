@@ -125,11 +125,11 @@ class GraphOps:
         threads = cuda_kernels.DEFAULT_THREADS if self.threads is None else self.threads
         return cuda_kernels, {"blocks": blocks, "threads": threads}
 
-    def densify_csr(self, pos, data, indices, indptr, column_map=None, **kw):
+    def densify_csr(self, pos, data, indices, indptr, **kw):
         if self.on_gpu:
             K, launch = self._cuda()
-            return K.densify_csr_gpu(pos, data, indices, indptr, column_map, **kw, **launch)
-        return kernels.densify_csr(pos, data, indices, indptr, column_map, **kw)
+            return K.densify_csr_gpu(pos, data, indices, indptr, **kw, **launch)
+        return kernels.densify_csr(pos, data, indices, indptr, **kw)
 
     def gather_csr(self, nnz_hint, batch_indptr, pos, data, indices, indptr, **kw):
         if self.on_gpu:
@@ -169,8 +169,8 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
     dtypes), obs columns, ``index``, all on ``ops``' device."""
     ds = source.dataset
     pos = ops.to_device(node["pos"])
-    # a gene panel kept by our op (GPU path: device_window.panel_selection): CSR, stored
-    # column -> panel column or -1; dense, the panel's stored columns
+    # a dense store's gene panel, kept by the row gather (GPU path: the stored columns,
+    # device_window.panel_selection); a CSR store's panel is mapped as its window is read
     selector = getattr(source, "selector", None)
     panel = None if selector is None else ops.constant(selector)
     csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
@@ -187,7 +187,7 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
         )
     elif ds.layout == "csr":
         out["X"] = ops.densify_csr(
-            pos, node["data"], node["indices"], node["indptr"], panel,
+            pos, node["data"], node["indices"], node["indptr"],
             n_features=ds.n_features, **csr_types,
         )  # fmt: skip
     else:
