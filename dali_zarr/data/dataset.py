@@ -23,7 +23,7 @@ from dali_zarr.data.elements import matrix_layout, pick_element, var_key
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader, open_reader
-from dali_zarr.planning.partition import concat_aranges, ranges_to_rows
+from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
 Layout = Literal["csr", "dense"]
 
@@ -459,17 +459,8 @@ def _concat_rows(
     return CsrRows(
         np.concatenate([c.data for c in csr]),
         np.concatenate([c.indices for c in csr]),
-        concat_indptr([c.indptr for c in csr]),
+        run_offsets(np.concatenate([np.diff(c.indptr) for c in csr])),
     )
-
-
-def concat_indptr(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """Row starts of CSR blocks stacked in order, from each block's own (0-based) row starts."""
-    if not parts:
-        return np.zeros(1, dtype=np.int64)
-    shifts = np.cumsum([0, *(int(p[-1]) for p in parts[:-1])])
-    tails = [p[1:] + shift for p, shift in zip(parts, shifts.tolist(), strict=True)]
-    return np.concatenate([np.zeros(1, np.int64), *tails]).astype(np.int64, copy=False)
 
 
 def _describe(reader: ArrayReader) -> str:

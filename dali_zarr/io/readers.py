@@ -334,7 +334,7 @@ class DirectReader:
         self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
         # unsharded: each row chunk's file and stored size once seen (-1: not seen, or not
         # stored yet; a missing chunk is looked for again, as a missing shard is)
-        self._chunk_files: list[str | None] = [None] * grid[0]
+        self._chunk_files = np.full(grid[0], None, dtype=object)
         self._chunk_nbytes = np.full(grid[0], -1, dtype=np.int64)
         self.chunks_read = 0  # pieces (chunks / inner chunks) read so far, over all calls
         self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
@@ -455,18 +455,15 @@ class DirectReader:
         zeros = (0,) * (len(self.shape) - 1)
         file = np.full(len(chunks), -1, dtype=np.int32)
         offset = np.zeros(len(chunks), dtype=np.int64)
-        nbytes = np.zeros(len(chunks), dtype=np.int64)
-        files: list[str] = []
         if lay.shard is None:  # a file per chunk: its size is its stored bytes
             self._stat_chunks(chunks[self._chunk_nbytes[chunks] < 0])
             nbytes = self._chunk_nbytes[chunks]
             stored = np.flatnonzero(nbytes >= 0)
             file[stored] = np.arange(len(stored), dtype=np.int32)
             nbytes[nbytes < 0] = 0
-            paths = self._chunk_files
-            return ChunkLocations(
-                tuple(paths[c] for c in chunks[stored].tolist()), file, offset, nbytes
-            )
+            return ChunkLocations(tuple(self._chunk_files[chunks[stored]]), file, offset, nbytes)
+        nbytes = np.zeros(len(chunks), dtype=np.int64)
+        files: list[str] = []
         per_shard = lay.shard.chunks_per_shard[0]
         order = np.argsort(chunks, kind="stable")
         shard_of = chunks[order] // per_shard
