@@ -137,7 +137,7 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
         return run_into(*a, **kw)
 
     backend.run_into = counting_runs
-    # gene panels whose stores keep different columns: one launch per window
+    # a CSR store's gene panel: its ids mapped (and, for CSR output, rows cut), one launch
     timed(backend, "remap_columns", "panel ids mapped per store")
     timed(backend, "keep_panel_rows", "rows cut to the panel (CSR output)")
     if args.smoke:
@@ -238,17 +238,14 @@ def main(argv=None) -> None:
     from dali_zarr.io.gpu import kvikio_threads
 
     store = make_store(args)
+    per_store = args.per_store_panels and args.stores > 1 and args.panel > 0
     dataset = open_benchmark_dataset(
-        args,
-        store,
-        stores=args.stores,
-        panel=args.panel,
-        per_store_panels=args.per_store_panels and args.stores > 1 and args.panel > 0,
+        args, store, stores=args.stores, panel=args.panel, per_store_panels=per_store
     )
     kind = "SMOKE RUN on the host backend: not GPU figures" if args.smoke else "GPU"
     split = f" as {args.stores} stores" if args.stores > 1 else ""
     panel = f", a {args.panel}-gene panel" if args.panel else ""
-    if args.per_store_panels and args.stores > 1 and args.panel:
+    if per_store:
         panel += " each, over other stored columns"
     print(f"{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows")
     failed = []

@@ -145,11 +145,12 @@ class HostBackend(_Backend):
         return np.array(host)
 
     def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
-        return int(kernels.remap_run_columns()(indices, run_bounds, run_maps, run_widths, maps))
+        remap = kernels.host_kernel(kernels._remap_run_columns)
+        return int(remap(indices, run_bounds, run_maps, run_widths, maps))
 
     def keep_panel_rows(self, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
         kept = np.empty(len(indptr) - 1, dtype=np.int64)
-        bad = kernels.keep_panel_rows()(
+        bad = kernels.host_kernel(kernels._keep_panel_rows)(
             kept, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept
         )
         return kept, int(bad)
@@ -625,9 +626,9 @@ class DeviceWindowReader:
             where = "as each window is read (ids mapped to the panel, densify skips the rest)"
         else:
             where = "in the row gather"
+        panel = self.selector is not None or self.panel_maps is not None
         paths = {}
         for store in self.stores:
-            panel = self.selector is not None or self.panel_maps is not None
             note = f"; {kept} of {store.n_features} features kept" if panel else ""
             for _, reader in _store_arrays(store):
                 paths[reader.name] = self.backend.path(reader) + (note and f"{note} {where}")

@@ -80,9 +80,7 @@ from dali_zarr.graph.source import (
 from dali_zarr.io.gpu import (
     probe_gpu,
 )
-from dali_zarr.planning.partition import (
-    validate_count,
-)
+from dali_zarr.planning.partition import validate_count
 
 # ---------------------------------------------------------------------------- host helpers
 
@@ -235,7 +233,7 @@ class GpuBatchSource(BatchSource):
         )
         self.backend = backend if backend is not None else CudaBackend(device_id)
         self.reader = DeviceWindowReader(dataset, self.backend, output=output)
-        self.selector = self.reader.selector  # the panel the graph keeps (None: no panel)
+        self.selector = self.reader.selector  # a dense store's panel columns, for the graph
         self.host_names, self.device_names = gpu_source_names(
             dataset.layout, output, list(obs), return_index
         )

@@ -19,7 +19,7 @@ inputs, so the input that decides an output's shape always comes first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 from nvidia.dali import types
@@ -135,22 +135,14 @@ def _keep_panel_rows(kept, data, indices, indptr, run_rows, run_maps, run_widths
     return 0
 
 
-@lru_cache(maxsize=1)
-def keep_panel_rows() -> Callable:
-    """:func:`_keep_panel_rows` compiled (GIL released); the host backend's twin of
-    ``cuda_kernels.keep_panel_rows``."""
+@cache
+def host_kernel(fn: Callable) -> Callable:
+    """A window-level kernel (:func:`_remap_run_columns`, :func:`_keep_panel_rows`) compiled
+    for the host backend, GIL released, once per process: the twins of the CUDA kernels of
+    the same names that the window reader launches on the device."""
     import numba
 
-    return numba.njit(nogil=True)(_keep_panel_rows)
-
-
-@lru_cache(maxsize=1)
-def remap_run_columns() -> Callable:
-    """:func:`_remap_run_columns` compiled (GIL released); the host backend's twin of
-    ``cuda_kernels.remap_run_columns``."""
-    import numba
-
-    return numba.njit(nogil=True)(_remap_run_columns)
+    return numba.njit(nogil=True)(fn)
 
 
 def _float32_bits_to_bfloat16_bits(out, bits):
