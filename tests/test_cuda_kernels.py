@@ -32,7 +32,7 @@ GROUPS = [
     "densify_panel",
     "gather_csr",
     "gather_dense",
-    "gather_dense_columns",
+    "select_columns",
     "bfloat16",
     "copy_segments",
     "remap_columns",
@@ -91,7 +91,7 @@ def _worker() -> dict:
     cpu_densify = numba.njit(kernels._densify_csr_rows)
     cpu_gather = numba.njit(kernels._gather_csr_rows)
     cpu_dense = numba.njit(kernels._gather_dense_rows)
-    cpu_columns = numba.njit(kernels._gather_dense_columns)
+    cpu_select = numba.njit(kernels._select_run_columns)
     jitted: dict = {}
     eq = np.testing.assert_array_equal
 
@@ -116,14 +116,17 @@ def _worker() -> dict:
         eq(got, want)
         eq(got, cpu)
 
-    def columns(launch, pos, values, cols):
-        out = np.full((len(pos), len(cols)), np.nan, np.float32)
-        got = run(K.gather_dense_columns, launch, out, pos, values, cols)[0]
-        want = values[pos][:, cols].astype(np.float32)
+    def select(launch, values, run_rows, offsets, maps, width):
+        want = np.concatenate([
+            values[a:b][:, maps[o : o + width]]
+            for a, b, o in zip(run_rows[:-1], run_rows[1:], offsets, strict=True)
+        ])  # fmt: skip
+        out = np.zeros((len(values), width), values.dtype)
+        got = run(K.select_run_columns, launch, out, values, run_rows, offsets, maps)[0]
         eq(got, want)
-        ref = np.empty((len(pos), len(cols)), values.dtype)
-        cpu_columns(ref, pos, values, cols)
-        eq(got, ref.astype(np.float32))
+        ref = np.zeros_like(out)
+        cpu_select(ref, values, run_rows, offsets, maps)
+        eq(ref, want)
 
     def gather(launch, pos, csr, window):
         data, indices, indptr = csr
@@ -288,14 +291,16 @@ def _worker() -> dict:
                 tag = f"{np.dtype(vdt)} batch{bi} launch{launch}"
                 check("gather_dense", tag, dense, launch, pos, values, ref)
 
-    # -- dense gather of chosen columns (a feature selection on a dense store) ---------------
-    for vi, vdt in enumerate((np.float32, np.int16)):
-        values = (rng.standard_normal((19, 11)) * 50).astype(vdt)
-        cols = np.array([10, 0, 4, 4, 7], np.int64)[: 5 - vi]  # last column, reordered
-        for bi, pos in enumerate(_batches(rng, 19)):
-            for launch in _launches(vi, bi):
-                check("gather_dense_columns", f"{np.dtype(vdt)} batch{bi} launch{launch}",
-                      columns, launch, pos, values, cols)  # fmt: skip
+    # -- dense panels: each run's panel columns out of its stored rows -----------------------
+    for vi, vdt in enumerate((np.float32, np.uint16, np.int64, np.uint8)):
+        values = (rng.standard_normal((23, 11)) * 50).astype(vdt)
+        # three panels of 5 stored columns (reordered, last column, repeats), end to end
+        maps = np.array([10, 0, 4, 4, 7, 1, 2, 3, 5, 6, 9, 8, 7, 10, 0], np.int64)
+        run_rows = np.array([0, 4, 4, 11, 12, 23], np.int64)  # five runs, one empty
+        offsets = np.array([5, 0, 10, 0, 5], np.int64)[: len(run_rows) - 1]
+        for launch in _launches(vi, 0):
+            check("select_columns", f"{np.dtype(vdt)} launch{launch}", select, launch, values,
+                  run_rows, offsets, maps, 5)  # fmt: skip
 
     # -- float32 -> bfloat16 bits -------------------------------------------------------------
     x = np.concatenate(
@@ -416,8 +421,9 @@ PTX_CASES = [
     ("shared", ["f4", "i8", "u2", "u4", "i8"], [2, 1, 1, 1, 1]),
     ("gather_csr_rows", ["f4", "i4", "i8", "u1", "i8", "i8", "f4", "i4", "i8"], _GATHER_NDIMS),
     ("gather_csr_rows", ["f8", "i8", "i8", "u1", "i8", "i8", "f8", "i8", "i8"], _GATHER_NDIMS),
-    ("gather_dense_columns", ["f4", "i8", "f4", "i8"], [2, 1, 2, 1]),
-    ("gather_dense_columns", ["u2", "i8", "u2", "i8"], [2, 1, 2, 1]),
+    ("select_run_columns", ["u4", "u4", "i8", "i8", "i8"], [2, 2, 1, 1, 1]),
+    ("select_run_columns", ["u2", "u2", "i8", "i8", "i8"], [2, 2, 1, 1, 1]),
+    ("select_run_columns", ["u8", "u8", "i8", "i8", "i8"], [2, 2, 1, 1, 1]),
     ("gather_dense_rows", ["f4", "i8", "f8"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "i2"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "u1"], [2, 1, 2]),

@@ -132,11 +132,23 @@ def test_gpu_path_selects_features_of_collections_and_dense_stores(
         p.endswith("(ids mapped to the panel, densify skips the rest)") for p in paths.values()
     ), paths
     assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
-    # a dense store under two different panels is read on the host
-    cubes = dz.Collection([dz.open_dataset(cube, features=c) for c in ([29, 3], [3, 29])])
-    cpu, gpu = both(cubes, where, return_index=True)
-    assert all("host read" in p for p in gpu.read_paths().values()), gpu.read_paths()
-    assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
+    # dense stores under different panels (and one read whole beside a panel of all its
+    # columns): each run's panel columns copied out of its stored rows on the device
+    half = tmp_path / "half.zarr"
+    zarr.save_array(str(half), np.arange(N_OBS * 30, dtype=np.float16).reshape(N_OBS, 30))
+    unlike_dense = (
+        dz.Collection([dz.open_dataset(cube, features=c) for c in ([29, 3], [3, 29])]),
+        dz.Subset(
+            dz.Collection([dz.open_dataset(half, features=c) for c in ([0, 7, 9], [9, 1, 0])]),
+            np.arange(1, 2 * N_OBS, 3),
+        ),
+        dz.Collection([dz.open_dataset(cube), dz.open_dataset(cube, features=np.arange(30)[::-1])]),
+    )
+    for dataset in unlike_dense:
+        cpu, gpu = both(dataset, where, return_index=True)
+        paths = gpu.read_paths()
+        assert all(p.endswith("(each row's panel columns copied out)") for p in paths.values())
+        assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
 
 
 def _reordered_store(tmp_path: Path, seed: int, n_obs: int):

@@ -411,14 +411,11 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
     op = {"csr": "gather_csr_rows", "dense": "gather_dense_rows"}[ds.layout]
     if ds.layout == "csr" and output == "dense":
         op = "densify_csr_shared"
-    if selected and ds.layout == "dense":
-        op = "gather_dense_columns"
     assert calls[0] == op
-    # a panel is kept on the device: a dense store's columns by the graph's row gather (a
-    # graph constant, not sent per batch), a CSR store's by the window reader's maps
+    # a panel is kept on the device by the window reader's maps: the graph gathers, or
+    # densifies, windows already in the panel's columns
     assert src.reader.stores is not None
-    assert (src.selector is not None) == (bool(selected) and ds.layout == "dense")
-    assert (src.reader.panel_maps is not None) == (bool(selected) and ds.layout == "csr")
+    assert (src.reader.panel_maps is not None) == bool(selected)
     assert not {"column_map", "columns"} & set(src.host_names)
     if ds.dtype == np.float16:  # float16 rows are gathered as their bits, cast after
         assert out_dtypes[0] == [types.UINT16]
@@ -477,26 +474,24 @@ def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
             torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=name)
 
 
-def test_panel_selection_chooses_where_a_panel_is_kept(csr_store):
-    """Pure: a CSR store's panels (one, or one per store) get per-run maps, dropped columns
-    sent to ``n_kept``; one panel over every dense store goes to the graph's row gather;
-    dense stores under different panels are left to the host."""
+def test_panel_selection_builds_each_panels_map(csr_store):
+    """Pure: every panel (one, or one per store) gets its map, found by the identity of a
+    run's ``columns``. CSR maps take stored columns to panel columns, dropped ones to
+    ``n_kept``, which densify skips; dense maps list the stored columns a row keeps."""
     from dali_zarr.graph.device_window import panel_selection
 
     store = dz.open_dataset(csr_store)
     a = np.array([-1, 0, -1, 1, 2])  # stored column -> panel column
     b = np.array([2, -1, 1, 0, -1])
-    assert panel_selection([(store, None)], "csr", 5) == (None, None)
-    columns, maps = panel_selection([(store, a), (store, a.copy())], "dense", 3)
-    np.testing.assert_array_equal(columns, [1, 3, 4])  # the gather's stored columns
-    assert maps is None
-    assert panel_selection([(store, a), (store, b)], "dense", 3) is None
-    columns, maps = panel_selection([(store, a), (store, b)], "csr", 3)
-    assert columns is None
+    assert panel_selection([(store, None)], "csr", 5) is None
+    maps = panel_selection([(store, a), (store, b)], "csr", 3)
     np.testing.assert_array_equal(maps.table, [3, 0, 3, 1, 2, 2, 3, 1, 0, 3])
     runs = [StoreRun(store, np.zeros((1, 2), np.int64), c) for c in (b, a, b)]
-    offsets, widths = maps.of_runs(runs)
+    offsets, widths = maps.of_runs(runs)  # widths: the stored widths ids are checked against
     assert offsets.tolist() == [5, 0, 5] and widths.tolist() == [5, 5, 5]
-    columns, maps = panel_selection([(store, a), (store, a)], "csr", 3)  # one panel: one map
-    assert columns is None and maps.table.tolist() == [3, 0, 3, 1, 2]
-    assert maps.where == {id(a): (0, 5)}
+    maps = panel_selection([(store, a), (store, a)], "csr", 3)  # one panel: one map
+    assert maps.table.tolist() == [3, 0, 3, 1, 2] and maps.where == {id(a): (0, 5)}
+    maps = panel_selection([(store, a), (store, b)], "dense", 3)  # panel order
+    assert maps.table.tolist() == [1, 3, 4, 3, 2, 0]
+    offsets, _ = maps.of_runs(runs)
+    assert offsets.tolist() == [3, 0, 3]

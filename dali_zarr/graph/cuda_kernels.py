@@ -50,10 +50,10 @@ cast launch.
 Gene panels (a feature selection). CSR stores: the window reader (not DALI) maps each
 store's column ids to the panel once per window, one launch: :func:`remap_run_columns`
 sends dropped columns to the panel's width, which both densify variants skip; for CSR
-output, :func:`keep_panel_rows` also moves each row's kept entries to its start. One
-mechanism serves one panel and panels that differ per store. Dense stores:
-:func:`gather_dense_gpu` given ``columns`` gathers rows ``pos`` and those columns of the
-window in one pass.
+output, :func:`keep_panel_rows` also moves each row's kept entries to its start. Dense
+stores: :func:`select_run_columns` copies each row's panel columns out of the stored
+window, also once per window, and the graph gathers the panel-wide rows. For both layouts
+one mechanism serves one panel and panels that differ per store.
 
 Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
 float16 is a DALI ``fn.cast`` after the op; bfloat16 is :func:`to_bfloat16_bits_gpu`, which
@@ -166,17 +166,6 @@ def gather_dense_rows(out, pos, values):
             out[i, c] = values[r, c]
 
 
-def gather_dense_columns(out, pos, values, columns):
-    """out[i, j] = values[pos[i], columns[j]] (the store to ``out`` casts to its dtype)."""
-    width = out.shape[1]
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-        r = pos[i]
-        for j in range(t, width, nt):
-            out[i, j] = values[r, columns[j]]
-
-
 def float32_bits_to_bfloat16_bits(out, bits):
     """out = bfloat16 bits (round to nearest even, NaN kept quiet) of float32 ``bits`` (2-D)."""
     width = out.shape[1]
@@ -266,6 +255,30 @@ def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_wi
                 indices[w] = c
                 w += 1
         kept[r] = w - start
+
+
+def select_run_columns(out, values, run_rows, run_maps, maps):
+    """Dense stores under gene panels (twin of ``kernels._select_run_columns``): row ``r``
+    of run ``q`` keeps the stored columns ``maps[run_maps[q] :][: out.shape[1]]``, in panel
+    order, as their bits. One launch per window: a block per row (grid-stride), found by a
+    binary search of ``run_rows``; its threads stride over the panel's columns, so the
+    writes are coalesced."""
+    n_runs = run_maps.shape[0]
+    width = out.shape[1]
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        lo = 0
+        hi = n_runs - 1
+        while lo < hi:  # the last run starting at or before row r
+            mid = (lo + hi + 1) // 2
+            if run_rows[mid] <= r:
+                lo = mid
+            else:
+                hi = mid - 1
+        base = run_maps[lo]
+        for j in range(t, width, nt):
+            out[r, j] = values[r, maps[base + j]]
 
 
 def densify_kernel(n_features: int) -> Callable:
@@ -393,7 +406,6 @@ def gather_csr_gpu(
 def gather_dense_gpu(
     pos,
     values,
-    columns=None,
     *,
     n_features: int,
     dtype,
@@ -401,19 +413,16 @@ def gather_dense_gpu(
     blocks: int = DEFAULT_BLOCKS,
     threads: int = DEFAULT_THREADS,
 ):
-    """GPU op: rows ``pos`` of a 2-D ``(rows, n_features)`` window, cast to ``out_dtype``;
-    given ``columns`` (int64), only those ``n_features`` columns (a gene panel)."""
-    selected = () if columns is None else (columns,)
+    """GPU op: rows ``pos`` of a 2-D ``(rows, n_features)`` window, cast to ``out_dtype``."""
     return _gpu_op(
         pos,
         values,
-        *selected,
-        run_fn=gather_dense_rows if columns is None else gather_dense_columns,
+        run_fn=gather_dense_rows,
         setup_fn=_rows_by_width(n_features),
         out_types=[dali_type(out_dtype)],
-        in_types=[types.INT64, dali_type(dtype)] + [types.INT64] * len(selected),
+        in_types=[types.INT64, dali_type(dtype)],
         outs_ndim=[2],
-        ins_ndim=[1, 2] + [1] * len(selected),
+        ins_ndim=[1, 2],
         blocks=blocks,
         threads=threads,
     )

@@ -5,9 +5,9 @@
 slot (:class:`WindowLayout`) and fills it through each store's byte plans
 (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and window
 for stores written alike, narrower dtypes widened as the rows are placed. Gene panels are
-kept on the device (:func:`panel_selection`): for CSR stores by one launch per window that
+kept on the device (:func:`panel_selection`) by one launch per window: for CSR stores it
 maps each store's column ids to the panel (and, for CSR output, cuts each row to its kept
-entries); for dense stores by the graph's row gather.
+entries); for dense stores it copies each row's panel columns out of the stored rows.
 
 A backend is where the slot lives: :class:`CudaBackend` (cupy buffers,
 :class:`~dali_zarr.io.gpu.GpuPlanExecutor` per reader thread) or :class:`HostBackend`
@@ -102,6 +102,12 @@ class _Backend:
         a run holding an id out of range)."""
         raise NotImplementedError
 
+    def select_columns(self, out: Any, values: Any, run_rows: np.ndarray, run_maps: np.ndarray,
+                       maps: Any) -> None:  # fmt: skip
+        """Copy each run's panel columns of dense ``values`` into ``out`` (the contract of
+        ``kernels._select_run_columns``)."""
+        raise NotImplementedError
+
     def finish(self) -> None:
         """Wait until the uploads and plans issued so far have landed."""
 
@@ -110,6 +116,12 @@ class _Backend:
 
     def close(self) -> None:
         """Release what the backend holds open."""
+
+
+def _bits(values: Any) -> Any:
+    """``values`` viewed as unsigned integers of the same width: a copy that moves bits
+    compiles once per width, and numba has no float16 on the host."""
+    return values.view(f"u{values.dtype.itemsize}")
 
 
 def _as_window_dtype(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -154,6 +166,10 @@ class HostBackend(_Backend):
             kept, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept
         )
         return kept, int(bad)
+
+    def select_columns(self, out, values, run_rows, run_maps, maps) -> None:
+        select = kernels.host_kernel(kernels._select_run_columns)
+        select(_bits(out), _bits(values), run_rows, run_maps, maps)
 
     def minmax(self, values: Any) -> tuple[int, int]:
         return int(values.min()), int(values.max())
@@ -255,6 +271,18 @@ class CudaBackend(_Backend):
             )
             return kept.get(stream=stream), int(bad.get(stream=stream)[0])
 
+    def select_columns(self, out, values, run_rows, run_maps, maps) -> None:
+        from numba import cuda
+
+        stream = self.executor.stream
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (run_rows, run_maps)]
+            blocks = max(1, min(65535, out.shape[0]))  # a block per row, threads over columns
+            kernel = cuda_jit(cuda_kernels.select_run_columns)
+            kernel[blocks, 128, cuda.external_stream(stream.ptr)](
+                _bits(out), _bits(values), *args, maps
+            )
+
     def minmax(self, values: Any) -> tuple[int, int]:
         with self.cp.cuda.Device(self.device_id), self.executor.stream:
             both = self.cp.stack([values.min(), values.max()]).get()
@@ -339,12 +367,12 @@ def _store_arrays(store: Dataset) -> list[tuple[str, Any]]:
 
 @dataclass(frozen=True)
 class PanelMaps:
-    """The panel maps a CSR window's ids go through as it is read: each stored column ->
-    panel column, with ``n_kept`` where the panel drops it, all of a dataset's maps (one
-    per panel; stores written with other gene orders have their own) end to end in
-    ``table``. ``where`` gives each map's
-    (offset, width) by the identity of the run's ``columns`` (None: a store read whole,
-    the identity)."""
+    """The gene-panel maps a window goes through as it is read, all of a dataset's maps
+    (one per panel; stores written with other gene orders have their own) end to end in
+    ``table``. A CSR map takes each stored column to its panel column, ``n_kept`` where
+    the panel drops it; a dense map lists the panel's stored columns in panel order.
+    ``where`` gives each map's offset and its store's stored width by the identity of the
+    run's ``columns`` (None: a store read whole, the identity)."""
 
     table: np.ndarray
     where: dict[int | None, tuple[int, int]]
@@ -352,7 +380,7 @@ class PanelMaps:
     held: tuple[np.ndarray, ...]
 
     def of_runs(self, runs: list[StoreRun]) -> tuple[np.ndarray, np.ndarray]:
-        """Each run's map offset and width in ``table``."""
+        """Each run's map offset in ``table`` and its store's stored width."""
         found = [self.where[None if r.columns is None else id(r.columns)] for r in runs]
         both = np.array(found, dtype=np.int64).reshape(-1, 2)
         return np.ascontiguousarray(both[:, 0]), np.ascontiguousarray(both[:, 1])
@@ -360,44 +388,39 @@ class PanelMaps:
 
 def panel_selection(
     pairs: list[tuple[Dataset, np.ndarray | None]], layout: str, n_kept: int
-) -> tuple[np.ndarray | None, PanelMaps | None] | None:
+) -> PanelMaps | None:
     """How a dataset's gene panels are kept on the device, from its
-    :meth:`~dali_zarr.data.dataset.Dataset.store_columns`: ``(columns, maps)``, or None
-    where its windows must be read on the host.
+    :meth:`~dali_zarr.data.dataset.Dataset.store_columns`: None where no store is under a
+    panel, else every map a window's runs go through, one launch per window.
 
-    CSR stores: ``maps``. Each run's column ids are mapped to its panel as the window is
-    read (one launch per window), dropped columns to ``n_kept``, which densify skips; with
-    CSR output each row's kept entries are also moved to its start. One panel over every
-    store and panels that differ per store (stores written with other gene orders) take
-    the same path. Dense stores: ``columns``, the stored columns the graph's row gather
-    takes, when every store has the same panel (else None: read on the host).
+    CSR stores: each run's column ids are mapped to its panel, dropped columns to
+    ``n_kept``, which densify skips; with CSR output each row's kept entries are also
+    moved to its start. Dense stores: each run's panel columns are copied out of its
+    stored rows. One panel over every store and panels that differ per store (stores
+    written with other gene orders) take the same path.
     """
-    panels = [columns for _, columns in pairs]
-    if all(columns is None for columns in panels):
-        return None, None
-    if layout != "csr":
-        first = panels[0]
-        if not all(c is not None and np.array_equal(c, first) for c in panels):
-            return None
-        kept = np.flatnonzero(first >= 0)
-        columns = np.empty(n_kept, dtype=np.int64)
-        columns[first[kept]] = kept
-        return columns, None
+    if all(columns is None for _, columns in pairs):
+        return None
     where: dict[int | None, tuple[int, int]] = {}
     parts, held, offset = [], [], 0
     for store, columns in pairs:
         key = None if columns is None else id(columns)
         if key in where:
             continue
-        if columns is None:  # a whole store beside panels: already n_kept wide
+        if columns is None:  # a whole store beside panels: already the panel's columns
             table = np.arange(store.n_features, dtype=np.int64)
-        else:
+        elif layout == "csr":
             table = np.where(columns >= 0, columns, n_kept).astype(np.int64)
+        else:
+            kept = np.flatnonzero(columns >= 0)
+            table = np.empty(n_kept, dtype=np.int64)
+            table[columns[kept]] = kept
+        if columns is not None:
             held.append(columns)
-        where[key] = (offset, len(table))
+        where[key] = (offset, store.n_features if columns is None else len(columns))
         parts.append(table)
         offset += len(table)
-    return None, PanelMaps(np.concatenate(parts), where, tuple(held))
+    return PanelMaps(np.concatenate(parts), where, tuple(held))
 
 
 class DeviceWindowReader:
@@ -408,12 +431,10 @@ class DeviceWindowReader:
     of stores written alike joined and placed so the rows land in window order
     (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
     window. A panel is read as its stores' rows with every stored column and kept on the
-    device (:func:`panel_selection`; ``selector``: a dense store's panel columns, the
-    graph's constant). A store's
-    narrower CSR dtype (int32 ids in an int64 window, float16 values) is widened by its
-    plan's final copy. Other datasets (dense stores under different panels, dense stores
-    that disagree on a dtype, stores not read by byte plans) are read on the host with
-    ``dataset.read_rows`` and copied once (:meth:`read_generic`).
+    device (:func:`panel_selection`). A store's narrower CSR dtype (int32 ids in an int64
+    window, float16 values) is widened by its plan's final copy. Other datasets (dense
+    stores that disagree on a dtype or a width, stores not read by byte plans) are read on
+    the host with ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 
     def __init__(self, dataset: Dataset, backend: Any, *, output: Output = "dense") -> None:
@@ -421,22 +442,17 @@ class DeviceWindowReader:
         self.backend = backend
         self.dtype = window_dtype(dataset.layout, dataset.dtype)
         self.index_dtype = np.dtype(dataset.index_dtype)
-        self.selector: np.ndarray | None = None
         self.panel_maps: PanelMaps | None = None
         self.stores = self._planned_stores()
         pairs = dataset.store_columns()
         if self.stores is not None and pairs is not None:
-            chosen = panel_selection(pairs, dataset.layout, dataset.n_features)
-            if chosen is None:
-                self.stores = None
-            else:
-                self.selector, self.panel_maps = chosen
+            self.panel_maps = panel_selection(pairs, dataset.layout, dataset.n_features)
         #: CSR output of a panel: rows cut to their kept entries as each window is read
         self.cuts_rows = output == "csr" and self.panel_maps is not None
         self._device_maps = (
             None if self.panel_maps is None else backend.to_device(self.panel_maps.table)
         )
-        #: the stored width of every store (they agree unless panel_maps says otherwise)
+        #: the stored width of every store (CSR stores under panels may differ)
         self.stored_width = dataset.n_features if not self.stores else self.stores[0].n_features
 
     def _planned_stores(self) -> tuple[Dataset, ...] | None:
@@ -488,7 +504,9 @@ class DeviceWindowReader:
             ]
         else:
             host_indptr = None
-            shapes = [("values", (n_rows, self.stored_width), self.dtype)]
+            shapes = [("values", (n_rows, self.dataset.n_features), self.dtype)]
+            if self.panel_maps is not None:  # the stored rows, read before their panel columns
+                shapes.append(("stored", (n_rows, self.stored_width), self.dtype))
         slots, nbytes = pack_slot(shapes)
         return WindowLayout(slots, nbytes, runs, run_starts, host_indptr, by_store)
 
@@ -509,8 +527,15 @@ class DeviceWindowReader:
                 else:
                     self._check_indices(views["indices"], window)
             arrays = (views["data"], views["indices"], views["indptr"])
-        else:
+        elif self.panel_maps is None:
             self._read_runs(window, views)
+            arrays = (views["values"],)
+        else:  # the stored rows, then each run's panel columns out of them
+            self._read_runs(window, {"values": views["stored"]})
+            offsets, _ = self.panel_maps.of_runs(window.runs)
+            be.select_columns(
+                views["values"], views["stored"], window.run_starts, offsets, self._device_maps
+            )
             arrays = (views["values"],)
         be.finish()
         return arrays, host_indptr
@@ -621,15 +646,15 @@ class DeviceWindowReader:
             }
         kept = self.dataset.n_features
         if self.cuts_rows:
-            where = "as each window is read (ids mapped to the panel, rows cut to it)"
-        elif self.panel_maps is not None:
-            where = "as each window is read (ids mapped to the panel, densify skips the rest)"
+            how = "ids mapped to the panel, rows cut to it"
+        elif self.dataset.layout == "csr":
+            how = "ids mapped to the panel, densify skips the rest"
         else:
-            where = "in the row gather"
-        panel = self.selector is not None or self.panel_maps is not None
+            how = "each row's panel columns copied out"
+        how = f"features kept as each window is read ({how})"
         paths = {}
         for store in self.stores:
-            note = f"; {kept} of {store.n_features} features kept" if panel else ""
+            note = "" if self.panel_maps is None else f"; {kept} of {store.n_features} {how}"
             for _, reader in _store_arrays(store):
-                paths[reader.name] = self.backend.path(reader) + (note and f"{note} {where}")
+                paths[reader.name] = self.backend.path(reader) + note
         return paths

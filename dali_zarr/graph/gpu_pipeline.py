@@ -15,7 +15,8 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
   CSR store's ids are mapped to the panel by one launch per window (dropped columns go
   past the panel's width, which densify skips; with CSR output the launch also cuts each
   row to its kept entries in place, whose kept lengths come back to the host to size the
-  batches); a dense store's panel columns are taken by the graph's row gather;
+  batches); a dense store's panel columns are copied out of the stored window by one
+  launch per window, and the graph gathers the panel-wide rows;
 * there are two ``external_source`` ops fed by one :class:`GpuBatchSource`: a GPU one for
   the window arrays (``no_copy=True``: DALI reads our slot in place) and a CPU one for the
   small per-batch arrays (``pos``, the batch's CSR row starts, obs columns, index), which
@@ -233,7 +234,6 @@ class GpuBatchSource(BatchSource):
         )
         self.backend = backend if backend is not None else CudaBackend(device_id)
         self.reader = DeviceWindowReader(dataset, self.backend, output=output)
-        self.selector = self.reader.selector  # a dense store's panel columns, for the graph
         self.host_names, self.device_names = gpu_source_names(
             dataset.layout, output, list(obs), return_index
         )

@@ -86,12 +86,15 @@ def _gather_dense_rows(out, pos, values):
         out[i, :] = values[pos[i], :]
 
 
-def _gather_dense_columns(out, pos, values, columns):
-    """out[i, j] = values[pos[i], columns[j]]: rows and a feature selection in one pass."""
-    for i in range(pos.shape[0]):
-        r = pos[i]
-        for j in range(columns.shape[0]):
-            out[i, j] = values[r, columns[j]]
+def _select_run_columns(out, values, run_rows, run_maps, maps):
+    """Dense stores under gene panels: ``out[r, j] = values[r, maps[run_maps[q] + j]]`` for
+    the rows ``r`` of run ``q`` (``run_rows[q]`` to ``run_rows[q + 1]``); each run's map
+    lists its panel's stored columns in panel order. Values are copied as their bits."""
+    for q in range(run_maps.shape[0]):
+        base = run_maps[q]
+        for r in range(run_rows[q], run_rows[q + 1]):
+            for j in range(out.shape[1]):
+                out[r, j] = values[r, maps[base + j]]
 
 
 def _remap_run_columns(indices, run_bounds, run_maps, run_widths, maps):
@@ -137,9 +140,10 @@ def _keep_panel_rows(kept, data, indices, indptr, run_rows, run_maps, run_widths
 
 @cache
 def host_kernel(fn: Callable) -> Callable:
-    """A window-level kernel (:func:`_remap_run_columns`, :func:`_keep_panel_rows`) compiled
-    for the host backend, GIL released, once per process: the twins of the CUDA kernels of
-    the same names that the window reader launches on the device."""
+    """A window-level kernel (:func:`_remap_run_columns`, :func:`_keep_panel_rows`,
+    :func:`_select_run_columns`) compiled for the host backend, GIL released, once per
+    process: the twins of the CUDA kernels of the same names that the window reader
+    launches on the device."""
     import numba
 
     return numba.njit(nogil=True)(fn)
@@ -203,7 +207,6 @@ _KERNELS: dict[str, tuple[Callable, Callable[[int], Callable]]] = {
     "densify_csr": (_densify_csr_rows, _rows_by_width),
     "gather_csr": (_gather_csr_rows, lambda _width: _csr_batch_shapes),
     "gather_dense": (_gather_dense_rows, _rows_by_width),
-    "gather_dense_columns": (_gather_dense_columns, _rows_by_width),
     "to_bfloat16_bits": (_float32_bits_to_bfloat16_bits, lambda _width: _same_shape_2d),
 }
 
@@ -263,19 +266,11 @@ def gather_csr(nnz_hint, batch_indptr, pos, data, indices, indptr, *, data_dtype
     return op(nnz_hint, batch_indptr, pos, data, indices, indptr)
 
 
-def gather_dense(pos, values, columns=None, *, n_features: int, dtype):
-    """DALI op: rows ``pos`` of a window given as a 2-D ``(rows, n_features)`` view; given
-    ``columns`` (int64), only those ``n_features`` columns (a gene panel)."""
-    selected = () if columns is None else (columns,)
-    op = _numba_op(
-        "gather_dense" if columns is None else "gather_dense_columns",
-        n_features,
-        (dali_type(dtype),),
-        (types.INT64, dali_type(dtype)) + (types.INT64,) * len(selected),
-        (2,),
-        (1, 2) + (1,) * len(selected),
-    )
-    return op(pos, values, *selected)
+def gather_dense(pos, values, *, n_features: int, dtype):
+    """DALI op: rows ``pos`` of a window given as a 2-D ``(rows, n_features)`` view."""
+    wire = dali_type(dtype)
+    op = _numba_op("gather_dense", n_features, (wire,), (types.INT64, wire), (2,), (1, 2))
+    return op(pos, values)
 
 
 def to_bfloat16_bits(bits):

@@ -113,11 +113,6 @@ class GraphOps:
     def to_device(self, node):
         return node.gpu() if self.on_gpu else node
 
-    def constant(self, values: np.ndarray):
-        """``values`` (int64) as a graph constant on the ops' device: made once, not sent
-        with every batch."""
-        return types.Constant(values, dtype=types.INT64, device="gpu" if self.on_gpu else "cpu")
-
     def _cuda(self) -> tuple[Any, dict]:
         from dali_zarr.graph import cuda_kernels  # numba.cuda: only when the graph needs it
 
@@ -139,18 +134,17 @@ class GraphOps:
             )
         return kernels.gather_csr(nnz_hint, batch_indptr, pos, data, indices, indptr, **kw)
 
-    def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype, columns=None):
-        """Rows ``pos`` (and, given ``columns``, only those columns) as float32 (the CUDA
-        kernel casts as it copies, except float16, whose bits it copies for DALI to
-        reinterpret and cast)."""
+    def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype):
+        """Rows ``pos`` as float32 (the CUDA kernel casts as it copies, except float16,
+        whose bits it copies for DALI to reinterpret and cast)."""
         wire = window_dtype("dense", stored)
         if not self.on_gpu:
-            x = kernels.gather_dense(pos, values, columns, n_features=n_features, dtype=wire)
+            x = kernels.gather_dense(pos, values, n_features=n_features, dtype=wire)
             return dense_to_float32(x, stored)
         K, launch = self._cuda()
         bits = wire != np.dtype(stored).newbyteorder("=")
         x = K.gather_dense_gpu(
-            pos, values, columns, n_features=n_features, dtype=wire,
+            pos, values, n_features=n_features, dtype=wire,
             out_dtype=wire if bits else np.float32, **launch,
         )  # fmt: skip
         return dense_to_float32(x, stored) if bits else x
@@ -169,10 +163,6 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
     dtypes), obs columns, ``index``, all on ``ops``' device."""
     ds = source.dataset
     pos = ops.to_device(node["pos"])
-    # a dense store's gene panel, kept by the row gather (GPU path: the stored columns,
-    # device_window.panel_selection); a CSR store's panel is mapped as its window is read
-    selector = getattr(source, "selector", None)
-    panel = None if selector is None else ops.constant(selector)
     csr_types = {"data_dtype": window_dtype(ds.layout, ds.dtype), "index_dtype": ds.index_dtype}
     out: dict = {}
     if ds.layout == "csr" and source.output == "csr":
@@ -191,10 +181,7 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
             n_features=ds.n_features, **csr_types,
         )  # fmt: skip
     else:
-        x = ops.gather_dense_float32(
-            pos, node["values"], n_features=ds.n_features, stored=ds.dtype,
-            columns=panel,
-        )  # fmt: skip
+        x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
         if len(ds.feature_shape) != 1:
             x = fn.reshape(x, shape=[-1, *ds.feature_shape])
         out["X"] = x  # user ops then see float32 X
