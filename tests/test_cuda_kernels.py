@@ -366,6 +366,21 @@ def _worker() -> dict:
         broken[csr[2][bad_rows[0]]] = widths[which[3]]  # one past run 3's width, first
         check("keep_panel_rows", f"{np.dtype(idt)} bad id", keep_rows, LAUNCHES[2],
               (csr[0], broken, csr[2]), *rows_args, 3)  # fmt: skip
+        # rows of several tiles: a block walks each in tiles of its threads
+        lengths = np.array([70, 0, 33, 64, 1, 45], np.int64)
+        indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        long = (rng.integers(1, 20, indptr[-1]).astype(np.float32),
+                rng.integers(0, 5, indptr[-1]).astype(idt), indptr)  # fmt: skip
+        run_rows = np.array([0, 2, 2, 6], np.int64)
+        which = rng.integers(0, 4, 3)
+        long_args = (run_rows, offsets_of[which].astype(np.int64), widths[which], maps, 4)
+        for launch in LAUNCHES[1:]:
+            check("keep_panel_rows", f"{np.dtype(idt)} long rows launch{launch}", keep_rows,
+                  launch, long, *long_args, None)  # fmt: skip
+        broken = long[1].copy()
+        broken[indptr[3] + 40] = widths[which[2]]  # in row 3's second tile of 32, run 2
+        check("keep_panel_rows", f"{np.dtype(idt)} bad id, tile 2", keep_rows, LAUNCHES[2],
+              (long[0], broken, indptr), *long_args, 2)  # fmt: skip
     return results
 
 

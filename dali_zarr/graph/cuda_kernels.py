@@ -221,17 +221,29 @@ def remap_run_columns(bad, indices, run_bounds, run_maps, run_widths, maps):
             indices[p] = maps[run_maps[lo] + j]
 
 
-def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
-    """CSR output of gene panels, in place (twin of ``kernels._keep_panel_rows``): one
-    thread per row maps the row's ids through its run's map and moves the kept entries,
-    in order, to the row's start; ``kept[r]`` counts them. An id outside ``[0,
-    run_widths[q])`` stops its row where it is and makes ``bad[0]`` at least ``1 + q``.
+#: threads a :func:`keep_panel_rows` block may have (the size of its shared scan array)
+KEEP_MAX_THREADS = 1024
 
-    One launch per window. A thread walks its row in order (that keeps the order without a
-    scan); the rows of a window are ~10^4, so a launch has that many threads.
+
+def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+    """CSR output of gene panels, in place (twin of ``kernels._keep_panel_rows``): each row's
+    ids go through its run's map and the kept entries move, in order, to the row's start;
+    ``kept[r]`` counts them. An id outside ``[0, run_widths[q])`` stops its row before the
+    tile that holds it is written (so the bad id stays where it is) and makes ``bad[0]`` at
+    least ``1 + q``.
+
+    One launch per window, a block per row (grid-stride). The block walks its row in tiles
+    of ``blockDim`` entries: each thread maps one entry, and an inclusive scan of the
+    tile's keep flags in shared memory gives each kept entry its place after the kept
+    entries before it. So a warp's loads and stores are coalesced and each entry is read
+    and written once. In place is safe: a tile is read into registers before any of it is
+    written, and an entry never moves past its own position.
     """
+    flags = cuda.shared.array(KEEP_MAX_THREADS, numba.int32)
     n_runs = run_maps.shape[0]
-    for r in range(cuda.grid(1), indptr.shape[0] - 1, cuda.gridsize(1)):
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for r in range(cuda.blockIdx.x, indptr.shape[0] - 1, cuda.gridDim.x):
         lo = 0
         hi = n_runs - 1
         while lo < hi:  # the last run starting at or before row r
@@ -243,18 +255,43 @@ def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_wi
         base = run_maps[lo]
         width = run_widths[lo]
         start = indptr[r]
+        end = indptr[r + 1]
         w = start
-        for p in range(start, indptr[r + 1]):
-            j = numba.int64(indices[p])
-            if j < 0 or j >= width:
-                cuda.atomic.max(bad, 0, lo + 1)
-                break
-            c = maps[base + j]
-            if c < n_kept:
-                data[w] = data[p]
-                indices[w] = c
-                w += 1
-        kept[r] = w - start
+        for tile in range(start, end, nt):
+            p = tile + t
+            keep = 0
+            wrong = 0
+            c = numba.int64(0)
+            value = data[tile]
+            if p < end:
+                j = numba.int64(indices[p])
+                if j < 0 or j >= width:
+                    wrong = 1
+                    cuda.atomic.max(bad, 0, lo + 1)
+                else:
+                    c = maps[base + j]
+                    if c < n_kept:
+                        keep = 1
+                        value = data[p]
+            if cuda.syncthreads_or(wrong):
+                break  # every thread of the block: nothing of this tile is written
+            flags[t] = keep
+            cuda.syncthreads()
+            step = 1
+            while step < nt:  # Hillis-Steele: flags[t] becomes the kept count up to t
+                add = flags[t - step] if t >= step else 0
+                cuda.syncthreads()
+                flags[t] += add
+                cuda.syncthreads()
+                step *= 2
+            if keep:
+                at = w + flags[t] - 1
+                data[at] = value
+                indices[at] = c
+            w += flags[nt - 1]
+            cuda.syncthreads()  # the next tile reuses flags
+        if t == 0:
+            kept[r] = w - start
 
 
 def select_run_columns(out, values, run_rows, run_maps, maps):

@@ -181,6 +181,15 @@ class HostBackend(_Backend):
 RING_SYNC_ENV = "DALI_ZARR_RING_SYNC"
 
 
+#: threads per block of the window-level kernels that give each row a block
+ROW_THREADS = 128
+
+
+def _row_blocks(n_rows: int) -> int:
+    """A block per row (the kernels stride over the rest past the grid's limit)."""
+    return max(1, min(65535, n_rows))
+
+
 def ring_sync() -> str:
     """What the CUDA backend waits for before it rewrites a recycled ring slot: ``"device"``
     (``cudaDeviceSynchronize``, the default) or ``"none"`` (rely on DALI's host-synchronised
@@ -263,10 +272,8 @@ class CudaBackend(_Backend):
             args = [self.cp.asarray(a) for a in (run_rows, run_maps, run_widths)]
             kept = self.cp.empty(n_rows, dtype=self.cp.int64)
             bad = self.cp.zeros(1, dtype=self.cp.int64)
-            # one thread per row; small blocks spread a window's ~10^4 rows over the SMs
-            blocks = max(1, min(65535, -(-n_rows // 64)))
             kernel = cuda_jit(cuda_kernels.keep_panel_rows)
-            kernel[blocks, 64, cuda.external_stream(stream.ptr)](
+            kernel[_row_blocks(n_rows), ROW_THREADS, cuda.external_stream(stream.ptr)](
                 kept, bad, data, indices, indptr, *args, maps, n_kept
             )
             return kept.get(stream=stream), int(bad.get(stream=stream)[0])
@@ -277,9 +284,8 @@ class CudaBackend(_Backend):
         stream = self.executor.stream
         with self.cp.cuda.Device(self.device_id), stream:
             args = [self.cp.asarray(a) for a in (run_rows, run_maps)]
-            blocks = max(1, min(65535, out.shape[0]))  # a block per row, threads over columns
             kernel = cuda_jit(cuda_kernels.select_run_columns)
-            kernel[blocks, 128, cuda.external_stream(stream.ptr)](
+            kernel[_row_blocks(out.shape[0]), ROW_THREADS, cuda.external_stream(stream.ptr)](
                 _bits(out), _bits(values), *args, maps
             )
 
