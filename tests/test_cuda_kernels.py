@@ -91,7 +91,7 @@ def _worker() -> dict:
     cpu_densify = numba.njit(kernels._densify_csr_rows)
     cpu_gather = numba.njit(kernels._gather_csr_rows)
     cpu_dense = numba.njit(kernels._gather_dense_rows)
-    cpu_select = numba.njit(kernels._select_run_columns)
+    cpu_select = numba.njit(kernels._select_row_columns)
     jitted: dict = {}
     eq = np.testing.assert_array_equal
 
@@ -121,11 +121,12 @@ def _worker() -> dict:
             values[a:b][:, maps[o : o + width]]
             for a, b, o in zip(run_rows[:-1], run_rows[1:], offsets, strict=True)
         ])  # fmt: skip
+        row_maps = np.repeat(offsets, np.diff(run_rows))  # each row's map, as the reader gives
         out = np.zeros((len(values), width), values.dtype)
-        got = run(K.select_run_columns, launch, out, values, run_rows, offsets, maps)[0]
+        got = run(K.select_row_columns, launch, out, values, row_maps, maps)[0]
         eq(got, want)
         ref = np.zeros_like(out)
-        cpu_select(ref, values, run_rows, offsets, maps)
+        cpu_select(ref, values, row_maps, maps)
         eq(ref, want)
 
     def gather(launch, pos, csr, window):
@@ -206,16 +207,17 @@ def _worker() -> dict:
     def keep_rows(launch, csr, run_rows, offsets, widths, maps, n_kept, want_bad):
         data, indices, indptr = csr
         n_rows = len(indptr) - 1
+        row_maps, row_widths = (np.repeat(a, np.diff(run_rows)) for a in (offsets, widths))
         host = [data.copy(), indices.copy()]
         kept_cpu = np.full(n_rows, -1, np.int64)
-        bad = cpu_keep(kept_cpu, *host, indptr, run_rows, offsets, widths, maps, n_kept)
+        bad = cpu_keep(kept_cpu, *host, indptr, row_maps, row_widths, maps, n_kept)
         kept, got_bad, d, i = run(K.keep_panel_rows, launch, np.full(n_rows, -1, np.int64),
-                                  np.zeros(1, np.int64), data, indices, indptr, run_rows,
-                                  offsets, widths, maps, np.int64(n_kept))[:4]  # fmt: skip
-        if want_bad is not None:  # the bad run is named; the bad id stays where it was
+                                  np.zeros(1, np.int64), data, indices, indptr, row_maps,
+                                  row_widths, maps, np.int64(n_kept))[:4]  # fmt: skip
+        if want_bad is not None:  # the bad row is named; the bad id stays where it was
             assert bad == want_bad + 1 and got_bad[0] == want_bad + 1, (bad, got_bad)
-            a, b = indptr[run_rows[want_bad]], indptr[run_rows[want_bad + 1]]
-            assert (i[a:b] >= widths[want_bad]).any() and (host[1][a:b] >= widths[want_bad]).any()
+            a, b, w = indptr[want_bad], indptr[want_bad + 1], row_widths[want_bad]
+            assert (i[a:b] >= w).any() and (host[1][a:b] >= w).any()
             return
         assert bad == 0 and got_bad[0] == 0
         eq(kept, kept_cpu)
@@ -365,7 +367,7 @@ def _worker() -> dict:
         broken = csr[1].copy()
         broken[csr[2][bad_rows[0]]] = widths[which[3]]  # one past run 3's width, first
         check("keep_panel_rows", f"{np.dtype(idt)} bad id", keep_rows, LAUNCHES[2],
-              (csr[0], broken, csr[2]), *rows_args, 3)  # fmt: skip
+              (csr[0], broken, csr[2]), *rows_args, bad_rows[0])  # fmt: skip
         # rows of several tiles: a block walks each in tiles of its threads
         lengths = np.array([70, 0, 33, 64, 1, 45], np.int64)
         indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -380,7 +382,7 @@ def _worker() -> dict:
         broken = long[1].copy()
         broken[indptr[3] + 40] = widths[which[2]]  # in row 3's second tile of 32, run 2
         check("keep_panel_rows", f"{np.dtype(idt)} bad id, tile 2", keep_rows, LAUNCHES[2],
-              (long[0], broken, indptr), *long_args, 2)  # fmt: skip
+              (long[0], broken, indptr), *long_args, 3)  # fmt: skip
     return results
 
 
@@ -436,9 +438,9 @@ PTX_CASES = [
     ("shared", ["f4", "i8", "u2", "u4", "i8"], [2, 1, 1, 1, 1]),
     ("gather_csr_rows", ["f4", "i4", "i8", "u1", "i8", "i8", "f4", "i4", "i8"], _GATHER_NDIMS),
     ("gather_csr_rows", ["f8", "i8", "i8", "u1", "i8", "i8", "f8", "i8", "i8"], _GATHER_NDIMS),
-    ("select_run_columns", ["u4", "u4", "i8", "i8", "i8"], [2, 2, 1, 1, 1]),
-    ("select_run_columns", ["u2", "u2", "i8", "i8", "i8"], [2, 2, 1, 1, 1]),
-    ("select_run_columns", ["u8", "u8", "i8", "i8", "i8"], [2, 2, 1, 1, 1]),
+    ("select_row_columns", ["u4", "u4", "i8", "i8"], [2, 2, 1, 1]),
+    ("select_row_columns", ["u2", "u2", "i8", "i8"], [2, 2, 1, 1]),
+    ("select_row_columns", ["u8", "u8", "i8", "i8"], [2, 2, 1, 1]),
     ("gather_dense_rows", ["f4", "i8", "f8"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "i2"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "u1"], [2, 1, 2]),
@@ -451,8 +453,8 @@ PTX_CASES = [
     ("remap_run_columns", ["i8", "i4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "u4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "i8", "i8", "i8", "i8", "i8"], [1] * 6),
-    ("keep_panel_rows", ["i8", "i8", "f4", "i4", *["i8"] * 6], [1] * 9 + [0]),
-    ("keep_panel_rows", ["i8", "i8", "f8", "u4", *["i8"] * 6], [1] * 9 + [0]),
+    ("keep_panel_rows", ["i8", "i8", "f4", "i4", *["i8"] * 5], [1] * 8 + [0]),
+    ("keep_panel_rows", ["i8", "i8", "f8", "u4", *["i8"] * 5], [1] * 8 + [0]),
 ]  # fmt: skip
 
 

@@ -51,7 +51,7 @@ Gene panels (a feature selection). CSR stores: the window reader (not DALI) maps
 store's column ids to the panel once per window, one launch: :func:`remap_run_columns`
 sends dropped columns to the panel's width, which both densify variants skip; for CSR
 output, :func:`keep_panel_rows` also moves each row's kept entries to its start. Dense
-stores: :func:`select_run_columns` copies each row's panel columns out of the stored
+stores: :func:`select_row_columns` copies each row's panel columns out of the stored
 window, also once per window, and the graph gathers the panel-wide rows. For both layouts
 one mechanism serves one panel and panels that differ per store.
 
@@ -225,12 +225,12 @@ def remap_run_columns(bad, indices, run_bounds, run_maps, run_widths, maps):
 KEEP_MAX_THREADS = 1024
 
 
-def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+def keep_panel_rows(kept, bad, data, indices, indptr, row_maps, row_widths, maps, n_kept):
     """CSR output of gene panels, in place (twin of ``kernels._keep_panel_rows``): each row's
-    ids go through its run's map and the kept entries move, in order, to the row's start;
-    ``kept[r]`` counts them. An id outside ``[0, run_widths[q])`` stops its row before the
-    tile that holds it is written (so the bad id stays where it is) and makes ``bad[0]`` at
-    least ``1 + q``.
+    ids go through its map (``maps`` from ``row_maps[r]``) and the kept entries move, in
+    order, to the row's start; ``kept[r]`` counts them. An id outside ``[0,
+    row_widths[r])`` stops its row before the tile that holds it is written (so the bad id
+    stays where it is) and makes ``bad[0]`` at least ``1 + r``.
 
     One launch per window, a block per row (grid-stride). The block walks its row in tiles
     of ``blockDim`` entries: each thread maps one entry, and an inclusive scan of the
@@ -240,20 +240,11 @@ def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_wi
     written, and an entry never moves past its own position.
     """
     flags = cuda.shared.array(KEEP_MAX_THREADS, numba.int32)
-    n_runs = run_maps.shape[0]
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for r in range(cuda.blockIdx.x, indptr.shape[0] - 1, cuda.gridDim.x):
-        lo = 0
-        hi = n_runs - 1
-        while lo < hi:  # the last run starting at or before row r
-            mid = (lo + hi + 1) // 2
-            if run_rows[mid] <= r:
-                lo = mid
-            else:
-                hi = mid - 1
-        base = run_maps[lo]
-        width = run_widths[lo]
+        base = row_maps[r]
+        width = row_widths[r]
         start = indptr[r]
         end = indptr[r + 1]
         w = start
@@ -267,7 +258,7 @@ def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_wi
                 j = numba.int64(indices[p])
                 if j < 0 or j >= width:
                     wrong = 1
-                    cuda.atomic.max(bad, 0, lo + 1)
+                    cuda.atomic.max(bad, 0, r + 1)
                 else:
                     c = maps[base + j]
                     if c < n_kept:
@@ -294,26 +285,16 @@ def keep_panel_rows(kept, bad, data, indices, indptr, run_rows, run_maps, run_wi
             kept[r] = w - start
 
 
-def select_run_columns(out, values, run_rows, run_maps, maps):
-    """Dense stores under gene panels (twin of ``kernels._select_run_columns``): row ``r``
-    of run ``q`` keeps the stored columns ``maps[run_maps[q] :][: out.shape[1]]``, in panel
-    order, as their bits. One launch per window: a block per row (grid-stride), found by a
-    binary search of ``run_rows``; its threads stride over the panel's columns, so the
-    writes are coalesced."""
-    n_runs = run_maps.shape[0]
+def select_row_columns(out, values, row_maps, maps):
+    """Dense stores under gene panels (twin of ``kernels._select_row_columns``): row ``r``
+    keeps the stored columns ``maps[row_maps[r] :][: out.shape[1]]``, in panel order, as
+    their bits. One launch per window, a block per row (grid-stride); its threads stride
+    over the panel's columns, so the writes are coalesced."""
     width = out.shape[1]
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-        lo = 0
-        hi = n_runs - 1
-        while lo < hi:  # the last run starting at or before row r
-            mid = (lo + hi + 1) // 2
-            if run_rows[mid] <= r:
-                lo = mid
-            else:
-                hi = mid - 1
-        base = run_maps[lo]
+        base = row_maps[r]
         for j in range(t, width, nt):
             out[r, j] = values[r, maps[base + j]]
 

@@ -94,18 +94,17 @@ class _Backend:
         ``kernels._remap_run_columns``); returns 0, or 1 + a run holding an id out of range."""
         raise NotImplementedError
 
-    def keep_panel_rows(self, data: Any, indices: Any, indptr: Any, run_rows: np.ndarray,
-                        run_maps: np.ndarray, run_widths: np.ndarray, maps: Any,
+    def keep_panel_rows(self, data: Any, indices: Any, indptr: Any, row_maps: np.ndarray,
+                        row_widths: np.ndarray, maps: Any,
                         n_kept: int) -> tuple[np.ndarray, int]:  # fmt: skip
         """Keep each row's panel entries at its start, in place (the contract of
         ``kernels._keep_panel_rows``); returns (each row's kept count on the host, 0 or 1 +
-        a run holding an id out of range)."""
+        a row holding an id out of range)."""
         raise NotImplementedError
 
-    def select_columns(self, out: Any, values: Any, run_rows: np.ndarray, run_maps: np.ndarray,
-                       maps: Any) -> None:  # fmt: skip
-        """Copy each run's panel columns of dense ``values`` into ``out`` (the contract of
-        ``kernels._select_run_columns``)."""
+    def select_columns(self, out: Any, values: Any, row_maps: np.ndarray, maps: Any) -> None:
+        """Copy each row's panel columns of dense ``values`` into ``out`` (the contract of
+        ``kernels._select_row_columns``)."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -160,16 +159,16 @@ class HostBackend(_Backend):
         remap = kernels.host_kernel(kernels._remap_run_columns)
         return int(remap(indices, run_bounds, run_maps, run_widths, maps))
 
-    def keep_panel_rows(self, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+    def keep_panel_rows(self, data, indices, indptr, row_maps, row_widths, maps, n_kept):
         kept = np.empty(len(indptr) - 1, dtype=np.int64)
         bad = kernels.host_kernel(kernels._keep_panel_rows)(
-            kept, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept
+            kept, data, indices, indptr, row_maps, row_widths, maps, n_kept
         )
         return kept, int(bad)
 
-    def select_columns(self, out, values, run_rows, run_maps, maps) -> None:
-        select = kernels.host_kernel(kernels._select_run_columns)
-        select(_bits(out), _bits(values), run_rows, run_maps, maps)
+    def select_columns(self, out, values, row_maps, maps) -> None:
+        select = kernels.host_kernel(kernels._select_row_columns)
+        select(_bits(out), _bits(values), row_maps, maps)
 
     def minmax(self, values: Any) -> tuple[int, int]:
         return int(values.min()), int(values.max())
@@ -263,13 +262,13 @@ class CudaBackend(_Backend):
             kernel[blocks, 256, cuda.external_stream(stream.ptr)](bad, indices, *args, maps)
             return int(bad.get(stream=stream)[0])  # waits for the kernel
 
-    def keep_panel_rows(self, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
+    def keep_panel_rows(self, data, indices, indptr, row_maps, row_widths, maps, n_kept):
         from numba import cuda
 
         stream = self.executor.stream
         n_rows = len(indptr) - 1
         with self.cp.cuda.Device(self.device_id), stream:
-            args = [self.cp.asarray(a) for a in (run_rows, run_maps, run_widths)]
+            args = [self.cp.asarray(a) for a in (row_maps, row_widths)]
             kept = self.cp.empty(n_rows, dtype=self.cp.int64)
             bad = self.cp.zeros(1, dtype=self.cp.int64)
             kernel = cuda_jit(cuda_kernels.keep_panel_rows)
@@ -278,15 +277,14 @@ class CudaBackend(_Backend):
             )
             return kept.get(stream=stream), int(bad.get(stream=stream)[0])
 
-    def select_columns(self, out, values, run_rows, run_maps, maps) -> None:
+    def select_columns(self, out, values, row_maps, maps) -> None:
         from numba import cuda
 
         stream = self.executor.stream
         with self.cp.cuda.Device(self.device_id), stream:
-            args = [self.cp.asarray(a) for a in (run_rows, run_maps)]
-            kernel = cuda_jit(cuda_kernels.select_run_columns)
+            kernel = cuda_jit(cuda_kernels.select_row_columns)
             kernel[_row_blocks(out.shape[0]), ROW_THREADS, cuda.external_stream(stream.ptr)](
-                _bits(out), _bits(values), *args, maps
+                _bits(out), _bits(values), self.cp.asarray(row_maps), maps
             )
 
     def minmax(self, values: Any) -> tuple[int, int]:
@@ -390,6 +388,14 @@ class PanelMaps:
         found = [self.where[None if r.columns is None else id(r.columns)] for r in runs]
         both = np.array(found, dtype=np.int64).reshape(-1, 2)
         return np.ascontiguousarray(both[:, 0]), np.ascontiguousarray(both[:, 1])
+
+    def of_rows(
+        self, runs: list[StoreRun], run_starts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`of_runs` for each row of a window (the kernels that give each row a block
+        read their row's map without searching the runs)."""
+        counts = np.diff(run_starts)
+        return tuple(np.repeat(per_run, counts) for per_run in self.of_runs(runs))
 
 
 def panel_selection(
@@ -536,12 +542,10 @@ class DeviceWindowReader:
         elif self.panel_maps is None:
             self._read_runs(window, views)
             arrays = (views["values"],)
-        else:  # the stored rows, then each run's panel columns out of them
+        else:  # the stored rows, then each row's panel columns out of them
             self._read_runs(window, {"values": views["stored"]})
-            offsets, _ = self.panel_maps.of_runs(window.runs)
-            be.select_columns(
-                views["values"], views["stored"], window.run_starts, offsets, self._device_maps
-            )
+            row_maps, _ = self.panel_maps.of_rows(window.runs, window.run_starts)
+            be.select_columns(views["values"], views["stored"], row_maps, self._device_maps)
             arrays = (views["values"],)
         be.finish()
         return arrays, host_indptr
@@ -614,13 +618,14 @@ class DeviceWindowReader:
         to the panel (one launch); returns the prefix sum of the kept lengths, from which
         the callback sizes each batch. A bad id fails naming its store and rows."""
         assert self.panel_maps is not None
-        offsets, widths = self.panel_maps.of_runs(window.runs)
+        row_maps, row_widths = self.panel_maps.of_rows(window.runs, window.run_starts)
         kept, bad = self.backend.keep_panel_rows(
-            views["data"], views["indices"], views["indptr"], window.run_starts,
-            offsets, widths, self._device_maps, self.dataset.n_features,
+            views["data"], views["indices"], views["indptr"], row_maps, row_widths,
+            self._device_maps, self.dataset.n_features,
         )  # fmt: skip
-        if bad:
-            self._name_bad_run(views["indices"], window, bad - 1)
+        if bad:  # the run holding the bad row: the last one starting at or before it
+            run = int(np.searchsorted(window.run_starts, bad - 1, side="right")) - 1
+            self._name_bad_run(views["indices"], window, run)
         return run_offsets(kept)
 
     def _name_bad_run(self, indices: Any, window: WindowLayout, i: int) -> None:

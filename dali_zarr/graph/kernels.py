@@ -86,15 +86,14 @@ def _gather_dense_rows(out, pos, values):
         out[i, :] = values[pos[i], :]
 
 
-def _select_run_columns(out, values, run_rows, run_maps, maps):
-    """Dense stores under gene panels: ``out[r, j] = values[r, maps[run_maps[q] + j]]`` for
-    the rows ``r`` of run ``q`` (``run_rows[q]`` to ``run_rows[q + 1]``); each run's map
-    lists its panel's stored columns in panel order. Values are copied as their bits."""
-    for q in range(run_maps.shape[0]):
-        base = run_maps[q]
-        for r in range(run_rows[q], run_rows[q + 1]):
-            for j in range(out.shape[1]):
-                out[r, j] = values[r, maps[base + j]]
+def _select_row_columns(out, values, row_maps, maps):
+    """Dense stores under gene panels: ``out[r, j] = values[r, maps[row_maps[r] + j]]``;
+    row ``r``'s map (its store's panel) lists the stored columns it keeps, in panel order.
+    Values are copied as their bits."""
+    for r in range(out.shape[0]):
+        base = row_maps[r]
+        for j in range(out.shape[1]):
+            out[r, j] = values[r, maps[base + j]]
 
 
 def _remap_run_columns(indices, run_bounds, run_maps, run_widths, maps):
@@ -113,35 +112,34 @@ def _remap_run_columns(indices, run_bounds, run_maps, run_widths, maps):
     return 0
 
 
-def _keep_panel_rows(kept, data, indices, indptr, run_rows, run_maps, run_widths, maps, n_kept):
-    """CSR output of gene panels: each row's entries through its run's map, the kept ones
-    (panel column below ``n_kept``) moved to the row's start in their order, in place;
-    ``kept[r]`` = how many row ``r`` keeps. Rows of run ``q`` are ``run_rows[q]`` to
-    ``run_rows[q + 1]``. Returns 0, or 1 + a run holding an id outside ``[0,
-    run_widths[q])`` (that row stops at the bad id, which stays where it was)."""
-    for q in range(run_maps.shape[0]):
-        base = run_maps[q]
-        width = run_widths[q]
-        for r in range(run_rows[q], run_rows[q + 1]):
-            start = indptr[r]
-            w = start
-            for p in range(start, indptr[r + 1]):
-                j = np.int64(indices[p])
-                if j < 0 or j >= width:
-                    return q + 1
-                c = maps[base + j]
-                if c < n_kept:
-                    data[w] = data[p]
-                    indices[w] = c
-                    w += 1
-            kept[r] = w - start
+def _keep_panel_rows(kept, data, indices, indptr, row_maps, row_widths, maps, n_kept):
+    """CSR output of gene panels: each row's entries through its map (``maps`` from
+    ``row_maps[r]``), the kept ones (panel column below ``n_kept``) moved to the row's
+    start in their order, in place; ``kept[r]`` = how many row ``r`` keeps. Returns 0, or 1
+    + a row holding an id outside ``[0, row_widths[r])`` (it stops at the bad id, which
+    stays where it was)."""
+    for r in range(indptr.shape[0] - 1):
+        base = row_maps[r]
+        width = row_widths[r]
+        start = indptr[r]
+        w = start
+        for p in range(start, indptr[r + 1]):
+            j = np.int64(indices[p])
+            if j < 0 or j >= width:
+                return r + 1
+            c = maps[base + j]
+            if c < n_kept:
+                data[w] = data[p]
+                indices[w] = c
+                w += 1
+        kept[r] = w - start
     return 0
 
 
 @cache
 def host_kernel(fn: Callable) -> Callable:
     """A window-level kernel (:func:`_remap_run_columns`, :func:`_keep_panel_rows`,
-    :func:`_select_run_columns`) compiled for the host backend, GIL released, once per
+    :func:`_select_row_columns`) compiled for the host backend, GIL released, once per
     process: the twins of the CUDA kernels of the same names that the window reader
     launches on the device."""
     import numba
