@@ -86,7 +86,7 @@ def _worker() -> dict:
     from dali_zarr.graph import cuda_kernels as K
     from dali_zarr.graph import kernels
     from dali_zarr.io.gpu import copy_segments_cpu
-    from dali_zarr.planning.partition import concat_aranges
+    from dali_zarr.planning.partition import concat_aranges, run_offsets
 
     cpu_densify = numba.njit(kernels._densify_csr_rows)
     cpu_gather = numba.njit(kernels._gather_csr_rows)
@@ -116,17 +116,16 @@ def _worker() -> dict:
         eq(got, want)
         eq(got, cpu)
 
-    def select(launch, values, run_rows, offsets, maps, width):
-        want = np.concatenate([
-            values[a:b][:, maps[o : o + width]]
-            for a, b, o in zip(run_rows[:-1], run_rows[1:], offsets, strict=True)
-        ])  # fmt: skip
-        row_maps = np.repeat(offsets, np.diff(run_rows))  # each row's map, as the reader gives
-        out = np.zeros((len(values), width), values.dtype)
-        got = run(K.select_row_columns, launch, out, values, row_maps, maps)[0]
+    def select(launch, stored, maps, row_maps, width):
+        """``stored``: each row as stored (widths differ), laid end to end."""
+        flat = np.concatenate(stored)
+        row_starts = run_offsets(np.array([len(row) for row in stored], np.int64))[:-1]
+        want = np.stack([row[maps[m : m + width]] for row, m in zip(stored, row_maps, strict=True)])
+        out = np.zeros((len(stored), width), flat.dtype)
+        got = run(K.select_row_columns, launch, out, flat, row_starts, row_maps, maps)[0]
         eq(got, want)
         ref = np.zeros_like(out)
-        cpu_select(ref, values, row_maps, maps)
+        cpu_select(ref, flat, row_starts, row_maps, maps)
         eq(ref, want)
 
     def gather(launch, pos, csr, window):
@@ -293,16 +292,16 @@ def _worker() -> dict:
                 tag = f"{np.dtype(vdt)} batch{bi} launch{launch}"
                 check("gather_dense", tag, dense, launch, pos, values, ref)
 
-    # -- dense panels: each run's panel columns out of its stored rows -----------------------
+    # -- dense panels: each row's panel columns out of its stored row ------------------------
     for vi, vdt in enumerate((np.float32, np.uint16, np.int64, np.uint8)):
-        values = (rng.standard_normal((23, 11)) * 50).astype(vdt)
-        # three panels of 5 stored columns (reordered, last column, repeats), end to end
-        maps = np.array([10, 0, 4, 4, 7, 1, 2, 3, 5, 6, 9, 8, 7, 10, 0], np.int64)
-        run_rows = np.array([0, 4, 4, 11, 12, 23], np.int64)  # five runs, one empty
-        offsets = np.array([5, 0, 10, 0, 5], np.int64)[: len(run_rows) - 1]
+        # three panels of 5 columns (reordered, last column, repeats) over stores 11, 11
+        # and 14 wide, end to end; rows of the three stores interleaved as runs are
+        maps = np.array([10, 0, 4, 4, 7, 1, 2, 3, 5, 6, 13, 8, 7, 11, 0], np.int64)
+        row_maps = np.repeat([5, 0, 10, 0, 5, 10], [4, 3, 2, 1, 6, 5])
+        stored = [(rng.standard_normal(11 if m < 10 else 14) * 50).astype(vdt) for m in row_maps]
         for launch in _launches(vi, 0):
-            check("select_columns", f"{np.dtype(vdt)} launch{launch}", select, launch, values,
-                  run_rows, offsets, maps, 5)  # fmt: skip
+            check("select_columns", f"{np.dtype(vdt)} launch{launch}", select, launch, stored,
+                  maps, row_maps, 5)  # fmt: skip
 
     # -- float32 -> bfloat16 bits -------------------------------------------------------------
     x = np.concatenate(
@@ -438,9 +437,9 @@ PTX_CASES = [
     ("shared", ["f4", "i8", "u2", "u4", "i8"], [2, 1, 1, 1, 1]),
     ("gather_csr_rows", ["f4", "i4", "i8", "u1", "i8", "i8", "f4", "i4", "i8"], _GATHER_NDIMS),
     ("gather_csr_rows", ["f8", "i8", "i8", "u1", "i8", "i8", "f8", "i8", "i8"], _GATHER_NDIMS),
-    ("select_row_columns", ["u4", "u4", "i8", "i8"], [2, 2, 1, 1]),
-    ("select_row_columns", ["u2", "u2", "i8", "i8"], [2, 2, 1, 1]),
-    ("select_row_columns", ["u8", "u8", "i8", "i8"], [2, 2, 1, 1]),
+    ("select_row_columns", ["u4", "u4", "i8", "i8", "i8"], [2, 1, 1, 1, 1]),
+    ("select_row_columns", ["u2", "u2", "i8", "i8", "i8"], [2, 1, 1, 1, 1]),
+    ("select_row_columns", ["u8", "u8", "i8", "i8", "i8"], [2, 1, 1, 1, 1]),
     ("gather_dense_rows", ["f4", "i8", "f8"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "i2"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "u1"], [2, 1, 2]),

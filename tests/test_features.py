@@ -221,6 +221,40 @@ def test_gpu_path_maps_each_stores_panel(rich, tmp_path: Path, where: str) -> No
         assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_gpu_path_dense_stores_of_other_gene_sets(rich, tmp_path: Path, where: str) -> None:
+    """Dense ``X`` (a protein panel, say) in stores of other gene sets and orders, joined
+    by names: the stores differ in width, so each row's panel columns are copied out of its
+    own store's row on the device. Rows equal anndata's by name (CPU path), and the GPU path
+    equals the CPU path batch for batch."""
+    import anndata as ad
+
+    adata = rich[1]
+    other = _reordered_store(tmp_path, 9, 31)[1]  # 9 genes wider, in another order
+    paths = []
+    for name, source in (("dense_a", adata), ("dense_b", other)):
+        paths.append(tmp_path / f"{name}.zarr")
+        ad.AnnData(X=source.X.toarray(), obs=source.obs, var=source.var).write_zarr(paths[-1])
+    names = [f"g{j}" for j in PANEL]
+    joined = dz.open_dataset(paths, features=names)
+    assert joined.layout == "dense"
+    assert [p.n_features for p in joined.stores()] == [N_VARS, N_VARS + 9]
+    got = run_epoch(dz.Loader(joined, sampler(), return_index=True))
+    want = np.concatenate([adata[:, names].X.toarray(), other[:, names].X.toarray()])
+    assert_rows_match(got, want, N_OBS + 31)
+    cases = (
+        joined,
+        dz.Subset(joined, np.arange(1, N_OBS + 31, 3)),  # a train split
+        dz.FeatureSubset(joined, [4, 0, 5]),  # a panel of the panels: maps composed
+    )
+    for dataset in cases:
+        cpu, gpu = both(dataset, where, return_index=True)
+        read = gpu.read_paths()
+        assert len(read) == 2, read
+        assert all(p.endswith("(each row's panel columns copied out)") for p in read.values())
+        assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
+
+
 def test_store_runs_carry_each_panel(rich, tmp_path: Path) -> None:
     """The ``store_runs`` contract through panels: each run's stored rows, kept to its
     ``columns``, concatenated, are the window's rows; every run's (store, columns) is one

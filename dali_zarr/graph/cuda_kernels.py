@@ -285,18 +285,20 @@ def keep_panel_rows(kept, bad, data, indices, indptr, row_maps, row_widths, maps
             kept[r] = w - start
 
 
-def select_row_columns(out, values, row_maps, maps):
+def select_row_columns(out, values, row_starts, row_maps, maps):
     """Dense stores under gene panels (twin of ``kernels._select_row_columns``): row ``r``
-    keeps the stored columns ``maps[row_maps[r] :][: out.shape[1]]``, in panel order, as
-    their bits. One launch per window, a block per row (grid-stride); its threads stride
-    over the panel's columns, so the writes are coalesced."""
+    keeps the stored columns ``maps[row_maps[r] :][: out.shape[1]]`` of its stored row,
+    which starts at ``values[row_starts[r]]`` (flat: stores may differ in width), in panel
+    order, as their bits. One launch per window, a block per row (grid-stride); its
+    threads stride over the panel's columns, so the writes are coalesced."""
     width = out.shape[1]
     t = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for r in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        start = row_starts[r]
         base = row_maps[r]
         for j in range(t, width, nt):
-            out[r, j] = values[r, maps[base + j]]
+            out[r, j] = values[start + maps[base + j]]
 
 
 def densify_kernel(n_features: int) -> Callable:

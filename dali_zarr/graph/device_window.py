@@ -102,9 +102,10 @@ class _Backend:
         a row holding an id out of range)."""
         raise NotImplementedError
 
-    def select_columns(self, out: Any, values: Any, row_maps: np.ndarray, maps: Any) -> None:
-        """Copy each row's panel columns of dense ``values`` into ``out`` (the contract of
-        ``kernels._select_row_columns``)."""
+    def select_columns(self, out: Any, values: Any, row_starts: np.ndarray, row_maps: np.ndarray,
+                       maps: Any) -> None:  # fmt: skip
+        """Copy each row's panel columns out of the stored rows ``values`` (flat) into
+        ``out`` (the contract of ``kernels._select_row_columns``)."""
         raise NotImplementedError
 
     def finish(self) -> None:
@@ -166,9 +167,9 @@ class HostBackend(_Backend):
         )
         return kept, int(bad)
 
-    def select_columns(self, out, values, row_maps, maps) -> None:
+    def select_columns(self, out, values, row_starts, row_maps, maps) -> None:
         select = kernels.host_kernel(kernels._select_row_columns)
-        select(_bits(out), _bits(values), row_maps, maps)
+        select(_bits(out), _bits(values), row_starts, row_maps, maps)
 
     def minmax(self, values: Any) -> tuple[int, int]:
         return int(values.min()), int(values.max())
@@ -277,14 +278,15 @@ class CudaBackend(_Backend):
             )
             return kept.get(stream=stream), int(bad.get(stream=stream)[0])
 
-    def select_columns(self, out, values, row_maps, maps) -> None:
+    def select_columns(self, out, values, row_starts, row_maps, maps) -> None:
         from numba import cuda
 
         stream = self.executor.stream
         with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (row_starts, row_maps)]
             kernel = cuda_jit(cuda_kernels.select_row_columns)
             kernel[_row_blocks(out.shape[0]), ROW_THREADS, cuda.external_stream(stream.ptr)](
-                _bits(out), _bits(values), self.cp.asarray(row_maps), maps
+                _bits(out), _bits(values), *args, maps
             )
 
     def minmax(self, values: Any) -> tuple[int, int]:
@@ -350,6 +352,51 @@ class WindowLayout:
     #: per store the window touches: the store, its runs' indices, and all of its rows'
     #: ranges, in window order
     by_store: list[tuple[Dataset, list[int], np.ndarray]]
+    #: dense stores under panels: their rows as stored, read before the panel columns
+    #: are copied out of them
+    stored: StoredRows | None = None
+
+
+@dataclass(frozen=True)
+class StoredRows:
+    """Where a dense panel window's rows go as stored, before each row's panel columns are
+    copied out: one slot array per stored width (``stored0``, ``stored1``, ...: stores of
+    other gene sets are wider or narrower), each run's rows together in its store's array.
+    The kernel sees the arrays as one flat run of elements from ``stored0`` on."""
+
+    array_of: dict[int, str]  # a store's width -> the slot array its rows go to
+    run_at: np.ndarray  # each run's first row in its array
+    row_starts: np.ndarray  # each window row's first stored element, from stored0's start
+    offset: int  # stored0's byte offset in the slot
+    n_elements: int  # from stored0's start to the end of the last array
+
+
+def _dense_panel_slots(
+    runs: list[StoreRun], run_rows: np.ndarray, n_kept: int, dtype: np.dtype
+) -> tuple[Slots, int, StoredRows]:
+    """A dense panel window's slot: ``values`` (the panel's columns, what the graph reads)
+    and the stored rows (:class:`StoredRows`)."""
+    widths = np.array([run.store.n_features for run in runs], dtype=np.int64)
+    array_of: dict[int, str] = {}
+    rows_of: dict[int, int] = {}
+    run_at = np.empty(len(runs), dtype=np.int64)
+    for i, width in enumerate(widths.tolist()):  # per run (a window has tens), not per row
+        array_of.setdefault(width, f"stored{len(array_of)}")
+        run_at[i] = rows_of.get(width, 0)
+        rows_of[width] = int(run_at[i] + run_rows[i])
+    n_rows = int(run_rows.sum())
+    shapes = [("values", (n_rows, n_kept), dtype)]
+    shapes += [(name, (rows_of[width], width), dtype) for width, name in array_of.items()]
+    slots, nbytes = pack_slot(shapes)
+    at = {name: offset for name, _, _, offset in slots}
+    first = at.get("stored0", 0)  # none: a window of no rows
+    array_start = [(at[array_of[w]] - first) // dtype.itemsize for w in widths.tolist()]
+    run_start = np.array(array_start, dtype=np.int64) + run_at * widths
+    within = concat_aranges(np.zeros(len(runs), dtype=np.int64), run_rows)
+    row_starts = np.repeat(run_start, run_rows) + within * np.repeat(widths, run_rows)
+    _, last_shape, _, last = slots[-1]
+    n_elements = (last - first) // dtype.itemsize + math.prod(last_shape)
+    return slots, nbytes, StoredRows(array_of, run_at, row_starts, first, n_elements)
 
 
 def _group_by_store(runs: list[StoreRun]) -> list[tuple[Dataset, list[int], np.ndarray]]:
@@ -445,8 +492,8 @@ class DeviceWindowReader:
     window. A panel is read as its stores' rows with every stored column and kept on the
     device (:func:`panel_selection`). A store's narrower CSR dtype (int32 ids in an int64
     window, float16 values) is widened by its plan's final copy. Other datasets (dense
-    stores that disagree on a dtype or a width, stores not read by byte plans) are read on
-    the host with ``dataset.read_rows`` and copied once (:meth:`read_generic`).
+    stores that disagree on a dtype, stores not read by byte plans) are read on the host
+    with ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 
     def __init__(self, dataset: Dataset, backend: Any, *, output: Output = "dense") -> None:
@@ -455,8 +502,10 @@ class DeviceWindowReader:
         self.dtype = window_dtype(dataset.layout, dataset.dtype)
         self.index_dtype = np.dtype(dataset.index_dtype)
         self.panel_maps: PanelMaps | None = None
-        self.stores = self._planned_stores()
         pairs = dataset.store_columns()
+        self.stores = self._planned_stores(
+            panels=pairs is not None and any(c is not None for _, c in pairs)
+        )
         if self.stores is not None and pairs is not None:
             self.panel_maps = panel_selection(pairs, dataset.layout, dataset.n_features)
         #: CSR output of a panel: rows cut to their kept entries as each window is read
@@ -464,11 +513,13 @@ class DeviceWindowReader:
         self._device_maps = (
             None if self.panel_maps is None else backend.to_device(self.panel_maps.table)
         )
-        #: the stored width of every store (CSR stores under panels may differ)
+        #: the stored width of every store (stores under panels may differ)
         self.stored_width = dataset.n_features if not self.stores else self.stores[0].n_features
 
-    def _planned_stores(self) -> tuple[Dataset, ...] | None:
-        """The stores read by byte plans, or None when windows are read on the host."""
+    def _planned_stores(self, *, panels: bool) -> tuple[Dataset, ...] | None:
+        """The stores read by byte plans, or None when windows are read on the host.
+        Under ``panels`` the stores' widths may differ (each row's panel columns are
+        taken from its own store's row)."""
         stores = self.dataset.stores()
         if not stores:
             return None
@@ -483,7 +534,7 @@ class DeviceWindowReader:
                 same = (
                     isinstance(store, DenseDataset)
                     and store.dtype == self.dataset.dtype
-                    and store.feature_shape == stores[0].feature_shape
+                    and (panels or store.feature_shape == stores[0].feature_shape)
                 )
             if not same:
                 return None
@@ -514,11 +565,14 @@ class DeviceWindowReader:
                 ("indices", (nnz,), self.index_dtype),
                 ("indptr", (n_rows + 1,), np.dtype(np.int64)),
             ]
+        elif self.panel_maps is not None:  # the stored rows, read before their panel columns
+            slots, nbytes, stored = _dense_panel_slots(
+                runs, run_rows, self.dataset.n_features, self.dtype
+            )
+            return WindowLayout(slots, nbytes, runs, run_starts, None, by_store, stored)
         else:
             host_indptr = None
-            shapes = [("values", (n_rows, self.dataset.n_features), self.dtype)]
-            if self.panel_maps is not None:  # the stored rows, read before their panel columns
-                shapes.append(("stored", (n_rows, self.stored_width), self.dtype))
+            shapes = [("values", (n_rows, self.stored_width), self.dtype)]
         slots, nbytes = pack_slot(shapes)
         return WindowLayout(slots, nbytes, runs, run_starts, host_indptr, by_store)
 
@@ -543,9 +597,12 @@ class DeviceWindowReader:
             self._read_runs(window, views)
             arrays = (views["values"],)
         else:  # the stored rows, then each row's panel columns out of them
-            self._read_runs(window, {"values": views["stored"]})
+            self._read_runs(window, views)
+            stored = window.stored
+            assert stored is not None
+            flat = be.view(buf, stored.offset, (stored.n_elements,), self.dtype)
             row_maps, _ = self.panel_maps.of_rows(window.runs, window.run_starts)
-            be.select_columns(views["values"], views["stored"], row_maps, self._device_maps)
+            be.select_columns(views["values"], flat, stored.row_starts, row_maps, self._device_maps)
             arrays = (views["values"],)
         be.finish()
         return arrays, host_indptr
@@ -558,14 +615,19 @@ class DeviceWindowReader:
         csr = window.host_indptr is not None
         whole = len(window.runs) == 1  # the window is this one run: no placing
         items: dict[str, list[tuple[Any, np.ndarray, Pieces | None]]] = {}
+        stored = window.stored
         for store, members, ranges in window.by_store:
             starts = window.run_starts[members]
             stops = window.run_starts[np.add(members, 1)]
             if csr:  # rows -> elements of data/indices
                 ranges = store.indptr[ranges]
                 starts, stops = window.host_indptr[starts], window.host_indptr[stops]
+            elif stored is not None:  # rows of the store's own width, in its own array
+                starts, stops = stored.run_at[members], stored.run_at[members] + stops - starts
             pieces = None if whole else (starts, stops - starts)
             for name, reader in _store_arrays(store):
+                if stored is not None:
+                    name = stored.array_of[store.n_features]
                 items.setdefault(name, []).append((reader, ranges, pieces))
         for name, array_items in items.items():
             out = views[name]

@@ -86,14 +86,16 @@ def _gather_dense_rows(out, pos, values):
         out[i, :] = values[pos[i], :]
 
 
-def _select_row_columns(out, values, row_maps, maps):
-    """Dense stores under gene panels: ``out[r, j] = values[r, maps[row_maps[r] + j]]``;
-    row ``r``'s map (its store's panel) lists the stored columns it keeps, in panel order.
-    Values are copied as their bits."""
+def _select_row_columns(out, values, row_starts, row_maps, maps):
+    """Dense stores under gene panels: ``out[r, j] = values[row_starts[r] + maps[row_maps[r]
+    + j]]``. ``values`` holds the window's rows as stored (flat: stores may differ in
+    width), row ``r``'s from ``row_starts[r]``; its map (its store's panel) lists the
+    stored columns it keeps, in panel order. Values are copied as their bits."""
     for r in range(out.shape[0]):
+        start = row_starts[r]
         base = row_maps[r]
         for j in range(out.shape[1]):
-            out[r, j] = values[r, maps[base + j]]
+            out[r, j] = values[start + maps[base + j]]
 
 
 def _remap_run_columns(indices, run_bounds, run_maps, run_widths, maps):
