@@ -491,9 +491,9 @@ class DeviceWindowReader:
     (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
     window. A panel is read as its stores' rows with every stored column and kept on the
     device (:func:`panel_selection`). A store's narrower CSR dtype (int32 ids in an int64
-    window, float16 values) is widened by its plan's final copy. Other datasets (dense
-    stores that disagree on a dtype, stores not read by byte plans) are read on the host
-    with ``dataset.read_rows`` and copied once (:meth:`read_generic`).
+    window, float16 values) is widened by its plan's final copy. Datasets that name no
+    stores (``store_columns`` None: a user's own subclass) are read on the host with
+    ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 
     def __init__(self, dataset: Dataset, backend: Any, *, output: Output = "dense") -> None:
