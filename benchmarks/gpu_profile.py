@@ -137,9 +137,11 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
         return run_into(*a, **kw)
 
     backend.run_into = counting_runs
-    # a CSR store's gene panel: its ids mapped (and, for CSR output, rows cut), one launch
+    # a gene panel, one launch: a CSR store's ids mapped (and, for CSR output, rows cut),
+    # a dense store's panel columns copied out of its stored rows
     timed(backend, "remap_columns", "panel ids mapped per store")
     timed(backend, "keep_panel_rows", "rows cut to the panel (CSR output)")
+    timed(backend, "select_columns", "panel columns copied out (dense)")
     if args.smoke:
         timed(backend, "run_plan", "read + decode + copy (host backend)")
     else:
