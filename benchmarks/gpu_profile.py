@@ -90,7 +90,7 @@ def parse_config(text: str) -> tuple[str, str, str]:
 
 def use_config(reads: str, api: str, sync: str) -> None:
     """Set the switches the GPU path reads when it is built (executors, the CUDA backend)."""
-    from dali_zarr.graph.device_window import RING_SYNC_ENV
+    from dali_zarr.graph.window_backends import RING_SYNC_ENV
     from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import READS_ENV
 
@@ -153,8 +153,8 @@ def stage_timers(args: argparse.Namespace, backend) -> dict[str, float]:
 
 
 def profile_reader(args: argparse.Namespace, dataset) -> None:
-    from dali_zarr.graph.device_window import HostBackend
     from dali_zarr.graph.gpu_pipeline import GpuBatchSource
+    from dali_zarr.graph.window_backends import HostBackend
 
     source = GpuBatchSource(
         dataset,
@@ -199,7 +199,7 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
 
 def profile_loader(args: argparse.Namespace, dataset) -> None:
     import dali_zarr as dz
-    from dali_zarr.graph.device_window import HostBackend
+    from dali_zarr.graph.window_backends import HostBackend
 
     for threads in [int(t) for t in args.read_threads.split(",")]:
         loader = dz.Loader(

@@ -225,7 +225,7 @@ def open_benchmark_dataset(
 def run_dali(args, store: str, device: str, **dataset_kw) -> dict:
     """dali_zarr's dense batches on the GPU: the GPU path, or the CPU path plus ``.cuda()``."""
     import dali_zarr as dz
-    from dali_zarr.graph.device_window import HostBackend
+    from dali_zarr.graph.window_backends import HostBackend
 
     dataset = open_benchmark_dataset(args, store, **dataset_kw)
     loader = dz.Loader(

@@ -50,7 +50,7 @@ class Loader:
     and densifies on GPU ``device_id`` (default: torchrun's ``LOCAL_RANK``) and yields CUDA
     tensors there (see :mod:`dali_zarr.graph.gpu_pipeline`); ``"auto"`` takes the GPU when
     it is usable. :attr:`device` and :attr:`device_reason` say which path runs and why.
-    ``gpu_backend=HostBackend()`` (:mod:`dali_zarr.graph.device_window`) runs the GPU
+    ``gpu_backend=HostBackend()`` (:mod:`dali_zarr.graph.window_backends`) runs the GPU
     path's source and graph on the host (for debugging and CI; no GPU needed).
     ``dtype``: float32, float16, float64 or bfloat16.
     ``read_threads``: windows read at once (default 1 on the CPU path, whose reader is

@@ -22,8 +22,8 @@ import torch
 
 import dali_zarr as dz
 from dali_zarr import synthetic
-from dali_zarr.graph.device_window import HostBackend
 from dali_zarr.graph.gpu_pipeline import RingClosed
+from dali_zarr.graph.window_backends import HostBackend
 from tests.stores import csr_reference, needs_cuda, write, write_layout
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -19,7 +19,6 @@ import zarr
 import dali_zarr as dz
 from dali_zarr.data.dataset import StoreRun, sub_indptr
 from dali_zarr.errors import ConfigError
-from dali_zarr.graph.device_window import RING_SYNC_ENV, HostBackend, ring_sync
 from dali_zarr.graph.gpu_pipeline import (
     BufferRing,
     GpuBatchSource,
@@ -28,6 +27,7 @@ from dali_zarr.graph.gpu_pipeline import (
     gpu_status,
 )
 from dali_zarr.graph.source import BatchSource
+from dali_zarr.graph.window_backends import RING_SYNC_ENV, HostBackend, ring_sync
 from dali_zarr.synthetic import make_single_cell
 from tests.stores import has_cuda, needs_cuda
 

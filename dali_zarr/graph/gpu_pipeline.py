@@ -33,13 +33,13 @@ that batch out, and our iterators take DALI's outputs host-synchronised (``run()
 Still, by default the device is also synchronised before a recycled slot is written
 (belt and braces: DALI's stream is not ours to wait on; this costs the reader thread a
 wait, never the consumer). ``DALI_ZARR_RING_SYNC=none`` drops that wait (``ring_sync`` in
-:mod:`dali_zarr.graph.device_window`); a ``gpu`` test checks it and
+:mod:`dali_zarr.graph.window_backends`); a ``gpu`` test checks it and
 ``benchmarks/gpu_profile.py`` times it, and it becomes the default once it has run on a
 GPU. ``prefetch_windows + prefetch_queue_depth + 3`` slots cover the windows being read
 ahead, the current one and every window DALI may still hold, so the reader never waits on
 the consumer for a slot.
 
-With the host backend (``device_window.HostBackend``) the same source, ring and graph run
+With the host backend (``window_backends.HostBackend``) the same source, ring and graph run
 on DALI's CPU backend with the CPU kernels: that is how CI tests this module end to end
 without a GPU. The CUDA backend and the CUDA kernels inside DALI need one; they ran on an
 H100 (README "GPU path").
@@ -63,7 +63,7 @@ from nvidia.dali.pipeline import Pipeline
 from dali_zarr.data.dataset import Dataset, sub_indptr
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import cuda_kernels
-from dali_zarr.graph.device_window import CudaBackend, DeviceWindowReader
+from dali_zarr.graph.device_window import DeviceWindowReader
 from dali_zarr.graph.pipeline import (
     GraphOps,
     Transform,
@@ -78,9 +78,8 @@ from dali_zarr.graph.source import (
     Window,
     WindowKey,
 )
-from dali_zarr.io.gpu import (
-    probe_gpu,
-)
+from dali_zarr.graph.window_backends import CudaBackend
+from dali_zarr.io.gpu import probe_gpu
 from dali_zarr.planning.partition import validate_count
 
 # ---------------------------------------------------------------------------- host helpers

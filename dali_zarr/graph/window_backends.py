@@ -1,0 +1,307 @@
+"""Where a window's ring slot lives, and the launches the window reader makes there.
+
+A backend gives :class:`~dali_zarr.graph.device_window.DeviceWindowReader` typed views of a
+slot's bytes, runs byte plans into them, and launches the window-level kernels (gene
+panels: :func:`~dali_zarr.graph.kernels.host_kernel`'s CPU twins, or
+:mod:`~dali_zarr.graph.cuda_kernels`). :class:`CudaBackend` holds cupy buffers and a
+:class:`~dali_zarr.io.gpu.GpuPlanExecutor` per reader thread; :class:`HostBackend` holds
+NumPy stand-ins and runs the same reader and ring logic on the CPU, which is how CI tests
+the GPU path end to end.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from dali_zarr.errors import ConfigError
+from dali_zarr.graph import cuda_kernels, kernels
+from dali_zarr.io.gpu import (
+    Pieces,
+    cuda_jit,
+    describe_path,
+    execute_plan_cpu,
+    gpu_codec_kind,
+    plan_problem,
+    probe_gpu,
+)
+from dali_zarr.planning.partition import run_offsets
+
+
+class _Backend:
+    """What the host and CUDA backends share: typed views of a byte buffer, and reading an
+    array's rows through its byte plan (or, when it has none, a host read plus one upload)."""
+
+    def view(self, buf: Any, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        n = math.prod(shape) * np.dtype(dtype).itemsize
+        return buf[offset : offset + n].view(dtype).reshape(shape)
+
+    def upload_rows(self, reader: Any, ranges: np.ndarray, pieces: Pieces | None, out: Any) -> None:
+        """Rows ``ranges`` of an array that has no byte plan, read on the host and copied
+        into ``out`` (whole, or as ``pieces``: one store's share of a collection's window)."""
+        host = _as_window_dtype(np.ascontiguousarray(reader.read_rows(ranges)), out.dtype)
+        if pieces is None:
+            self.upload(host, out)
+            return
+        src = run_offsets(pieces[1])
+        for a, start, n in zip(src[:-1].tolist(), *(p.tolist() for p in pieces), strict=True):
+            if n:
+                self.upload(host[a : a + n], out[start : start + n])
+
+    def run_into(self, plan: Any, reader: Any, out: Any) -> None:
+        """Run ``plan`` into ``out``: bit for bit where ``out`` is a view of the same width
+        (the uint16 bits of a float16 array: see
+        :func:`~dali_zarr.graph.source.window_dtype`), widened by the plan's final copy
+        where ``out`` is wider (int32 column ids of one store in a collection's int64
+        window, float16 CSR values in a float32 window)."""
+        target = out.reshape(plan.out_shape)
+        same_width = np.dtype(target.dtype).itemsize == np.dtype(plan.dtype).itemsize
+        if target.dtype != plan.dtype and same_width:
+            target = target.view(plan.dtype)
+        self.run_plan(plan, reader, target)
+
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        raise NotImplementedError
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        raise NotImplementedError
+
+    def to_device(self, host: np.ndarray) -> Any:
+        """A device copy of ``host``, made once (a table the kernels read every window)."""
+        raise NotImplementedError
+
+    def remap_columns(self, indices: Any, run_bounds: np.ndarray, run_maps: np.ndarray,
+                      run_widths: np.ndarray, maps: Any) -> int:  # fmt: skip
+        """Map each run's column ids through its panel map, in place (the contract of
+        ``kernels._remap_run_columns``); returns 0, or 1 + a run holding an id out of range."""
+        raise NotImplementedError
+
+    def keep_panel_rows(self, data: Any, indices: Any, indptr: Any, row_maps: np.ndarray,
+                        row_widths: np.ndarray, maps: Any,
+                        n_kept: int) -> tuple[np.ndarray, int]:  # fmt: skip
+        """Keep each row's panel entries at its start, in place (the contract of
+        ``kernels._keep_panel_rows``); returns (each row's kept count on the host, 0 or 1 +
+        a row holding an id out of range)."""
+        raise NotImplementedError
+
+    def select_columns(self, out: Any, values: Any, row_starts: np.ndarray, row_maps: np.ndarray,
+                       maps: Any) -> None:  # fmt: skip
+        """Copy each row's panel columns out of the stored rows ``values`` (flat) into
+        ``out`` (the contract of ``kernels._select_row_columns``)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait until the uploads and plans issued so far have landed."""
+
+    def before_reuse(self) -> None:
+        """Wait until nothing may still read a buffer about to be overwritten."""
+
+    def close(self) -> None:
+        """Release what the backend holds open."""
+
+
+def _bits(values: Any) -> Any:
+    """``values`` viewed as unsigned integers of the same width: a copy that moves bits
+    compiles once per width, and numba has no float16 on the host."""
+    return values.view(f"u{values.dtype.itemsize}")
+
+
+def _as_window_dtype(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``host`` as a window array of ``dtype``: its bits where the width is the same (see
+    :meth:`_Backend.run_into`), widened otherwise."""
+    if host.dtype == dtype:
+        return host
+    return (
+        host.view(dtype) if host.dtype.itemsize == np.dtype(dtype).itemsize else host.astype(dtype)
+    )
+
+
+class HostBackend(_Backend):
+    """NumPy stand-in for the device: runs the same window reader and ring logic on the CPU.
+
+    Used by the tests (and usable for debugging): "device" buffers are host arrays and the
+    byte plans run with :func:`dali_zarr.io.gpu.execute_plan_cpu`.
+    """
+
+    name = "host"
+    on_device = False  # the graph runs on DALI's CPU backend with the CPU kernels
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        return np.empty(max(nbytes, 1), dtype=np.uint8)
+
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        execute_plan_cpu(plan, reader, out=out)
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        out[...] = host.reshape(out.shape)
+
+    def to_device(self, host: np.ndarray) -> np.ndarray:
+        return np.array(host)
+
+    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+        remap = kernels.host_kernel(kernels._remap_run_columns)
+        return int(remap(indices, run_bounds, run_maps, run_widths, maps))
+
+    def keep_panel_rows(self, data, indices, indptr, row_maps, row_widths, maps, n_kept):
+        kept = np.empty(len(indptr) - 1, dtype=np.int64)
+        bad = kernels.host_kernel(kernels._keep_panel_rows)(
+            kept, data, indices, indptr, row_maps, row_widths, maps, n_kept
+        )
+        return kept, int(bad)
+
+    def select_columns(self, out, values, row_starts, row_maps, maps) -> None:
+        select = kernels.host_kernel(kernels._select_row_columns)
+        select(_bits(out), _bits(values), row_starts, row_maps, maps)
+
+    def minmax(self, values: Any) -> tuple[int, int]:
+        return int(values.min()), int(values.max())
+
+    def path(self, reader: Any) -> str:
+        return _plan_path(reader, "host")
+
+
+RING_SYNC_ENV = "DALI_ZARR_RING_SYNC"
+
+
+#: threads per block of the window-level kernels that give each row a block
+ROW_THREADS = 128
+
+
+def _row_blocks(n_rows: int) -> int:
+    """A block per row (the kernels stride over the rest past the grid's limit)."""
+    return max(1, min(65535, n_rows))
+
+
+def ring_sync() -> str:
+    """What the CUDA backend waits for before it rewrites a recycled ring slot: ``"device"``
+    (``cudaDeviceSynchronize``, the default) or ``"none"`` (rely on DALI's host-synchronised
+    outputs, see the module docstring); from ``DALI_ZARR_RING_SYNC``."""
+    want = os.environ.get(RING_SYNC_ENV, "").strip().lower() or "device"
+    if want not in ("device", "none"):
+        raise ConfigError(f"{RING_SYNC_ENV}={want!r}: use 'device' or 'none', or leave it unset")
+    return want
+
+
+class CudaBackend(_Backend):
+    """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only).
+
+    Each reader thread gets its own executor (stream, staging buffers, nvCOMP codecs), so
+    windows read on several threads overlap one's file reads with another's decode.
+    """
+
+    name = "cuda"
+    on_device = True
+
+    def __init__(self, device_id: int = 0) -> None:
+        import cupy
+
+        self.cp = cupy
+        self.device_id = device_id
+        self.support = probe_gpu()
+        self.ring_sync = ring_sync()
+        self._local = threading.local()
+        self._executors: list[Any] = []
+        self._executors_lock = threading.Lock()
+
+    @property
+    def executor(self) -> Any:
+        """This thread's executor (made on first use)."""
+        executor = getattr(self._local, "executor", None)
+        if executor is None:
+            from dali_zarr.io.gpu import GpuPlanExecutor
+
+            executor = GpuPlanExecutor(self.device_id, support=self.support)
+            self._local.executor = executor
+            with self._executors_lock:
+                self._executors.append(executor)
+        return executor
+
+    def alloc(self, nbytes: int) -> Any:
+        with self.cp.cuda.Device(self.device_id):
+            return self.cp.empty(max(nbytes, 1), dtype=self.cp.uint8)
+
+    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
+        self.executor.run(plan, reader, out)
+
+    def upload(self, host: np.ndarray, out: Any) -> None:
+        with self.cp.cuda.Device(self.device_id):
+            out.reshape(-1).set(np.ascontiguousarray(host).reshape(-1), stream=self.executor.stream)
+
+    def to_device(self, host: np.ndarray) -> Any:
+        with self.cp.cuda.Device(self.device_id):
+            out = self.cp.asarray(host)
+            self.cp.cuda.runtime.deviceSynchronize()
+        return out
+
+    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+        from numba import cuda
+
+        stream = self.executor.stream
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (run_bounds, run_maps, run_widths)]
+            bad = self.cp.zeros(1, dtype=self.cp.int64)
+            blocks = max(1, min(4096, -(-int(run_bounds[-1]) // 256)))
+            kernel = cuda_jit(cuda_kernels.remap_run_columns)
+            kernel[blocks, 256, cuda.external_stream(stream.ptr)](bad, indices, *args, maps)
+            return int(bad.get(stream=stream)[0])  # waits for the kernel
+
+    def keep_panel_rows(self, data, indices, indptr, row_maps, row_widths, maps, n_kept):
+        from numba import cuda
+
+        stream = self.executor.stream
+        n_rows = len(indptr) - 1
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (row_maps, row_widths)]
+            kept = self.cp.empty(n_rows, dtype=self.cp.int64)
+            bad = self.cp.zeros(1, dtype=self.cp.int64)
+            kernel = cuda_jit(cuda_kernels.keep_panel_rows)
+            kernel[_row_blocks(n_rows), ROW_THREADS, cuda.external_stream(stream.ptr)](
+                kept, bad, data, indices, indptr, *args, maps, n_kept
+            )
+            return kept.get(stream=stream), int(bad.get(stream=stream)[0])
+
+    def select_columns(self, out, values, row_starts, row_maps, maps) -> None:
+        from numba import cuda
+
+        stream = self.executor.stream
+        with self.cp.cuda.Device(self.device_id), stream:
+            args = [self.cp.asarray(a) for a in (row_starts, row_maps)]
+            kernel = cuda_jit(cuda_kernels.select_row_columns)
+            kernel[_row_blocks(out.shape[0]), ROW_THREADS, cuda.external_stream(stream.ptr)](
+                _bits(out), _bits(values), *args, maps
+            )
+
+    def minmax(self, values: Any) -> tuple[int, int]:
+        with self.cp.cuda.Device(self.device_id), self.executor.stream:
+            both = self.cp.stack([values.min(), values.max()]).get()
+        return int(both[0]), int(both[1])
+
+    def finish(self) -> None:
+        self.executor.stream.synchronize()
+
+    def before_reuse(self) -> None:
+        if self.ring_sync == "device":  # any DALI kernel still reading the slot has finished
+            with self.cp.cuda.Device(self.device_id):
+                self.cp.cuda.runtime.deviceSynchronize()
+
+    def close(self) -> None:
+        with self._executors_lock:
+            for executor in self._executors:
+                executor.close()  # the kvikio file handles, the nvCOMP codecs
+
+    def path(self, reader: Any) -> str:
+        return _plan_path(reader, "cuda", self.support)
+
+
+def _plan_path(reader: Any, backend: str, support: Any = None) -> str:
+    problem = plan_problem(reader)
+    if problem:
+        return f"gpu: host read ({problem}), one copy to the device"
+    kind, why = gpu_codec_kind(reader.layout)
+    if backend == "host":
+        return f"host-backend plan: {kind}" + (f" ({why})" if why else "")
+    return describe_path(kind, why, support)
