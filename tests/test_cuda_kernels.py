@@ -37,6 +37,7 @@ GROUPS = [
     "copy_segments",
     "remap_columns",
     "keep_panel_rows",
+    "cuda_backend",
 ]
 
 
@@ -382,7 +383,96 @@ def _worker() -> dict:
         broken[indptr[3] + 40] = widths[which[2]]  # in row 3's second tile of 32, run 2
         check("keep_panel_rows", f"{np.dtype(idt)} bad id, tile 2", keep_rows, LAUNCHES[2],
               (long[0], broken, indptr), *long_args, 3)  # fmt: skip
+
+    # -- the CUDA backend's panel launches against the host backend's ------------------------
+    backend = _simulated_cuda_backend()
+    from dali_zarr.graph.window_backends import HostBackend
+
+    host_backend = HostBackend()
+    widths = np.array([7, 12, 7, 5], np.int64)
+    maps = np.concatenate([np.where(rng.random(w) < 0.5, rng.integers(0, 4, w), 4) for w in widths])
+    offsets_of = np.cumsum([0, *widths[:-1]]).astype(np.int64)
+    lengths = np.array([3, 0, 40, 9, 1, 12], np.int64)
+    indptr = run_offsets(lengths)
+    run_rows = np.array([0, 2, 3, 6], np.int64)  # three runs of rows
+    which = np.array([1, 3, 0])
+    run_bounds = indptr[run_rows]
+    csr = (rng.integers(1, 20, indptr[-1]).astype(np.float32),
+           rng.integers(0, 5, indptr[-1]).astype(np.int32), indptr)  # fmt: skip
+    per_row = [np.repeat(a[which], np.diff(run_rows)) for a in (offsets_of, widths)]
+
+    def backends_agree(bad_at):
+        indices = csr[1].copy()
+        if bad_at is not None:
+            indices[bad_at] = 12  # past every width but one: run 1 (width 5) holds it
+        both = []
+        for be in (backend, host_backend):
+            ids = indices.copy()
+            bad = be.remap_columns(ids, run_bounds, offsets_of[which], widths[which], maps)
+            data, cut = csr[0].copy(), indices.copy()
+            kept, bad_row = be.keep_panel_rows(data, cut, indptr, *per_row, maps, 4)
+            both.append((bad, ids, bad_row, None if bad_row else (kept, data, cut)))
+        (bad, ids, bad_row, rows), (want_bad, want_ids, want_row, want_rows) = both
+        assert (bad, bad_row) == (want_bad, want_row), (bad, bad_row, want_bad, want_row)
+        assert (bad > 0) == (bad_at is not None)
+        if not bad:
+            eq(ids, want_ids)
+            for got, want in zip(rows, want_rows, strict=True):
+                eq(got, want)
+
+    check("cuda_backend", "panel ids", backends_agree, None)
+    check("cuda_backend", "panel ids, a bad id", backends_agree, int(indptr[3]) + 4)
+
+    def dense_columns():
+        stored = [rng.standard_normal(w).astype(np.float16) for w in (11, 11, 14, 11)]
+        flat = np.concatenate(stored)
+        row_starts = run_offsets(np.array([len(r) for r in stored], np.int64))[:-1]
+        table = np.array([10, 0, 4, 1, 2, 3, 13, 8, 7], np.int64)
+        row_maps = np.array([3, 0, 6, 3], np.int64)
+        outs = []
+        for be in (backend, host_backend):
+            out = np.zeros((4, 3), np.uint16)  # float16 windows cross as their bits
+            be.select_columns(out, flat.view(np.uint16), row_starts, row_maps, table)
+            outs.append(out)
+        eq(outs[0], outs[1])
+        eq(outs[0].view(np.float16)[2], stored[2][[13, 8, 7]])
+
+    check("cuda_backend", "dense panel columns", dense_columns)
     return results
+
+
+def _simulated_cuda_backend():
+    """A ``CudaBackend`` whose launches run under the simulator: cupy replaced by NumPy
+    (arrays with cupy's ``get``), no executor but its stream. What it checks is the
+    backend's own glue: the arguments each launch gets, and what comes back."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from numba import cuda
+
+    from dali_zarr.graph.window_backends import CudaBackend
+
+    class Array(np.ndarray):
+        def get(self, stream=None):
+            return np.asarray(self).copy()
+
+    class Stream(contextlib.nullcontext):
+        ptr = 0
+
+    cuda.external_stream = lambda ptr: 0  # the simulator runs every launch in order
+    backend = object.__new__(CudaBackend)
+    backend.cp = SimpleNamespace(
+        asarray=np.asarray,
+        zeros=lambda n, dtype: np.zeros(n, dtype).view(Array),
+        empty=lambda n, dtype: np.full(n, -1, dtype).view(Array),
+        int64=np.int64,
+        cuda=SimpleNamespace(Device=lambda i: contextlib.nullcontext()),
+    )
+    backend.device_id = 0
+    backend._local = threading.local()
+    backend._local.executor = SimpleNamespace(stream=Stream())
+    return backend
 
 
 def _variant_choice(K) -> None:
