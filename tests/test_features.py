@@ -136,6 +136,7 @@ def test_gpu_path_selects_features_of_collections_and_dense_stores(
     # columns): each run's panel columns copied out of its stored rows on the device
     half = tmp_path / "half.zarr"
     zarr.save_array(str(half), np.arange(N_OBS * 30, dtype=np.float16).reshape(N_OBS, 30))
+    one_cube = dz.open_dataset(cube)
     unlike_dense = (
         dz.Collection([dz.open_dataset(cube, features=c) for c in ([29, 3], [3, 29])]),
         dz.Subset(
@@ -143,6 +144,7 @@ def test_gpu_path_selects_features_of_collections_and_dense_stores(
             np.arange(1, 2 * N_OBS, 3),
         ),
         dz.Collection([dz.open_dataset(cube), dz.open_dataset(cube, features=np.arange(30)[::-1])]),
+        dz.Collection([dz.FeatureSubset(one_cube, c) for c in ([29, 3], [3, 29])]),  # one store
     )
     for dataset in unlike_dense:
         cpu, gpu = both(dataset, where, return_index=True)
