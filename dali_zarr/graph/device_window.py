@@ -72,19 +72,20 @@ class StoredRows:
     array_of: dict[int, str]  # a store's width -> the slot array its rows go to
     run_at: np.ndarray  # each run's first row in its array
     row_starts: np.ndarray  # each window row's first stored element, from stored0's start
+    row_maps: np.ndarray  # each window row's map offset in the panel table
     offset: int  # stored0's byte offset in the slot
     n_elements: int  # from stored0's start to the end of the last array
 
 
 def _dense_panel_slots(
-    runs: list[StoreRun], run_rows: np.ndarray, n_kept: int, dtype: np.dtype
+    run_rows: np.ndarray, run_maps: np.ndarray, widths: np.ndarray, n_kept: int, dtype: np.dtype
 ) -> tuple[Slots, int, StoredRows]:
     """A dense panel window's slot: ``values`` (the panel's columns, what the graph reads)
-    and the stored rows (:class:`StoredRows`)."""
-    widths = np.array([run.store.n_features for run in runs], dtype=np.int64)
+    and the stored rows (:class:`StoredRows`), from each run's rows, panel map offset and
+    stored width (:meth:`PanelMaps.of_runs`)."""
     array_of: dict[int, str] = {}
     rows_of: dict[int, int] = {}
-    run_at = np.empty(len(runs), dtype=np.int64)
+    run_at = np.empty(len(run_rows), dtype=np.int64)
     for i, width in enumerate(widths.tolist()):  # per run (a window has tens), not per row
         array_of.setdefault(width, f"stored{len(array_of)}")
         run_at[i] = rows_of.get(width, 0)
@@ -97,11 +98,13 @@ def _dense_panel_slots(
     first = at.get("stored0", 0)  # none: a window of no rows
     array_start = [(at[array_of[w]] - first) // dtype.itemsize for w in widths.tolist()]
     run_start = np.array(array_start, dtype=np.int64) + run_at * widths
-    within = concat_aranges(np.zeros(len(runs), dtype=np.int64), run_rows)
+    within = concat_aranges(np.zeros(len(run_rows), dtype=np.int64), run_rows)
     row_starts = np.repeat(run_start, run_rows) + within * np.repeat(widths, run_rows)
+    row_maps = np.repeat(run_maps, run_rows)
     _, last_shape, _, last = slots[-1]
     n_elements = (last - first) // dtype.itemsize + math.prod(last_shape)
-    return slots, nbytes, StoredRows(array_of, run_at, row_starts, first, n_elements)
+    stored = StoredRows(array_of, run_at, row_starts, row_maps, first, n_elements)
+    return slots, nbytes, stored
 
 
 def _group_by_store(runs: list[StoreRun]) -> list[tuple[Dataset, list[int], np.ndarray]]:
@@ -206,13 +209,10 @@ class DeviceWindowReader:
         self.backend = backend
         self.dtype = window_dtype(dataset.layout, dataset.dtype)
         self.index_dtype = np.dtype(dataset.index_dtype)
-        self.panel_maps: PanelMaps | None = None
         pairs = dataset.store_columns()
-        self.stores = self._planned_stores(
-            panels=pairs is not None and any(c is not None for _, c in pairs)
-        )
-        if self.stores is not None and pairs is not None:
-            self.panel_maps = panel_selection(pairs, dataset.layout, dataset.n_features)
+        maps = None if pairs is None else panel_selection(pairs, dataset.layout, dataset.n_features)
+        self.stores = self._planned_stores(panels=maps is not None)
+        self.panel_maps: PanelMaps | None = None if self.stores is None else maps
         #: CSR output of a panel: rows cut to their kept entries as each window is read
         self.cuts_rows = output == "csr" and self.panel_maps is not None
         self._device_maps = (
@@ -271,8 +271,9 @@ class DeviceWindowReader:
                 ("indptr", (n_rows + 1,), np.dtype(np.int64)),
             ]
         elif self.panel_maps is not None:  # the stored rows, read before their panel columns
+            run_maps, widths = self.panel_maps.of_runs(runs)
             slots, nbytes, stored = _dense_panel_slots(
-                runs, run_rows, self.dataset.n_features, self.dtype
+                run_rows, run_maps, widths, self.dataset.n_features, self.dtype
             )
             return WindowLayout(slots, nbytes, runs, run_starts, None, by_store, stored)
         else:
@@ -298,16 +299,14 @@ class DeviceWindowReader:
                 else:
                     self._check_indices(views["indices"], window)
             arrays = (views["data"], views["indices"], views["indptr"])
-        elif self.panel_maps is None:
-            self._read_runs(window, views)
-            arrays = (views["values"],)
-        else:  # the stored rows, then each row's panel columns out of them
+        else:
             self._read_runs(window, views)
             stored = window.stored
-            assert stored is not None
-            flat = be.view(buf, stored.offset, (stored.n_elements,), self.dtype)
-            row_maps, _ = self.panel_maps.of_rows(window.runs, window.run_starts)
-            be.select_columns(views["values"], flat, stored.row_starts, row_maps, self._device_maps)
+            if stored is not None:  # a panel: each row's columns out of its stored row
+                flat = be.view(buf, stored.offset, (stored.n_elements,), self.dtype)
+                be.select_columns(
+                    views["values"], flat, stored.row_starts, stored.row_maps, self._device_maps
+                )
             arrays = (views["values"],)
         be.finish()
         return arrays, host_indptr
@@ -327,9 +326,10 @@ class DeviceWindowReader:
             if csr:  # rows -> elements of data/indices
                 ranges = store.indptr[ranges]
                 starts, stops = window.host_indptr[starts], window.host_indptr[stops]
-            elif stored is not None:  # rows of the store's own width, in its own array
-                starts, stops = stored.run_at[members], stored.run_at[members] + stops - starts
-            pieces = None if whole else (starts, stops - starts)
+            lengths = stops - starts
+            if stored is not None:  # rows of the store's own width, in its own array
+                starts = stored.run_at[members]
+            pieces = None if whole else (starts, lengths)
             for name, reader in _store_arrays(store):
                 if stored is not None:
                     name = stored.array_of[store.n_features]
