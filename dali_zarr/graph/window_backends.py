@@ -237,43 +237,41 @@ class CudaBackend(_Backend):
             self.cp.cuda.runtime.deviceSynchronize()
         return out
 
-    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+    def _launch(self, fn: Any, blocks: int, threads: int, *args: Any) -> None:
+        """One launch of the window-level kernel ``fn`` on this thread's stream, on our
+        device; host (NumPy) arguments are uploaded first."""
         from numba import cuda
 
         stream = self.executor.stream
         with self.cp.cuda.Device(self.device_id), stream:
-            args = [self.cp.asarray(a) for a in (run_bounds, run_maps, run_widths)]
-            bad = self.cp.zeros(1, dtype=self.cp.int64)
-            blocks = max(1, min(4096, -(-int(run_bounds[-1]) // 256)))
-            kernel = cuda_jit(cuda_kernels.remap_run_columns)
-            kernel[blocks, 256, cuda.external_stream(stream.ptr)](bad, indices, *args, maps)
-            return int(bad.get(stream=stream)[0])  # waits for the kernel
+            args = tuple(self.cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
+            cuda_jit(fn)[blocks, threads, cuda.external_stream(stream.ptr)](*args)
+
+    def _int64s(self, n: int, *, zeroed: bool = False) -> Any:
+        """A device array of ``n`` int64 for a kernel to write (counts, a bad-id flag),
+        zeroed on this thread's stream: the launch that reads it runs there, and a
+        non-blocking stream does not wait for the default one."""
+        with self.cp.cuda.Device(self.device_id), self.executor.stream:
+            return (self.cp.zeros if zeroed else self.cp.empty)(n, dtype=self.cp.int64)
+
+    def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
+        bad = self._int64s(1, zeroed=True)
+        blocks = max(1, min(4096, -(-int(run_bounds[-1]) // 256)))
+        self._launch(cuda_kernels.remap_run_columns, blocks, 256,
+                     bad, indices, run_bounds, run_maps, run_widths, maps)  # fmt: skip
+        return int(bad.get(stream=self.executor.stream)[0])  # waits for the kernel
 
     def keep_panel_rows(self, data, indices, indptr, row_maps, row_widths, maps, n_kept):
-        from numba import cuda
-
-        stream = self.executor.stream
         n_rows = len(indptr) - 1
-        with self.cp.cuda.Device(self.device_id), stream:
-            args = [self.cp.asarray(a) for a in (row_maps, row_widths)]
-            kept = self.cp.empty(n_rows, dtype=self.cp.int64)
-            bad = self.cp.zeros(1, dtype=self.cp.int64)
-            kernel = cuda_jit(cuda_kernels.keep_panel_rows)
-            kernel[_row_blocks(n_rows), ROW_THREADS, cuda.external_stream(stream.ptr)](
-                kept, bad, data, indices, indptr, *args, maps, n_kept
-            )
-            return kept.get(stream=stream), int(bad.get(stream=stream)[0])
+        kept, bad = self._int64s(n_rows), self._int64s(1, zeroed=True)
+        args = (kept, bad, data, indices, indptr, row_maps, row_widths, maps, n_kept)
+        self._launch(cuda_kernels.keep_panel_rows, _row_blocks(n_rows), ROW_THREADS, *args)
+        stream = self.executor.stream
+        return kept.get(stream=stream), int(bad.get(stream=stream)[0])
 
     def select_columns(self, out, values, row_starts, row_maps, maps) -> None:
-        from numba import cuda
-
-        stream = self.executor.stream
-        with self.cp.cuda.Device(self.device_id), stream:
-            args = [self.cp.asarray(a) for a in (row_starts, row_maps)]
-            kernel = cuda_jit(cuda_kernels.select_row_columns)
-            kernel[_row_blocks(out.shape[0]), ROW_THREADS, cuda.external_stream(stream.ptr)](
-                _bits(out), _bits(values), *args, maps
-            )
+        self._launch(cuda_kernels.select_row_columns, _row_blocks(out.shape[0]), ROW_THREADS,
+                     _bits(out), _bits(values), row_starts, row_maps, maps)  # fmt: skip
 
     def minmax(self, values: Any) -> tuple[int, int]:
         with self.cp.cuda.Device(self.device_id), self.executor.stream:
