@@ -407,7 +407,7 @@ def _worker() -> dict:
     def backends_agree(bad_at):
         indices = csr[1].copy()
         if bad_at is not None:
-            indices[bad_at] = 12  # past every width but one: run 1 (width 5) holds it
+            indices[bad_at] = 12  # at or past every map's width (the widest is 12)
         both = []
         for be in (backend, host_backend):
             ids = indices.copy()
@@ -417,7 +417,12 @@ def _worker() -> dict:
             both.append((bad, ids, bad_row, None if bad_row else (kept, data, cut)))
         (bad, ids, bad_row, rows), (want_bad, want_ids, want_row, want_rows) = both
         assert (bad, bad_row) == (want_bad, want_row), (bad, bad_row, want_bad, want_row)
-        assert (bad > 0) == (bad_at is not None)
+        if bad_at is None:
+            assert bad == bad_row == 0
+        else:  # 1 + the run and 1 + the row holding it
+            row = int(np.searchsorted(indptr, bad_at, side="right")) - 1
+            assert bad_row == row + 1
+            assert bad == int(np.searchsorted(run_rows, row, side="right"))
         if not bad:
             eq(ids, want_ids)
             for got, want in zip(rows, want_rows, strict=True):
