@@ -410,9 +410,9 @@ def ceiling_kvikio(store: str) -> float | None:
         import kvikio
     except ImportError:
         return None
-    from dali_zarr.io.gpu import KVIKIO_THREADS, kvikio_threads
+    from dali_zarr.io.gpu import kvikio_pool_size, kvikio_threads
 
-    kvikio_threads(KVIKIO_THREADS)  # the pool size the GPU path asks for (kvikio's default: 1)
+    kvikio_threads(kvikio_pool_size())  # the pool size the GPU path asks for (kvikio's default: 1)
     files = store_files(store)
     sizes = [os.path.getsize(p) for p in files]
     buf = cupy.empty(max(sizes), dtype=cupy.uint8)

@@ -13,7 +13,13 @@ from typing import Literal, TypeAlias
 
 from dali_zarr.errors import ConfigError
 
-__all__ = ["DistInfo", "broadcast_seed", "resolve_rank_world", "torch_dist_initialized"]
+__all__ = [
+    "DistInfo",
+    "broadcast_seed",
+    "cpu_share",
+    "resolve_rank_world",
+    "torch_dist_initialized",
+]
 
 DistInfo: TypeAlias = Literal["torch", "jax", "env"] | Callable[[], tuple[int, int]]
 
@@ -132,3 +138,36 @@ def broadcast_seed(seed: int) -> int:
     box: list[object] = [int(seed)]
     dist.broadcast_object_list(box, src=0)
     return int(box[0])  # type: ignore[call-overload]
+
+
+def _local_ranks() -> int:
+    """Processes of this job on this node, from the launcher's variables (1 when unknown)."""
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        raw = os.environ.get(name, "")
+        try:
+            n = int(raw.split("(")[0])  # SLURM may write "4(x2)": 4 tasks on each of 2 nodes
+        except ValueError:
+            continue
+        if n >= 1:
+            return n
+    return 1
+
+
+def cpu_share() -> int:
+    """CPU cores this process may count on for its I/O threads (at least 1).
+
+    ``os.cpu_count()`` is the node's count, but torchrun starts one process per GPU and each
+    would size its pools for the whole node (8 ranks x 8 readers x 16 kvikio threads on a
+    32-core node). The cores this process may run on (its affinity: what SLURM's or
+    taskset's binding left it) are split between the node's ranks (torchrun's
+    ``LOCAL_WORLD_SIZE``, SLURM's ``SLURM_NTASKS_PER_NODE``), unless a binding already gave
+    it fewer cores than the node has, which is that split made by the launcher.
+    """
+    node = os.cpu_count() or 1
+    try:
+        mine = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        mine = node
+    if mine < node:
+        return max(1, mine)
+    return max(1, mine // _local_ranks())

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
+import shutil
+import subprocess
 import sys
 import time
 
@@ -12,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dali_zarr.distributed import broadcast_seed, resolve_rank_world
+from dali_zarr.distributed import broadcast_seed, cpu_share, resolve_rank_world
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning import (
     ChunkSampler,
@@ -336,6 +339,42 @@ def test_dist_info_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
         resolve_rank_world("env")
+
+
+def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    assert cpu_share() == 64  # one process: the whole node
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")  # 4 tasks on each of 2 nodes
+    assert cpu_share() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's count wins
+    assert cpu_share() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")  # unreadable: the next variable
+    assert cpu_share() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "128")  # more ranks than cores: still one each
+    assert cpu_share() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    # a launcher that bound this rank to 6 cores has made the split already
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
+    assert cpu_share() == 6
+
+
+def test_cpu_share_follows_the_real_affinity() -> None:
+    """Under ``taskset -c 0`` the process may run on one core, whatever the node has."""
+    if shutil.which("taskset") is None:
+        pytest.skip("taskset (util-linux) is not installed")
+    code = "from dali_zarr.distributed import cpu_share; print(cpu_share())"
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+    pinned = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], env=env,
+                            capture_output=True, text=True, check=True)  # fmt: skip
+    assert pinned.stdout.strip() == "1"
+    free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**env, "LOCAL_WORLD_SIZE": "2"}, check=True)  # fmt: skip
+    mine = len(os.sched_getaffinity(0))
+    split = mine if mine < (os.cpu_count() or 1) else max(1, mine // 2)  # bound: split made
+    assert free.stdout.strip() == str(split)
 
 
 def test_dist_info_torch_not_initialized() -> None:

@@ -49,6 +49,7 @@ from typing import Any
 import numcodecs
 import numpy as np
 
+from ..distributed import cpu_share
 from ..errors import ChunkReadError, ConfigError
 from ..planning.partition import run_offsets, split_at_chunks
 from . import nvcomp_batched
@@ -145,8 +146,15 @@ EXTENT_FIELDS = np.dtype(
         ("count", "<i8"),
     ]
 )
-#: kvikio thread pool size the GPU path asks for (unless the user set KVIKIO_N[UM_]THREADS)
-KVIKIO_THREADS = min(16, os.cpu_count() or 1)
+
+
+def kvikio_pool_size() -> int:
+    """kvikio thread pool size the GPU path asks for (unless the user set
+    ``KVIKIO_N[UM_]THREADS``): a thread per core of this rank's share of the node
+    (:func:`~dali_zarr.distributed.cpu_share`), at most 16."""
+    return min(16, cpu_share())
+
+
 #: a run of adjacent chunks is cut into reads of about this many bytes, so that a window's
 #: reads still spread over a thread pool (kvikio splits each read into its own tasks too)
 MAX_EXTENT = 16 << 20
@@ -832,7 +840,7 @@ class GpuPlanExecutor:
         self.reads = read_method(self.support)
         self._kvikio = importlib.import_module("kvikio") if self.reads == "kvikio" else None
         if self._kvikio is not None:
-            kvikio_threads(KVIKIO_THREADS)
+            kvikio_threads(kvikio_pool_size())
         self._nvcomp = importlib.import_module("nvidia.nvcomp") if self.support.nvcomp else None
         self._codecs: dict[str, Any] = {}
         # experimental: nvCOMP's C API instead of its Python codecs (see nvcomp_batched)

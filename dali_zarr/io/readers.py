@@ -54,6 +54,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..distributed import cpu_share
 from ..errors import ChunkReadError, DatasetError
 from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
 from .codecs import ChunkDecoder, DecodeError, verify_crc32c
@@ -111,11 +112,13 @@ _default_pool_lock = threading.Lock()
 
 
 def default_executor() -> concurrent.futures.ThreadPoolExecutor:
-    """The module-level pool used when a reader gets no executor: min(8, 2*cpus) threads."""
+    """The module-level pool used when a reader gets no executor: ``min(8, 2 * cores)``
+    threads, over this process's share of the node's cores (:func:`cpu_share`: the
+    ranks on a node split it), twice as many as cores because reads wait on the disk."""
     global _default_pool
     with _default_pool_lock:
         if _default_pool is None:
-            n = min(8, 2 * (os.cpu_count() or 1))
+            n = min(8, 2 * cpu_share())
             _default_pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=n, thread_name_prefix="dali_zarr_io"
             )
