@@ -70,13 +70,16 @@ def log(msg: str) -> None:
 
 
 def find_python312(explicit: str | None) -> str | None:
+    """``explicit``, else the first Python 3.12 that runs: ``python3.12`` on PATH, then
+    pyenv's. A pyenv shim is on PATH whether or not its version is active, and an inactive
+    one exits with 127, so each candidate is run once before it is chosen."""
     if explicit:
         return explicit
-    found = shutil.which("python3.12")
-    if found:
-        return found
     pyenv = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.12*/bin/python")))
-    return pyenv[-1] if pyenv else None
+    for candidate in [shutil.which("python3.12"), *reversed(pyenv)]:
+        if candidate and subprocess.run([candidate, "-c", ""], capture_output=True).returncode == 0:
+            return candidate
+    return None
 
 
 def env_versions(python: str, packages: list[str]) -> dict[str, str] | None:
