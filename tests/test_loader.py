@@ -348,6 +348,37 @@ def test_bad_column_ids_are_refused(tmp_path: Path) -> None:
             pass
 
 
+@pytest.mark.parametrize(
+    ("shard_chunks", "force_zarr", "where"),
+    [
+        (None, False, r"chunk 'c/3' \(.*X/indices/c/3\)"),
+        (2, False, r"inner chunk \(1,\) \(array chunk \(3,\)\) of shard 'c/1'"),
+        (None, True, r"chunk \(3,\) of .*X/indices"),
+    ],
+    ids=["direct", "direct-sharded", "zarr-fallback"],
+)
+def test_a_bad_column_id_is_named_by_element_row_and_chunk(
+    tmp_path: Path, shard_chunks: int | None, force_zarr: bool, where: str
+) -> None:
+    """One id past the matrix's width: the error points at it (element, row, chunk)."""
+    path = synthetic.make_single_cell(
+        tmp_path / "one_bad.zarr", n_obs=300, n_features=40, density=0.2,
+        chunk_elements=256, shard_chunks=shard_chunks,
+    )  # fmt: skip
+    group = zarr.open_group(path, mode="r+")
+    indptr = group["X/indptr"][:]
+    row = int(np.searchsorted(indptr, 3 * 256 + 10, side="right")) - 1  # a row in chunk 3
+    element = int(indptr[row])
+    assert element // 256 == 3 and indptr[row + 1] > element
+    group["X/indices"][element] = 40
+    ds = dz.open_dataset(path, force_zarr=force_zarr)
+    assert ds.read_paths()["one_bad.zarr/X/indices"].startswith("zarr" if force_zarr else "direct")
+    message = rf"column index 40 is outside \[0, 40\): element {element:,} \(row {row:,} of "
+    with pytest.raises(dz.DatasetError, match=message + rf".*X\), in {where}"):
+        for _ in dz.Loader(ds, sampler(chunk_size=32, batch_size=64)):
+            pass
+
+
 def test_csc_store_refused(tmp_path: Path) -> None:
     import anndata as ad
 

@@ -303,23 +303,32 @@ class CsrDataset(_StoreDataset):
         indptr = sub_indptr(self.indptr, ranges_to_rows(ranges))
         data = self.data_reader.read_rows(element_ranges)
         indices = self.indices_reader.read_rows(element_ranges)
-        self._check_indices(indices, ranges)
+        self.check_indices(indices, ranges)
         return CsrRows(data, indices, indptr)
 
-    def _check_indices(self, indices: np.ndarray, ranges: np.ndarray) -> None:
-        """Out-of-range column ids would be written out of bounds by densify: refuse them."""
-        if len(indices):
-            self.check_index_range(int(indices.min()), int(indices.max()), ranges)
+    def check_indices(self, indices: np.ndarray, ranges: np.ndarray) -> None:
+        """Refuse column ids outside the matrix, which densify would write out of bounds.
 
-    def check_index_range(self, low: int, high: int, ranges: np.ndarray) -> None:
-        """Refuse column ids in [low, high] outside the matrix (read from rows ``ranges``)."""
+        ``indices``: the ids of rows ``ranges`` end to end, as read (on the host). The error
+        names the first bad id's element, row and chunk of ``X/indices``.
+        """
         n = self.feature_shape[0]
-        if low < 0 or high >= n:
-            raise DatasetError(
-                f"{self.indices_reader.name}: column index {high if high >= n else low} is outside "
-                f"[0, {n}) in rows of ranges {ranges[:4].tolist()}...; "
-                "the store is corrupted or its 'shape' attribute is wrong."
-            )
+        if not len(indices) or (int(indices.min()) >= 0 and int(indices.max()) < n):
+            return
+        at = int(np.flatnonzero((indices < 0) | (indices >= n))[0])
+        elements = self.indptr[np.asarray(ranges, dtype=np.int64).reshape(-1, 2)]
+        starts = run_offsets(elements[:, 1] - elements[:, 0])
+        r = int(np.searchsorted(starts, at, side="right")) - 1  # the range holding it
+        element = int(elements[r, 0] + at - starts[r])
+        row = int(np.searchsorted(self.indptr, element, side="right")) - 1
+        reader = self.indices_reader
+        where = reader.chunk_where((element // reader.rows_per_chunk,))
+        raise DatasetError(
+            f"{reader.name}: column index {int(indices[at])} is outside [0, {n}): element "
+            f"{element:,} (row {row:,} of {self.name}), in {where}. The store is corrupted, "
+            "or its 'shape' attribute is wrong: re-write X, or set 'shape' to the matrix's "
+            "real width."
+        )
 
     def read_paths(self) -> dict[str, str]:
         return {r.name: _describe(r) for r in (self.data_reader, self.indices_reader)}

@@ -375,7 +375,7 @@ class DeviceWindowReader:
         bounds = window.host_indptr[window.run_starts]
         for run, a, b in zip(window.runs, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
             if b > a:
-                run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
+                run.store.check_indices(self.backend.to_host(indices[a:b]), run.ranges)
         raise DatasetError(  # not reached: some run holds the bad id
             f"{self.dataset.name}: column index outside [0, {self.stored_width})"
         )
@@ -400,8 +400,8 @@ class DeviceWindowReader:
         (ids mapped or moved before it are below that width, so the bad one shows)."""
         bounds = window.host_indptr[window.run_starts]
         run, a, b = window.runs[i], int(bounds[i]), int(bounds[i + 1])
-        run.store.check_index_range(*self.backend.minmax(indices[a:b]), run.ranges)
-        raise DatasetError(  # not reached: check_index_range raises
+        run.store.check_indices(self.backend.to_host(indices[a:b]), run.ranges)
+        raise DatasetError(  # not reached: check_indices raises
             f"{run.store.name}: column index outside [0, {run.store.n_features})"
         )
 

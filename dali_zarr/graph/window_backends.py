@@ -74,6 +74,10 @@ class _Backend:
         """A device copy of ``host``, made once (a table the kernels read every window)."""
         raise NotImplementedError
 
+    def to_host(self, values: Any) -> np.ndarray:
+        """A host copy of ``values`` (a few ids an error names: not for the hot path)."""
+        raise NotImplementedError
+
     def remap_columns(self, indices: Any, run_bounds: np.ndarray, run_maps: np.ndarray,
                       run_widths: np.ndarray, maps: Any) -> int:  # fmt: skip
         """Map each run's column ids through its panel map, in place (the contract of
@@ -141,6 +145,9 @@ class HostBackend(_Backend):
 
     def to_device(self, host: np.ndarray) -> np.ndarray:
         return np.array(host)
+
+    def to_host(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(values)
 
     def remap_columns(self, indices, run_bounds, run_maps, run_widths, maps) -> int:
         remap = kernels.host_kernel(kernels._remap_run_columns)
@@ -236,6 +243,10 @@ class CudaBackend(_Backend):
             out = self.cp.asarray(host)
             self.cp.cuda.runtime.deviceSynchronize()
         return out
+
+    def to_host(self, values: Any) -> np.ndarray:
+        with self.cp.cuda.Device(self.device_id):
+            return values.get(stream=self.executor.stream)  # waits for the stream
 
     def _launch(self, fn: Any, blocks: int, threads: int, *args: Any) -> None:
         """One launch of the window-level kernel ``fn`` on this thread's stream, on our

@@ -104,6 +104,8 @@ class ArrayReader(Protocol):
 
     def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray: ...
 
+    def chunk_where(self, coords: tuple[int, ...]) -> str: ...
+
 
 # ---------------------------------------------------------------------------- executor
 
@@ -520,20 +522,20 @@ class DirectReader:
     def _file(self, key: str) -> str:
         return os.path.join(self.directory, key)
 
-    def _error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
+    def chunk_where(self, coords: tuple[int, ...]) -> str:
+        """Where chunk ``coords`` is stored: its key and file (in a shard: the shard's)."""
         lay = self.layout
         if lay.shard is None:
             key = lay.key(coords)
-            where = f"chunk {key!r} ({self._file(key)})"
-        else:
-            cps = lay.shard.chunks_per_shard
-            shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
-            inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
-            key = lay.key(shard)
-            where = (
-                f"inner chunk {inner} (array chunk {coords}) of shard {key!r} ({self._file(key)})"
-            )
-        return ChunkReadError(f"{self.name}: {where}: {problem}. {_ADVICE}")
+            return f"chunk {key!r} ({self._file(key)})"
+        cps = lay.shard.chunks_per_shard
+        shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
+        inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
+        key = lay.key(shard)
+        return f"inner chunk {inner} (array chunk {coords}) of shard {key!r} ({self._file(key)})"
+
+    def _error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
+        return ChunkReadError(f"{self.name}: {self.chunk_where(coords)}: {problem}. {_ADVICE}")
 
     def _load_piece(self, piece: _Piece) -> None:
         dec = self._decoder
@@ -716,6 +718,10 @@ class ZarrReader:
 
     def __repr__(self) -> str:
         return f"ZarrReader({self.name!r}, shape={self.shape}, reason={self.reason!r})"
+
+    def chunk_where(self, coords: tuple[int, ...]) -> str:
+        """Chunk ``coords`` as zarr numbers it (the store's keys are zarr's business)."""
+        return f"chunk {tuple(coords)} of {self.name}"
 
     @property
     def executor(self) -> concurrent.futures.Executor:
