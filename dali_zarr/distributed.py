@@ -16,6 +16,7 @@ from dali_zarr.errors import ConfigError
 __all__ = [
     "DistInfo",
     "broadcast_seed",
+    "cgroup_cpus",
     "cpu_share",
     "resolve_rank_world",
     "torch_dist_initialized",
@@ -153,6 +154,30 @@ def _local_ranks() -> int:
     return 1
 
 
+def cgroup_cpus(root: str = "/sys/fs/cgroup") -> int | None:
+    """The CPU quota of this process's container in whole cores (rounded up), or None when
+    it has none: cgroup v2's ``cpu.max`` or v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``.
+
+    Kubernetes and Docker limit a container's CPUs with a quota, not an affinity, so the
+    affinity still shows every core of the host."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        try:
+            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+                quota = f.read().strip()
+            with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+                period = f.read().strip()
+        except OSError:
+            return None
+    try:
+        q, p = int(quota), int(period)  # "max" (v2) or -1 (v1): no quota
+    except ValueError:
+        return None
+    return max(1, -(-q // p)) if q > 0 and p > 0 else None
+
+
 def cpu_share() -> int:
     """CPU cores this process may count on for its I/O threads (at least 1).
 
@@ -161,13 +186,17 @@ def cpu_share() -> int:
     32-core node). The cores this process may run on (its affinity: what SLURM's or
     taskset's binding left it) are split between the node's ranks (torchrun's
     ``LOCAL_WORLD_SIZE``, SLURM's ``SLURM_NTASKS_PER_NODE``), unless a binding already gave
-    it fewer cores than the node has, which is that split made by the launcher.
+    it fewer cores than the node has, which is that split made by the launcher. A
+    container's CPU quota (:func:`cgroup_cpus`) is split between the ranks too.
     """
     node = os.cpu_count() or 1
     try:
         mine = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         mine = node
-    if mine < node:
-        return max(1, mine)
-    return max(1, mine // _local_ranks())
+    ranks = _local_ranks()
+    share = mine if mine < node else mine // ranks
+    quota = cgroup_cpus()
+    if quota is not None:
+        share = min(share, quota // ranks)
+    return max(1, share)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dali_zarr.distributed import broadcast_seed, cpu_share, resolve_rank_world
+from dali_zarr.distributed import broadcast_seed, cgroup_cpus, cpu_share, resolve_rank_world
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning import (
     ChunkSampler,
@@ -346,6 +346,7 @@ def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyP
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 64)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr("dali_zarr.distributed.cgroup_cpus", lambda: None)
     assert cpu_share() == 64  # one process: the whole node
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")  # 4 tasks on each of 2 nodes
     assert cpu_share() == 16
@@ -359,6 +360,29 @@ def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyP
     # a launcher that bound this rank to 6 cores has made the split already
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
     assert cpu_share() == 6
+    # a container with a quota of 16 cores on this 64-core host: 2 each for 8 ranks
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr("dali_zarr.distributed.cgroup_cpus", lambda: 16)
+    assert cpu_share() == 2
+
+
+@pytest.mark.parametrize(
+    ("files", "cores"),
+    [
+        ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no quota
+        ({"cpu.max": "250000 100000\n"}, 3),  # 2.5 cores: 3 threads' worth
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1
+        ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4),
+        ({"cpu.max": "garbled"}, None),
+        ({}, None),  # no cgroup files at all
+    ],
+    ids=["v2-none", "v2-quota", "v1-none", "v1-quota", "garbled", "absent"],
+)
+def test_cgroup_cpus_reads_a_containers_quota(tmp_path, files: dict, cores: int | None) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpus(str(tmp_path)) == cores
 
 
 def test_cpu_share_follows_the_real_affinity() -> None:
@@ -373,8 +397,9 @@ def test_cpu_share_follows_the_real_affinity() -> None:
     free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**env, "LOCAL_WORLD_SIZE": "2"}, check=True)  # fmt: skip
     mine = len(os.sched_getaffinity(0))
-    split = mine if mine < (os.cpu_count() or 1) else max(1, mine // 2)  # bound: split made
-    assert free.stdout.strip() == str(split)
+    split = mine if mine < (os.cpu_count() or 1) else mine // 2  # bound: split made
+    quota = cgroup_cpus()  # this machine's container quota, if it has one
+    assert free.stdout.strip() == str(max(1, min(split, quota // 2 if quota else split)))
 
 
 def test_dist_info_torch_not_initialized() -> None:
