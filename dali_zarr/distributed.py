@@ -143,10 +143,10 @@ def broadcast_seed(seed: int) -> int:
 
 def _local_ranks() -> int:
     """Processes of this job on this node, from the launcher's variables (1 when unknown)."""
-    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         raw = os.environ.get(name, "")
-        try:
-            n = int(raw.split("(")[0])  # SLURM may write "4(x2)": 4 tasks on each of 2 nodes
+        try:  # SLURM_TASKS_PER_NODE reads "4(x2),3": 4 tasks on each of 2 nodes, 3 on one
+            n = int(raw.split(",")[0].split("(")[0])
         except ValueError:
             continue
         if n >= 1:
@@ -185,7 +185,8 @@ def cpu_share() -> int:
     would size its pools for the whole node (8 ranks x 8 readers x 16 kvikio threads on a
     32-core node). The cores this process may run on (its affinity: what SLURM's or
     taskset's binding left it) are split between the node's ranks (torchrun's
-    ``LOCAL_WORLD_SIZE``, SLURM's ``SLURM_NTASKS_PER_NODE``), unless a binding already gave
+    ``LOCAL_WORLD_SIZE``, or SLURM's ``SLURM_NTASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``,
+    whose first node's count stands for this one's), unless a binding already gave
     it fewer cores than the node has, which is that split made by the launcher. A
     container's CPU quota (:func:`cgroup_cpus`) is split between the ranks too.
     """

@@ -342,14 +342,17 @@ def test_dist_info_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 64)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
     monkeypatch.setattr("dali_zarr.distributed.cgroup_cpus", lambda: None)
     assert cpu_share() == 64  # one process: the whole node
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")  # 4 tasks on each of 2 nodes
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2),2")  # 4 tasks on 2 nodes, 2 on one
     assert cpu_share() == 16
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")  # srun --ntasks-per-node: wins
+    assert cpu_share() == 32
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun's count wins
     assert cpu_share() == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "x")  # unreadable: the next variable
