@@ -337,6 +337,38 @@ def test_open_dataset_errors(tmp_path: Path, sc_store: Path) -> None:
         dz.Loader(dz.open_dataset(sc_store), sampler(), obs=["nope"])
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["csr-X", "dense-X"])
+def test_obs_columns_that_cannot_be_batched_are_named_in_obs(tmp_path: Path, dense: bool) -> None:
+    """Text, missing values and a wrong length fail naming ``<store>/obs/<column>`` (not a
+    path under ``X``), whichever way X is stored."""
+    import anndata as ad
+    import pandas as pd
+
+    n = 40
+    obs = pd.DataFrame(
+        {
+            "donor": [f"d{i}" for i in range(n)],  # unique text: anndata keeps it text
+            "age": pd.array([None, *range(1, n)], dtype="Int32"),  # one missing value
+            "dose": np.arange(n, dtype=np.int64),
+        },
+        index=[f"c{i}" for i in range(n)],
+    )
+    x = sp.random(n, 12, density=0.3, format="csr", dtype=np.float32, random_state=0)
+    ad.AnnData(X=x.toarray() if dense else x, obs=obs).write_zarr(tmp_path / "o.zarr")
+    zarr.open_array(tmp_path / "o.zarr" / "obs" / "dose", mode="r+").resize((n - 1,))
+    zarr.consolidate_metadata(tmp_path / "o.zarr")  # anndata's consolidated copy too
+    ds = dz.open_dataset(tmp_path / "o.zarr")
+    problems = {
+        "donor": r"o.zarr/obs/donor: encoding 'string-array' cannot ride in a batch tensor",
+        "age": r"o.zarr/obs/age: 1 missing values in a nullable column",
+        "dose": r"o.zarr/obs/dose: has 39 values for 40 observations",
+        "nope": r"o.zarr/obs: no column 'nope'; available columns: age, donor, dose",
+    }
+    for column, message in problems.items():
+        with pytest.raises(dz.DatasetError, match=message):
+            dz.Loader(ds, sampler(), obs=[column])
+
+
 def test_bad_column_ids_are_refused(tmp_path: Path) -> None:
     """indices beyond the declared width would be written out of bounds: refuse loudly."""
     path = Path(synthetic.make_single_cell(tmp_path / "w.zarr", n_obs=200, n_features=50))

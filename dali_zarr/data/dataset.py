@@ -157,8 +157,17 @@ class Dataset(ABC):
 class _StoreDataset(Dataset):
     """A single store: holds its obs and var groups (if any) and caches loaded columns."""
 
-    def __init__(self, name: str, obs: zarr.Group | None, var: zarr.Group | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        obs: zarr.Group | None,
+        var: zarr.Group | None = None,
+        *,
+        store: str | None = None,
+    ) -> None:
         self.name = name
+        #: where obs lives, for messages: the store's name (``name`` may end in X's key)
+        self.obs_name = f"{store or name}/obs"
         self._obs = obs
         self._var = var
         self._var_names: tuple[str, ...] | None = None
@@ -193,10 +202,10 @@ class _StoreDataset(Dataset):
                     f"{self.name}: has no obs dataframe, so obs column {name!r} cannot be "
                     "loaded; open an AnnData store or drop obs=[...]."
                 )
-            column = read_obs_column(self._obs, name, dataset=self.name)
+            column = read_obs_column(self._obs, name, where=self.obs_name)
             if len(column.values) != self.n_obs:
                 raise DatasetError(
-                    f"{self.name}/obs/{name}: has {len(column.values)} values for "
+                    f"{self.obs_name}/{name}: has {len(column.values)} values for "
                     f"{self.n_obs} observations; the store is inconsistent."
                 )
             self._columns[name] = column
@@ -215,8 +224,9 @@ class DenseDataset(_StoreDataset):
         name: str,
         obs: zarr.Group | None = None,
         var: zarr.Group | None = None,
+        store: str | None = None,
     ) -> None:
-        super().__init__(name, obs, var)
+        super().__init__(name, obs, var, store=store)
         if len(reader.shape) < 1:
             raise DatasetError(f"{name}: a 0-d array holds no observations.")
         if reader.dtype.kind not in "biuf":
@@ -250,8 +260,9 @@ class CsrDataset(_StoreDataset):
         executor: Executor | None,
         force_zarr: bool,
         var: zarr.Group | None = None,
+        store: str | None = None,
     ) -> None:
-        super().__init__(name, obs, var)
+        super().__init__(name, obs, var, store=store)
         for key in ("data", "indices", "indptr"):
             if key not in group or not isinstance(group[key], zarr.Array):
                 raise DatasetError(
@@ -538,8 +549,11 @@ def _open_one(
     var = var if isinstance(var, zarr.Group) else None
     if matrix_layout(x, where=x_name) == "dense":
         reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
-        return DenseDataset(reader, name=name if x_key == "X" else x_name, obs=obs, var=var)
-    return CsrDataset(x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr)
+        x_name = name if x_key == "X" else x_name
+        return DenseDataset(reader, name=x_name, obs=obs, var=var, store=name)
+    return CsrDataset(
+        x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr, store=name
+    )
 
 
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:

@@ -35,14 +35,15 @@ def _text(values: np.ndarray) -> tuple[str, ...]:
     return tuple(str(v) for v in np.asarray(values).tolist())
 
 
-def read_obs_column(obs: zarr.Group, column: str, *, dataset: str) -> ObsColumn:
-    """Read one column of an AnnData ``obs`` dataframe group (anndata >= 0.8 encodings)."""
-    where = f"{dataset}/obs/{column}"
+def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
+    """Read one column of an AnnData ``obs`` dataframe group (anndata >= 0.8 encodings);
+    ``where`` names the group in messages (``cells.zarr/obs``)."""
     if column not in obs:
         available = ", ".join(sorted(k for k in obs if k != obs.attrs.get("_index")))
         raise DatasetError(
-            f"{dataset}: obs has no column {column!r}; available columns: {available or 'none'}."
+            f"{where}: no column {column!r}; available columns: {available or 'none'}."
         )
+    where = f"{where}/{column}"
     node = obs[column]
     encoding = node.attrs.get("encoding-type", "array")
     if encoding == "categorical":
