@@ -1,0 +1,117 @@
+"""Stores written by anndata 0.13 (Python 3.12), read by dali_zarr.
+
+anndata 0.13 needs Python 3.12 and this suite runs on 3.11 with anndata 0.12, so the stores
+are written in a second interpreter, ``.venv-anndata013``: ``scripts/test.sh`` makes it with
+``scripts/anndata013_env.sh`` where a Python 3.12 is installed (``DZ_ANNDATA013_PYTHON``
+names another). Written with anndata 0.13's defaults (zarr v3, sharded, zstd; nullable
+string obs columns), with zarr v2, and with small chunks and shards and column ids in the
+narrowest dtype (``uint8`` here): the layouts annbatch's users have on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dali_zarr as dz
+from dali_zarr.graph.window_backends import HostBackend
+
+ROOT = Path(__file__).resolve().parents[1]
+STORES = ["default_csr", "default_dense", "csr_v2", "csr_small_chunks", "dense_small_chunks"]
+OBS = ["cell_type", "n_genes", "score", "is_doublet", "plate"]
+
+
+def writer_python() -> str | None:
+    explicit = os.environ.get("DZ_ANNDATA013_PYTHON")
+    default = ROOT / ".venv-anndata013" / "bin" / "python"
+    return explicit or (str(default) if default.exists() else None)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> tuple[Path, dict]:
+    python = writer_python()
+    if python is None:
+        pytest.skip(
+            "no anndata 0.13 interpreter: scripts/anndata013_env.sh makes .venv-anndata013 where a "
+            "Python 3.12 is installed (or set DZ_ANNDATA013_PYTHON)"
+        )
+    out = tmp_path_factory.mktemp("anndata013")
+    done = subprocess.run(
+        [python, str(ROOT / "tests" / "anndata013_writer.py"), str(out)],
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    versions = json.loads(done.stdout.strip().splitlines()[-1])
+    assert versions["anndata"].startswith("0.13."), versions
+    return out, dict(np.load(out / "reference.npz"))
+
+
+def read_all(loader: dz.Loader) -> dict[str, np.ndarray]:
+    """One epoch of ``loader``, its batches put back in row order by ``index``."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for batch in loader:
+        for name, value in batch.items():
+            parts.setdefault(name, []).append(value.numpy())
+    joined = {name: np.concatenate(values) for name, values in parts.items()}
+    order = np.argsort(joined["index"])
+    assert np.array_equal(joined["index"][order], np.arange(len(order)))  # each row once
+    return {name: values[order] for name, values in joined.items()}
+
+
+def one_epoch_sampler() -> dz.ChunkSampler:
+    return dz.ChunkSampler(chunk_size=40, preload_nchunks=3, batch_size=64, seed=5, drop_last=False)
+
+
+@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize(
+    ("element", "key"),
+    [(None, "X"), ("layers/counts", "counts"), ("raw/X", "X"), ("obsm/X_pca", "X_pca")],
+    ids=["X", "layers", "raw", "obsm"],
+)
+def test_every_row_and_obs_value_as_anndata_013_wrote_them(written, store, element, key):
+    out, ref = written
+    ds = dz.open_dataset(out / f"{store}.zarr", element=element)
+    with dz.Loader(ds, one_epoch_sampler(), obs=OBS, return_index=True) as loader:
+        got = read_all(loader)
+    np.testing.assert_array_equal(got["X"], ref[key].astype(np.float32))
+    categories = np.array(loader.categories("cell_type"))
+    np.testing.assert_array_equal(
+        categories[got["cell_type"]], ref["cell_type_categories"][ref["cell_type_codes"]]
+    )
+    for name in ("n_genes", "score", "is_doublet", "plate"):
+        np.testing.assert_array_equal(got[name], ref[name])
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_gpu_path_on_the_host_backend_matches_the_cpu_path(written, store):
+    """The GPU path parses the layouts itself (byte plans): same batches as the CPU path."""
+    out, _ = written
+    path = out / f"{store}.zarr"
+    kwargs = dict(obs=["cell_type"], return_index=True)
+    cpu = dz.Loader(dz.open_dataset(path), one_epoch_sampler(), **kwargs)
+    gpu = dz.Loader(
+        dz.open_dataset(path), one_epoch_sampler(), device="gpu", gpu_backend=HostBackend(),
+        **kwargs,
+    )  # fmt: skip
+    assert all("host read" not in p for p in gpu.read_paths().values()), gpu.read_paths()
+    n = 0
+    for a, b in zip(cpu, gpu, strict=True):
+        for name in a:
+            np.testing.assert_array_equal(a[name].numpy(), b[name].numpy(), err_msg=name)
+        n += 1
+    assert n == len(cpu) > 1
+    cpu.close()
+    gpu.close()
+
+
+def test_nullable_string_obs_column_is_refused_by_name(written):
+    """anndata 0.13 writes text as ``nullable-string-array``: say so, and what to do."""
+    out, _ = written
+    ds = dz.open_dataset(out / "default_csr.zarr")
+    with pytest.raises(dz.DatasetError, match=r"default_csr.zarr/obs/barcode: encoding "
+                       r"'nullable-string-array' cannot ride.*categorical"):  # fmt: skip
+        dz.Loader(ds, one_epoch_sampler(), obs=["barcode"])
