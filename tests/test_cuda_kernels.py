@@ -552,6 +552,13 @@ PTX_CASES = [
     ("remap_run_columns", ["i8", "i8", "i8", "i8", "i8", "i8"], [1] * 6),
     ("keep_panel_rows", ["i8", "i8", "f4", "i4", *["i8"] * 5], [1] * 8 + [0]),
     ("keep_panel_rows", ["i8", "i8", "f8", "u4", *["i8"] * 5], [1] * 8 + [0]),
+    # uint8 / uint16 column ids: anndata 0.13 with write_csr_csc_indices_with_min_possible_dtype
+    ("densify_csr_scatter", ["f4", "i8", "f4", "u1", "i8"], [2, 1, 1, 1, 1]),
+    ("shared", ["f4", "i8", "f4", "u2", "i8"], [2, 1, 1, 1, 1]),
+    ("gather_csr_rows", ["f4", "u1", "i8", "u1", "i8", "i8", "f4", "u1", "i8"], _GATHER_NDIMS),
+    ("copy_segments", ["i4", "u2", "i8", "i8", "i8"], [1] * 5),  # beside an int32 store
+    ("remap_run_columns", ["i8", "u1", "i8", "i8", "i8", "i8"], [1] * 6),
+    ("keep_panel_rows", ["i8", "i8", "f4", "u2", *["i8"] * 5], [1] * 8 + [0]),
 ]  # fmt: skip
 
 
