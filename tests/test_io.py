@@ -11,6 +11,7 @@ import os
 import struct
 import threading
 import warnings
+from pathlib import Path
 
 import crc32c
 import numcodecs
@@ -435,8 +436,23 @@ def test_fallback_wraps_zarr_errors(tmp_path):
     arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=ZstdCodec())
     _garble_middle(tmp_path / "a.zarr/c/1")
     reader = open_reader(arr, name="a.zarr/X", force_zarr=True)
-    with pytest.raises(ChunkReadError, match=r"a\.zarr/X.*rows \[1000, 1100\)"):
+    with pytest.raises(ChunkReadError, match=r"a\.zarr/X.*rows \[1000, 1100\) \(chunks 0 to 1 "):
         reader.read_rows(np.array([[1000, 1100]]))
+    with pytest.raises(ChunkReadError, match=r"rows \[1100, 1200\) \(chunk 1 along axis 0"):
+        reader.read_rows(np.array([[1100, 1200]]))
+
+
+def test_a_relative_store_path_survives_a_chdir(tmp_path, monkeypatch):
+    """The reader keeps the directory absolute: after a chdir (Hydra moves each job into its
+    run directory) a relative root would find no chunk files and read fill values."""
+    data = make_data((40, 3), "float32", 8, None)
+    monkeypatch.chdir(tmp_path)
+    arr = write(Path("rel.zarr"), data, chunks=(8, 3), compressors=ZstdCodec())
+    reader = open_reader(arr, name="rel.zarr")
+    assert reader.path == "direct"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    np.testing.assert_array_equal(reader.read_rows(np.array([[5, 30]])), data[5:30])
 
 
 # ---------------------------------------------------------------------------- zstd prefix decode

@@ -369,6 +369,51 @@ def test_obs_columns_that_cannot_be_batched_are_named_in_obs(tmp_path: Path, den
             dz.Loader(ds, sampler(), obs=[column])
 
 
+def test_big_endian_obs_columns_arrive_as_their_values(tmp_path: Path) -> None:
+    """zarr v2 keeps a column's byte order (``>f8``, ``>i8``); DALI and torch read bytes as
+    native, so the loader converts: batches carry the values, not byte-swapped garbage."""
+    write_anndata(tmp_path / "be.zarr", n_obs=90, n_features=20, zarr_format=2)
+    obs = zarr.open_group(tmp_path / "be.zarr" / "obs", mode="r+")
+    depth = np.asarray(obs["depth"][...])
+    for name, values in {
+        "depth": depth.astype(">f8"),
+        "count": np.arange(90, dtype=">i8") * 7,
+    }.items():
+        column = obs.create_array(name, shape=values.shape, dtype=values.dtype, overwrite=True)
+        column[...] = values
+        column.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+    zarr.consolidate_metadata(tmp_path / "be.zarr")  # anndata's consolidated copy too
+    ds = dz.open_dataset(tmp_path / "be.zarr")
+    got = run_epoch(dz.Loader(ds, sampler(), obs=["depth", "count"], return_index=True))
+    np.testing.assert_array_equal(got["depth"], depth[got["index"]])
+    np.testing.assert_array_equal(got["count"], got["index"] * 7)
+
+
+def test_categorical_codes_past_the_categories_are_refused(tmp_path: Path) -> None:
+    """A code with no category would index past the merged category list (or name no
+    label at all): the column is refused at open, naming its codes and the first bad row."""
+    write_anndata(tmp_path / "cat.zarr", n_obs=60, n_features=20, zarr_format=3)
+    codes = zarr.open_array(tmp_path / "cat.zarr" / "obs" / "cell_type" / "codes", mode="r+")
+    codes[17] = 3  # three categories: B, NK, T
+    ds = dz.open_dataset(tmp_path / "cat.zarr")
+    with pytest.raises(
+        dz.DatasetError,
+        match=r"cat\.zarr/obs/cell_type/codes: 1 codes outside \[-1, 3\) "
+        r"\(the first at row 17: 3\)",
+    ):
+        dz.Loader(ds, sampler(), obs=["cell_type"])
+
+
+def test_csr_read_rows_refuses_ranges_outside_the_matrix(tmp_path: Path) -> None:
+    """A negative range would index indptr from the end and return other rows."""
+    write_anndata(tmp_path / "r.zarr", n_obs=20, n_features=10, zarr_format=3)
+    ds = dz.open_dataset(tmp_path / "r.zarr")
+    for bad in ([[-3, -1]], [[5, 25]], [[7, 5]]):
+        with pytest.raises(ValueError, match=r"r\.zarr/X: range 0 .* is not within \[0, 20\]"):
+            ds.read_rows(np.array(bad))
+    assert ds.read_rows(np.zeros((0, 2), np.int64)).n_rows == 0
+
+
 def test_bad_column_ids_are_refused(tmp_path: Path) -> None:
     """indices beyond the declared width would be written out of bounds: refuse loudly."""
     path = Path(synthetic.make_single_cell(tmp_path / "w.zarr", n_obs=200, n_features=50))

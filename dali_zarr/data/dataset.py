@@ -22,7 +22,7 @@ import zarr
 from dali_zarr.data.elements import matrix_layout, pick_element, var_key
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import DatasetError
-from dali_zarr.io import ArrayReader, open_reader
+from dali_zarr.io import ArrayReader, check_ranges, open_reader
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
 Layout = Literal["csr", "dense"]
@@ -309,7 +309,7 @@ class CsrDataset(_StoreDataset):
                 )
 
     def read_rows(self, ranges: np.ndarray) -> CsrRows:
-        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        ranges = check_ranges(ranges, self.n_obs, self.name)
         element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
         indptr = sub_indptr(self.indptr, ranges_to_rows(ranges))
         data = self.data_reader.read_rows(element_ranges)

@@ -35,6 +35,12 @@ def _text(values: np.ndarray) -> tuple[str, ...]:
     return tuple(str(v) for v in np.asarray(values).tolist())
 
 
+def _native(values: np.ndarray) -> np.ndarray:
+    """``values`` in this machine's byte order: DALI and torch take the bytes as native, so a
+    big-endian column (zarr v2 ``>f8``) would ride in batches as garbage."""
+    return values.astype(values.dtype.newbyteorder("="), copy=False)
+
+
 def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     """Read one column of an AnnData ``obs`` dataframe group (anndata >= 0.8 encodings);
     ``where`` names the group in messages (``cells.zarr/obs``)."""
@@ -48,9 +54,18 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     encoding = node.attrs.get("encoding-type", "array")
     if encoding == "categorical":
         codes = np.asarray(node["codes"][...]).astype(np.int64, copy=False)
-        return ObsColumn(column, codes, _text(node["categories"][...]))
+        categories = _text(node["categories"][...])
+        bad = np.flatnonzero((codes < -1) | (codes >= len(categories)))
+        if bad.size:
+            i = int(bad[0])
+            raise DatasetError(
+                f"{where}/codes: {bad.size} codes outside [-1, {len(categories)}) (the first at "
+                f"row {i}: {codes[i]}), for {len(categories)} categories; the column is "
+                "corrupted: re-write it from the source data."
+            )
+        return ObsColumn(column, codes, categories)
     if encoding in ("nullable-integer", "nullable-boolean"):
-        values = np.asarray(node["values"][...])
+        values = _native(np.asarray(node["values"][...]))
         mask = np.asarray(node["mask"][...]).astype(bool)
         if mask.any():
             raise DatasetError(
@@ -65,7 +80,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
                 f"{where}: dtype {values.dtype} cannot ride in a batch tensor; "
                 "store it as a categorical column."
             )
-        return ObsColumn(column, values)
+        return ObsColumn(column, _native(values))
     raise DatasetError(
         f"{where}: encoding {encoding!r} cannot ride in a batch tensor "
         "(supported: categorical, numeric, nullable without missing values); "

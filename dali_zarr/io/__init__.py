@@ -7,7 +7,14 @@ the `ArrayReader` protocol. See `dali_zarr.io.readers` for exactly which arrays 
 
 from .codecs import ChunkDecoder, DecodeError
 from .layout import ArrayLayout, ChunkCodecs, ShardLayout, parse_layout
-from .readers import ArrayReader, DirectReader, ZarrReader, default_executor, open_reader
+from .readers import (
+    ArrayReader,
+    DirectReader,
+    ZarrReader,
+    check_ranges,
+    default_executor,
+    open_reader,
+)
 
 __all__ = [
     "ArrayLayout",
@@ -18,6 +25,7 @@ __all__ = [
     "DirectReader",
     "ShardLayout",
     "ZarrReader",
+    "check_ranges",
     "default_executor",
     "open_reader",
     "parse_layout",

@@ -55,7 +55,7 @@ from ..planning.partition import run_offsets, split_at_chunks
 from . import nvcomp_batched
 from .codecs import DecodeError, frame_problems, head_index
 from .layout import ArrayLayout
-from .readers import DirectReader, _check_ranges, _pread_into, _run_parallel
+from .readers import DirectReader, _pread_into, _run_parallel, check_ranges
 
 __all__ = [
     "GPU_KINDS",
@@ -301,7 +301,7 @@ def _plan_stores(
     # one reader: its chunk numbers as they are (every chunk below the second base)
     bases = getattr(named_by, "bases", np.array([0, np.iinfo(np.int64).max]))
     checked = [
-        _check_ranges(r, reader.shape[0], reader.name)
+        check_ranges(r, reader.shape[0], reader.name)
         for reader, r in zip(readers, ranges, strict=True)
     ]
     r = np.concatenate(checked) if len(checked) > 1 else checked[0]

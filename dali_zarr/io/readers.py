@@ -193,7 +193,9 @@ def _run_parallel(
 # ---------------------------------------------------------------------------- shared helpers
 
 
-def _check_ranges(ranges: Any, n: int, name: str) -> np.ndarray:
+def check_ranges(ranges: Any, n: int, name: str) -> np.ndarray:
+    """``ranges`` as a (k, 2) int64 array of row ranges within ``[0, n]``; anything else is
+    refused (a negative start would otherwise index from the end and read other rows)."""
     r = np.asarray(ranges)
     if r.size == 0:
         return np.zeros((0, 2), dtype=np.int64)
@@ -361,7 +363,7 @@ class DirectReader:
 
     def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         n = self.shape[0]
-        r = _check_ranges(ranges, n, self.name)
+        r = check_ranges(ranges, n, self.name)
         lens = r[:, 1] - r[:, 0]
         total = int(lens.sum())
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
@@ -728,7 +730,7 @@ class ZarrReader:
         return self._executor or default_executor()
 
     def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        r = _check_ranges(ranges, self.shape[0], self.name)
+        r = check_ranges(ranges, self.shape[0], self.name)
         lens = r[:, 1] - r[:, 0]
         total = int(lens.sum())
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
@@ -754,9 +756,11 @@ class ZarrReader:
             try:
                 data[i] = np.asarray(self.array[a:b])
             except Exception as e:
+                first, last = a // C, (b - 1) // C
+                chunks = f"chunk {first}" if first == last else f"chunks {first} to {last}"
                 raise ChunkReadError(
-                    f"{self.name}: zarr-python failed to read rows [{a}, {b}) "
-                    f"({type(e).__name__}: {e}). {_ADVICE}"
+                    f"{self.name}: zarr-python failed to read rows [{a}, {b}) ({chunks} along "
+                    f"axis 0, {C} rows each; {type(e).__name__}: {e}). {_ADVICE}"
                 ) from e
 
         _run_parallel(self.executor, range(len(spans)), read)
@@ -781,7 +785,9 @@ def _local_directory(array: Any) -> tuple[str | None, str]:
         kind = type(store).__name__
         return None, f"store is {kind}, not a local-filesystem LocalStore"
     prefix = str(array.store_path.path or "")
-    root = str(store.root)
+    # Absolute now: a relative root would follow a later os.chdir (Hydra moves jobs into
+    # their run directory) and every chunk would be "missing", i.e. read as fill values.
+    root = os.path.abspath(str(store.root))
     return (os.path.join(root, *prefix.split("/")) if prefix else root), ""
 
 
