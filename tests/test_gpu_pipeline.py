@@ -10,6 +10,7 @@ the ring is checked never to overwrite a slot DALI may still read. The graph its
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +19,7 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr.data.dataset import StoreRun, sub_indptr
-from dali_zarr.errors import ConfigError
+from dali_zarr.errors import ChunkReadError, ConfigError
 from dali_zarr.graph.gpu_pipeline import (
     BufferRing,
     GpuBatchSource,
@@ -287,6 +288,40 @@ def test_ring_keeps_its_slots_when_allocation_fails():
     assert ring.n_free == 2
     a, b = ring.acquire(1000), ring.acquire(1000)  # both slots still serve
     assert {a.slot, b.slot} == {0, 1} and min(a.buf.size, b.buf.size) >= 1000
+
+
+def test_a_window_that_fails_to_read_waits_for_its_queued_work_before_its_slot_is_freed(
+    tmp_path,
+):
+    """A corrupt chunk fails a window after some of its uploads and launches were queued
+    into the slot; the slot goes back to the ring only after the backend has finished them
+    (with ``DALI_ZARR_RING_SYNC=none`` nothing else would stop its next owner racing them)."""
+    path = Path(
+        make_single_cell(
+            tmp_path / "bad.zarr", n_obs=300, n_features=40, chunk_elements=512, shard_chunks=None
+        )
+    )
+    victim = sorted((path / "X" / "data" / "c").iterdir())[1]
+    victim.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 40)  # a zstd magic, then garbage
+
+    events: list[str] = []
+
+    class Recording(HostBackend):
+        def finish(self) -> None:
+            events.append("finish")
+
+    gpu = GpuBatchSource(dz.open_dataset(path), _sampler(), output="dense", obs=[],
+                         return_index=False, backend=Recording())  # fmt: skip
+    release = gpu.ring.release
+    gpu.ring.release = lambda lease: (events.append("release"), release(lease))
+    gpu.bind_epoch(0, 0)
+    n_windows = gpu.plan(0).n_windows
+    with pytest.raises(ChunkReadError, match=r"bad\.zarr/X/data"):
+        for w in range(n_windows):
+            gpu.read_window((0, (0, ()), w))
+    assert events[-2:] == ["finish", "release"], events
+    assert gpu.ring.n_free == gpu.ring.n_slots - sum(1 for _ in gpu._leases)
+    gpu.close()
 
 
 def test_closing_the_ring_ends_a_reader_waiting_for_a_slot():

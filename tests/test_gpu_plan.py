@@ -36,9 +36,11 @@ from dali_zarr.io.gpu import (
     place_plan,
     plan_rows,
     probe_gpu,
+    split_segments,
     window_plans,
 )
 from dali_zarr.io.nvcomp_batched import call_slices
+from dali_zarr.planning.partition import run_offsets
 from tests.stores import (
     compressors,
     has_cuda,
@@ -620,6 +622,32 @@ def test_copy_segments_reference():
     assert out.tolist() == [10, 11, 12, 0, 1, 2, 3, 4, 5]
 
 
+def test_long_segments_are_cut_into_pieces_that_copy_the_same(tmp_path):
+    """The copy kernel gives each segment one block, and an unshuffled window of
+    uncompressed chunks is a single merged segment: it is cut so every SM gets a share."""
+    data = np.arange(4096, dtype=np.float32)
+    arr = write(tmp_path / "u.zarr", data, chunks=(64,), compressors=None)
+    reader = open_reader(arr, name="u")
+    plan = plan_rows(reader, np.array([[0, 4096]]))
+    assert plan.segments.tolist() == [[0, 0, 4096]]
+    pieces = split_segments(plan.segments, 1000)
+    assert pieces.tolist() == [[0, 0, 1000], [1000, 1000, 1000], [2000, 2000, 1000],
+                               [3000, 3000, 1000], [4000, 4000, 96]]  # fmt: skip
+    rng = np.random.default_rng(5)
+    for piece in (1, 7, 64, 10**6):
+        lens = rng.integers(1, 300, 40)
+        seg = np.stack([rng.integers(0, 5000, 40), run_offsets(lens)[:-1], lens], 1)
+        cut = split_segments(seg, piece)
+        assert cut[:, 2].max() <= piece and cut[:, 2].sum() == lens.sum()
+        assert len(cut) == int((-(-lens // piece)).sum())
+        src = rng.standard_normal(6000).astype(np.float32)
+        want, got = np.zeros(int(lens.sum()), np.float32), np.ones(int(lens.sum()), np.float32)
+        copy_segments_cpu(want, src, seg)
+        copy_segments_cpu(got, src, cut)
+        np.testing.assert_array_equal(got, want)
+    assert split_segments(np.zeros((0, 3), np.int64), 10).shape == (0, 3)
+
+
 def test_probe_reports_without_raising():
     support = probe_gpu()
     assert isinstance(support.usable, bool)
@@ -713,14 +741,21 @@ class _Dev(np.ndarray):
 def _fake_cuda_modules(monkeypatch, log, reads: str):
     """cupy, kvikio and nvidia.nvcomp stand-ins backed by NumPy, os.pread and numcodecs; the
     executor reads with ``reads`` and copies segments with the NumPy reference."""
-    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+    from dali_zarr.graph import cuda_kernels
+    from dali_zarr.io import gpu
+    from dali_zarr.io.gpu import READS_ENV
 
     monkeypatch.setenv(READS_ENV, reads)
-    monkeypatch.setattr(
-        GpuPlanExecutor,
-        "copy_segments",
-        lambda self, out, src, seg: copy_segments_cpu(out, src, seg),
-    )
+    monkeypatch.setattr(gpu, "COPY_PIECE_ELEMENTS", 100)  # the test's segments are cut
+
+    def launch(fn, blocks, threads, stream, out, src, *seg):  # the copy kernel's reference
+        assert fn is cuda_kernels.copy_segments and stream.ptr == 1234
+        pieces = np.stack(seg, axis=1)
+        assert 1 <= blocks <= len(pieces) and pieces[:, 2].max() <= 100
+        log.append(("copy", len(pieces)))
+        copy_segments_cpu(out, src, pieces)
+
+    monkeypatch.setattr(gpu, "launch", launch)
     import contextlib
     import sys
     import types
@@ -784,7 +819,6 @@ def _fake_cuda_modules(monkeypatch, log, reads: str):
     monkeypatch.setitem(sys.modules, "nvidia.nvcomp", nvcomp)
     monkeypatch.setattr(nvidia, "nvcomp", nvcomp, raising=False)
     # the probe (which also checks CUDA and kvikio's GDS settings) reports the fakes usable
-    from dali_zarr.io import gpu
     from dali_zarr.io.gpu import GpuSupport
 
     fake = GpuSupport(cuda=True, dali_gpu=True, kvikio=True, gds=False, nvcomp=True, reason="")
@@ -825,8 +859,12 @@ def test_gpu_executor_control_flow_with_faked_cuda(
             decodes = [e for e in log if e[0] == "decode"]
             assert decodes == ([("decode", {"zstd": "Zstd", "lz4": "LZ4"}[codec], len(plan.reads))]
                                if codec != "none" and len(plan.reads) else [])  # fmt: skip
-        else:
-            assert not log  # host decode: no kvikio, no nvCOMP
+        else:  # host decode: no kvikio, no nvCOMP
+            assert not [e for e in log if e[0] != "copy"]
+        # one copy launch, the segments cut into pieces of at most 100 elements
+        cut = len(split_segments(plan.segments, 100))
+        assert [e for e in log if e[0] == "copy"] == ([("copy", cut)] if len(plan.segments) else [])
+        assert cut > len(plan.segments) or not len(plan.segments)
     assert len(executor._files) <= 2
     executor.close()
 

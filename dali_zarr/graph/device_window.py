@@ -349,7 +349,8 @@ class DeviceWindowReader:
         release: Callable[[Any], None],
     ):
         """Feature selections and mixed stores: host read, then one copy per array into a
-        slot from ``alloc`` (given back with ``release`` if the copy fails)."""
+        slot from ``alloc`` (given back with ``release`` if the copy fails: it must wait for
+        the uploads already queued)."""
         host = window_arrays(self.dataset, self.dataset.read_rows(ranges))
         host_indptr = host[2] if self.dataset.layout == "csr" else None
         slots, nbytes = pack_slot([(str(i), a.shape, a.dtype) for i, a in enumerate(host)])

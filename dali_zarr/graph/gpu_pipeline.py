@@ -51,6 +51,7 @@ decode; the source reads at least ``read_threads`` windows ahead for that.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -170,6 +171,14 @@ class BufferRing:
             raise
         return Lease(slot, buf)
 
+    def abandon(self, lease: Lease) -> None:
+        """Give back a slot whose filling failed part way. Uploads and launches into it may
+        still be queued (the executor only waits for its own reads on an error), so wait for
+        them first: the slot's next owner, with ``DALI_ZARR_RING_SYNC=none``, would race them."""
+        with contextlib.suppress(Exception):  # a sticky CUDA error: the caller's is the one
+            self.backend.finish()
+        self.release(lease)
+
     def release(self, lease: Lease) -> None:
         with self._cond:
             if lease.slot not in self._free:
@@ -257,11 +266,11 @@ class GpuBatchSource(BatchSource):
             try:
                 arrays, host_indptr = self.reader.read(layout, lease.buf)
             except BaseException:
-                self.ring.release(lease)
+                self.ring.abandon(lease)
                 raise
         else:
             arrays, host_indptr, lease = self.reader.read_generic(
-                ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.release
+                ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.abandon
             )
         lease.key = wkey
         with self._lease_lock:

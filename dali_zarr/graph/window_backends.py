@@ -22,10 +22,10 @@ from dali_zarr.errors import ConfigError
 from dali_zarr.graph import cuda_kernels, kernels
 from dali_zarr.io.gpu import (
     Pieces,
-    cuda_jit,
     describe_path,
     execute_plan_cpu,
     gpu_codec_kind,
+    launch,
     plan_problem,
     probe_gpu,
 )
@@ -251,12 +251,10 @@ class CudaBackend(_Backend):
     def _launch(self, fn: Any, blocks: int, threads: int, *args: Any) -> None:
         """One launch of the window-level kernel ``fn`` on this thread's stream, on our
         device; host (NumPy) arguments are uploaded first."""
-        from numba import cuda
-
         stream = self.executor.stream
         with self.cp.cuda.Device(self.device_id), stream:
             args = tuple(self.cp.asarray(a) if isinstance(a, np.ndarray) else a for a in args)
-            cuda_jit(fn)[blocks, threads, cuda.external_stream(stream.ptr)](*args)
+            launch(fn, blocks, threads, stream, *args)
 
     def _int64s(self, n: int, *, zeroed: bool = False) -> Any:
         """A device array of ``n`` int64 for a kernel to write (counts, a bad-id flag),

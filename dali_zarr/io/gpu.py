@@ -630,6 +630,50 @@ def execute_plan_cpu(
     return out
 
 
+#: the most elements of one segment a block of ``cuda_kernels.copy_segments`` copies
+COPY_PIECE_ELEMENTS = 1 << 14
+
+
+def split_segments(segments: np.ndarray, piece: int | None = None) -> np.ndarray:
+    """``segments`` (rows ``src, dst, length``) with every one longer than ``piece`` cut into
+    pieces of at most ``piece`` elements, in order.
+
+    The copy kernel gives a segment one block, and merged segments can be few and long: an
+    unshuffled window of uncompressed chunks is a single segment, which one SM would copy
+    alone. Pieces spread it over the whole GPU. ``piece``: ``COPY_PIECE_ELEMENTS``.
+    """
+    piece = piece or COPY_PIECE_ELEMENTS
+    lengths = segments[:, 2]
+    counts = np.maximum(1, -(-lengths // piece))
+    if len(segments) == 0 or counts.max() == 1:
+        return segments
+    which = np.repeat(np.arange(len(segments)), counts)
+    step = (np.arange(len(which)) - np.repeat(run_offsets(counts)[:-1], counts)) * piece
+    out = segments[which].copy()
+    out[:, 0] += step
+    out[:, 1] += step
+    out[:, 2] = np.minimum(piece, lengths[which] - step)
+    return out
+
+
+def launch(fn: Any, blocks: int, threads: int, stream: Any, *args: Any) -> None:
+    """The kernel ``fn`` (compiled once) on the cupy ``stream``.
+
+    Device arrays reach numba with ``sync=False``. Numba's own conversion synchronises the
+    stream an array reports, and cupy reports its current stream: outside ``with stream``
+    that is the legacy default stream, on which torch trains, so each launch would wait on
+    the host for the training step. The launch is ordered on ``stream``, where its inputs
+    were made.
+    """
+    from numba import cuda
+
+    args = tuple(
+        cuda.as_cuda_array(a, sync=False) if hasattr(a, "__cuda_array_interface__") else a
+        for a in args
+    )
+    cuda_jit(fn)[blocks, threads, cuda.external_stream(stream.ptr)](*args)
+
+
 def copy_segments_cpu(out: np.ndarray, src: np.ndarray, segments: np.ndarray) -> None:
     """NumPy reference of ``cuda_kernels.copy_segments`` (flat arrays, offsets in elements)."""
     for s, d, k in segments.tolist():
@@ -973,18 +1017,17 @@ class GpuPlanExecutor:
             raise
 
     def copy_segments(self, out: Any, src: Any, segments: np.ndarray) -> None:
-        """One launch of ``cuda_kernels.copy_segments`` on this executor's stream."""
+        """One launch of ``cuda_kernels.copy_segments`` on this executor's stream, long
+        segments cut into pieces (a block each)."""
         if not len(segments):
             return
-        from numba import cuda
-
         from dali_zarr.graph import cuda_kernels
 
+        pieces = split_segments(segments)
         with self.stream:
-            seg = self.cp.asarray(np.ascontiguousarray(segments.T))
-        kernel = cuda_jit(cuda_kernels.copy_segments)
-        blocks = min(len(segments), 4096)
-        kernel[blocks, 256, cuda.external_stream(self.stream.ptr)](out, src, seg[0], seg[1], seg[2])
+            seg = self.cp.asarray(np.ascontiguousarray(pieces.T))
+        blocks = min(len(pieces), 1 << 16)
+        launch(cuda_kernels.copy_segments, blocks, 256, self.stream, out, src, *seg)
 
     def _read_to_device(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:
         """Every extent of ``plan`` into ``staging`` (``decoded`` when uncompressed), all in
