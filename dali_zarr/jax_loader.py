@@ -73,8 +73,10 @@ class JaxLoader(Loader):
 
     def _to_batch(self, outputs: dict[str, jax.Array]) -> dict[str, Any]:  # type: ignore[override]
         batch: dict[str, Any] = {name: array[0] for name, array in outputs.items()}  # batch dim
-        if self.dtype == "bfloat16" and "X" in batch:  # DALI hands out bfloat16's uint16 bits
-            batch["X"] = jax.lax.bitcast_convert_type(batch["X"], jax.numpy.bfloat16)
+        if self.dtype == "bfloat16":  # DALI hands out bfloat16's uint16 bits
+            for name in ("X", "X_data"):
+                if name in batch:
+                    batch[name] = jax.lax.bitcast_convert_type(batch[name], jax.numpy.bfloat16)
         if "X_data" in batch:
             indptr = batch.pop("X_indptr")
             batch["X"] = jsparse.BCSR(

@@ -8,6 +8,7 @@ planning lives in :mod:`dali_zarr.planning`, reading in :mod:`dali_zarr.io` and
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -114,6 +115,13 @@ class Loader:
             self.dtype = output_dtype_name(dtype)
         except TypeError as exc:
             raise ConfigError(str(exc)) from None
+        if self.dtype == "float64" and output == "dense" and not _exact_in_float32(dataset.dtype):
+            warnings.warn(
+                f"{dataset.name}: dense X is built in float32 (where `transform` runs) and "
+                f"cast to float64 last, so its stored {np.dtype(dataset.dtype)} values arrive "
+                "rounded to float32. output='csr' casts the stored values once (exact).",
+                stacklevel=2,
+            )
         self.num_threads = num_threads
         self.prefetch_queue_depth = prefetch_queue_depth
         self.transform = transform
@@ -461,8 +469,10 @@ class Loader:
     def _to_batch(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One iterator output → the user's batch dict (adapters override this too)."""
         batch = {name: _as_torch(value) for name, value in outputs.items()}
-        if self.dtype == "bfloat16" and "X" in batch:  # DALI hands out bfloat16's uint16 bits
-            batch["X"] = batch["X"].view(torch.bfloat16)
+        if self.dtype == "bfloat16":  # DALI hands out bfloat16's uint16 bits
+            for name in ("X", "X_data"):
+                if name in batch:
+                    batch[name] = batch[name].view(torch.bfloat16)
         if "X_data" in batch:
             indptr = batch.pop("X_indptr")
             batch["X"] = torch.sparse_csr_tensor(
@@ -473,6 +483,12 @@ class Loader:
                 check_invariants=False,  # built by our gather op from validated column ids
             )
         return batch
+
+
+def _exact_in_float32(dtype: np.dtype) -> bool:
+    """Whether every value of ``dtype`` survives the float32 the dense graph computes in."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "b" or (dtype.kind in "iuf" and dtype.itemsize <= 2) or dtype == np.float32
 
 
 def _as_torch(value: Any) -> torch.Tensor:

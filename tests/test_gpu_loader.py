@@ -194,6 +194,8 @@ def test_output_dtypes(tmp_path, where, dtype):
     ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
     cpu, gpu = both(ds, where, dtype=dtype)
     assert_same_batches(cpu, gpu, epochs=(0,), where=where, x_dtype=want)
+    cpu, gpu = both(ds, where, dtype=dtype, output="csr")  # the CSR's values too
+    assert_same_batches(cpu, gpu, epochs=(0,), where=where, x_dtype=want)
     cube = dz.open_dataset(dense_store(tmp_path, 3, "none", None))
     cpu, gpu = both(cube, where, dtype=dtype)
     assert_same_batches(cpu, gpu, epochs=(0,), where=where, x_dtype=want)

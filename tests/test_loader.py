@@ -369,6 +369,96 @@ def test_obs_columns_that_cannot_be_batched_are_named_in_obs(tmp_path: Path, den
             dz.Loader(ds, sampler(), obs=[column])
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["csr-X", "dense-X"])
+@pytest.mark.parametrize("device", ["cpu", "gpu-host-backend"])
+def test_obs_columns_named_like_window_arrays_ride_beside_them(
+    tmp_path: Path, dense: bool, device: str
+) -> None:
+    """Columns called ``pos``, ``data``, ``values``... (the callback's own outputs) are
+    namespaced inside the graph: before, ``pos`` replaced the batch positions (wrong X, or
+    a crash) and ``data`` the window's values."""
+    import anndata as ad
+    import pandas as pd
+
+    from dali_zarr.graph.window_backends import HostBackend
+
+    n = 70
+    names = ["pos", "data", "indices", "indptr", "values", "nnz_hint", "batch_indptr"]
+    obs = pd.DataFrame({c: np.arange(n) * (k + 2) for k, c in enumerate(names)},
+                       index=[f"c{i}" for i in range(n)])  # fmt: skip
+    x = sp.random(n, 9, density=0.4, format="csr", dtype=np.float32, random_state=1)
+    ad.AnnData(X=x.toarray() if dense else x, obs=obs).write_zarr(tmp_path / "n.zarr")
+    ds = dz.open_dataset(tmp_path / "n.zarr")
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    outputs = ["dense"] if dense else ["dense", "csr"]
+    for output in outputs:
+        loader = dz.Loader(ds, sampler(), output=output, obs=names, return_index=True, **where)
+        got = run_epoch(loader)
+        loader.close()
+        np.testing.assert_array_equal(got["X"], x.toarray()[got["index"]])
+        for k, column in enumerate(names):
+            np.testing.assert_array_equal(got[column], got["index"] * (k + 2), err_msg=column)
+
+
+def test_obs_columns_that_would_replace_x_or_index_are_refused(tmp_path: Path) -> None:
+    write_anndata(tmp_path / "r.zarr", n_obs=30, n_features=8, zarr_format=3)
+    ds = dz.open_dataset(tmp_path / "r.zarr")
+    for obs, message in {
+        ("depth", "depth"): r"obs column 'depth' is asked for twice",
+        ("X",): r"obs column 'X' would replace the batch's own 'X'",
+        ("X_indptr",): r"obs column 'X_indptr' would replace",
+        ("index",): r"obs column 'index' would replace.*or pass return_index=False",
+    }.items():
+        with pytest.raises(dz.ConfigError, match=message):
+            dz.Loader(ds, sampler(), obs=list(obs), return_index=True)
+
+
+@pytest.mark.parametrize("stored", ["float32", "int32", "float64"])
+def test_csr_output_values_take_the_dtype_asked_for(tmp_path: Path, stored: str) -> None:
+    """``dtype=`` converts the CSR's values as it converts dense ``X`` (it was ignored: the
+    values kept the stored dtype); float64 values are cast once, so they stay exact."""
+    rng = np.random.default_rng(2)
+    x = sp.random(80, 9, density=0.4, format="csr", dtype=np.float64, random_state=rng)
+    x.data = x.data * 1000 + 1e-7 if stored == "float64" else np.round(x.data * 1000)
+    x.data = x.data.astype(stored)
+    path = tmp_path / f"{stored}.zarr"
+    write_anndata_matrix(path, x)
+    ds = dz.open_dataset(path)
+    for dtype in (torch.float32, torch.float16, torch.float64, torch.bfloat16):
+        loader = dz.Loader(ds, sampler(), output="csr", dtype=dtype, return_index=True)
+        for batch in loader:
+            assert batch["X"].layout == torch.sparse_csr and batch["X"].dtype == dtype
+            want = torch.from_numpy(x[batch["index"].numpy()].toarray().astype(np.float64))
+            torch.testing.assert_close(batch["X"].to_dense(), want.to(dtype), rtol=0, atol=0)
+        loader.close()
+
+
+def test_dense_float64_output_of_values_float32_cannot_hold_says_so(tmp_path: Path) -> None:
+    """Dense X is computed in float32 (what ``transform`` sees): asking float64 of a float64
+    or int32 store warns that the values arrive rounded, and names the way round it."""
+    import warnings
+
+    x = sp.random(40, 6, density=0.5, format="csr", dtype=np.float64, random_state=3)
+    for stored, warns in (("float64", True), ("int32", True), ("float32", False), ("int16", False)):
+        path = tmp_path / f"{stored}.zarr"
+        write_anndata_matrix(path, x.astype(stored))
+        ds = dz.open_dataset(path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dz.Loader(ds, sampler(), dtype="float64").close()
+            dz.Loader(ds, sampler(), dtype="float64", output="csr").close()  # exact: no warning
+        said = [str(w.message) for w in caught if "rounded to float32" in str(w.message)]
+        assert len(said) == warns, (stored, said)
+        if warns:
+            assert said[0].startswith(f"{stored}.zarr/X: dense X is built in float32")
+
+
+def write_anndata_matrix(path: Path, x: sp.csr_matrix) -> None:
+    import anndata as ad
+
+    ad.AnnData(X=x).write_zarr(path)
+
+
 def test_big_endian_obs_columns_arrive_as_their_values(tmp_path: Path) -> None:
     """zarr v2 keeps a column's byte order (``>f8``, ``>i8``); DALI and torch read bytes as
     native, so the loader converts: batches carry the values, not byte-swapped garbage."""

@@ -78,6 +78,7 @@ from dali_zarr.graph.source import (
     Planner,
     Window,
     WindowKey,
+    obs_source_name,
 )
 from dali_zarr.graph.window_backends import CudaBackend
 from dali_zarr.io.gpu import probe_gpu
@@ -93,7 +94,7 @@ def gpu_source_names(
     host = ["pos"]
     if layout == "csr" and output == "csr":
         host += ["nnz_hint", "batch_indptr"]
-    host += [*obs, *(["index"] if return_index else [])]
+    host += [*map(obs_source_name, obs), *(["index"] if return_index else [])]
     device = ["data", "indices", "indptr"] if layout == "csr" else ["values"]
     return host, device
 

@@ -17,7 +17,7 @@ from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline
 
 from dali_zarr.graph import kernels
-from dali_zarr.graph.source import BatchSource, window_dtype
+from dali_zarr.graph.source import BatchSource, obs_source_name, window_dtype
 
 Transform = Callable[[dict], dict]
 
@@ -55,6 +55,22 @@ def convert_x(x, dtype: str, feature_shape: tuple[int, ...], ops: GraphOps):
     return out
 
 
+def convert_csr_values(data, stored: np.dtype, dtype: str, ops: GraphOps):
+    """A batch CSR's values (``X_data``, in :func:`window_dtype` of ``stored``) → ``dtype``,
+    so that ``dtype=`` means for ``output="csr"`` what it means for dense ``X``; one cast
+    from the stored values (float64 stays exact), bfloat16 through float32."""
+    wire = window_dtype("csr", stored)
+    if dtype != "bfloat16":
+        if wire == np.dtype(dtype):
+            return data
+        return fn.cast(data, dtype=types.FLOAT if dtype == "float32" else _CASTS[dtype])
+    if wire != np.float32:
+        data = fn.cast(data, dtype=types.FLOAT)
+    # our bfloat16 op takes 2-D float32 bits: one column of them
+    bits = fn.reshape(fn.reinterpret(data, dtype=types.UINT32), shape=[-1, 1])
+    return fn.reshape(ops.to_bfloat16_bits(bits), shape=[-1])
+
+
 def dense_to_float32(x, stored: np.dtype):
     """Gathered dense rows (in :func:`window_dtype` of ``stored``) → float32."""
     stored = np.dtype(stored)
@@ -81,7 +97,10 @@ def source_nodes(source: BatchSource, callback: Callable, names: Sequence[str], 
         "values": (window_dtype("dense", ds.dtype), 2),
         "index": (np.dtype(np.int64), 1),
     }
-    layout = [fixed.get(n) or (source.obs[n].dtype.newbyteorder("="), 1) for n in names]
+    fixed.update(
+        (obs_source_name(c), (v.dtype.newbyteorder("="), 1)) for c, v in source.obs.items()
+    )
+    layout = [fixed[n] for n in names]
     nodes = fn.external_source(
         source=callback,
         device=device,
@@ -186,7 +205,7 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
             x = fn.reshape(x, shape=[-1, *ds.feature_shape])
         out["X"] = x  # user ops then see float32 X
     for name in source.obs:
-        out[name] = ops.to_device(node[name])
+        out[name] = ops.to_device(node[obs_source_name(name)])
     if source.return_index:
         out["index"] = ops.to_device(node["index"])
     return out
@@ -265,6 +284,8 @@ def assemble_pipeline(
             outputs = transform(dict(outputs))
         if "X" in outputs:
             outputs["X"] = convert_x(outputs["X"], want, dataset.feature_shape, ops)
+        elif "X_data" in outputs:
+            outputs["X_data"] = convert_csr_values(outputs["X_data"], dataset.dtype, want, ops)
         names = list(outputs)
         pipe.set_outputs(*outputs.values())
     return pipe, names

@@ -19,6 +19,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, sub_indptr
+from dali_zarr.errors import ConfigError
 from dali_zarr.planning import EpochPlan, WindowPlan
 from dali_zarr.planning.partition import validate_count
 from dali_zarr.planning.resume import Segment, plan_resumed_epoch
@@ -86,6 +87,32 @@ def window_arrays(dataset: Dataset, rows: CsrRows | DenseRows) -> tuple[np.ndarr
     return (as_window_array(values, "dense", dataset.dtype),)
 
 
+#: the names a batch gives ``X`` (dense output, or the CSR output's three arrays)
+X_NAMES = ("X", "X_data", "X_indices", "X_indptr")
+
+
+def obs_source_name(column: str) -> str:
+    """The callback output that carries obs ``column``: namespaced, so that a column called
+    ``pos`` or ``data`` cannot take the place of a window array in the graph."""
+    return f"obs:{column}"
+
+
+def check_obs_names(obs: list[str], *, return_index: bool, where: str) -> None:
+    """Refuse obs columns that would collide in the batch dict: asked for twice, or named
+    like ``X`` or (with ``return_index``) ``index``."""
+    taken = [*X_NAMES, *(["index"] if return_index else [])]
+    for i, name in enumerate(obs):
+        if name in obs[:i]:
+            raise ConfigError(f"{where}: obs column {name!r} is asked for twice; name it once.")
+        if name in taken:
+            raise ConfigError(
+                f"{where}: obs column {name!r} would replace the batch's own {name!r} "
+                f"(a batch holds {', '.join(taken)} besides the obs columns); rename the "
+                "column in the store's obs"
+                + (", or pass return_index=False." if name == "index" else ".")
+            )
+
+
 def source_names(layout: str, output: Output, obs: list[str], return_index: bool) -> list[str]:
     """Names of the callback's outputs, in order (the DALI graph unpacks them by name)."""
     if layout == "csr":
@@ -93,7 +120,7 @@ def source_names(layout: str, output: Output, obs: list[str], return_index: bool
         names += ["nnz_hint", "batch_indptr"] if output == "csr" else []
     else:
         names = ["pos", "values"]
-    return names + list(obs) + (["index"] if return_index else [])
+    return names + [obs_source_name(c) for c in obs] + (["index"] if return_index else [])
 
 
 class BatchSource:
@@ -122,6 +149,7 @@ class BatchSource:
         self.dataset = dataset
         self.sampler = sampler
         self.output = output
+        check_obs_names(list(obs), return_index=return_index, where=dataset.name)
         self.obs = {name: dataset.obs_column(name).values for name in obs}
         self.return_index = return_index
         self.names = source_names(dataset.layout, output, list(obs), return_index)
