@@ -265,15 +265,17 @@ def suggest(
     chunk_size = min(r * max(1, math.ceil(min_rows / r)), max(1, n_obs // max(1, world_size)))
     preload = max(TARGET_PRELOAD, math.ceil(MIN_WINDOW_BATCHES * batch_size / chunk_size))
     by_memory = max(1, int(WINDOW_BYTES_CAP // max(1.0, chunk_size * row_bytes)))
-    preload = max(1, min(preload, by_memory, n_chunks_of(n_obs, chunk_size)))
+    # no more chunks than the store has, but always a window of a batch: a store (or split)
+    # of fewer rows than one batch still gets one batch, as it does from the planner
+    n_chunks = max(n_chunks_of(n_obs, chunk_size), math.ceil(batch_size / chunk_size))
+    preload = max(1, min(preload, by_memory, n_chunks))
     window = window_rows_of(chunk_size, preload, batch_size)  # what the loader will use
     warning = ""
-    if window == 0:
-        read = preload * chunk_size
-        warning = f"a window of {read} rows holds no batch of {batch_size}: " + (
-            "the store has fewer rows than one batch; use a smaller batch_size"
-            if n_obs < batch_size
-            else "raise preload_nchunks"
+    if window == 0:  # rows too large for a window of a batch within WINDOW_BYTES_CAP
+        warning = (
+            f"a window of {preload * chunk_size} rows holds no batch of {batch_size}: rows of "
+            f"{row_bytes:,.0f} bytes cap the window at {WINDOW_BYTES_CAP / 2**20:,.0f} MiB; "
+            "lower batch_size or raise preload_nchunks"
         )
     return Suggestion(
         chunk_size=chunk_size,

@@ -26,6 +26,7 @@ Splits come from a categorical obs column (``split_column="split"`` with values 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -301,6 +302,8 @@ class ZarrDataModule(LightningDataModule):
             # given for training may not; the split is read once, so smaller chunks only
             # cost reads of the same bytes
             chunk_size = min(chunk_size, max(1, subset.n_obs // world))
+            # and a window still holds a batch (the planner refuses one that does not)
+            preload_nchunks = max(preload_nchunks, math.ceil(batch_size / chunk_size))
         sampler = DistributedSampler(
             ChunkSampler(
                 chunk_size=chunk_size,

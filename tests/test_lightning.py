@@ -81,6 +81,21 @@ def test_too_small_eval_split_is_refused(split_store: str) -> None:
         dm.val_dataloader()
 
 
+def test_eval_splits_smaller_than_a_batch_are_served(split_store: str) -> None:
+    """An eval split of fewer rows than a batch (settings suggested, or chunks cut down so
+    each rank gets one) still has a window of a batch: every row once, one partial batch."""
+    for settings, world in (
+        ({}, 1),
+        ({"chunk_size": 64, "preload_nchunks": 1, "batch_size": 64}, 2),
+    ):
+        dm = ZarrDataModule(data=split_store, splits={"train": np.arange(100),
+                            "val": np.arange(100, 140)}, eval_batch_size=64, return_index=True,
+                            dist_info=lambda world=world: (0, world), **settings)  # fmt: skip
+        rows = np.concatenate([b["index"].numpy() for b in dm.val_dataloader()])
+        want = np.arange(100, 140)[: 40 // world] if world > 1 else np.arange(100, 140)
+        np.testing.assert_array_equal(np.sort(rows), want)
+
+
 def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> None:
     """chunk_size / preload_nchunks left unset: each split gets inspect's suggestion for its
     own rows and batch size (CSR: spanning several store chunks), still a full epoch."""
