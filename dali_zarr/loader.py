@@ -161,6 +161,7 @@ class Loader:
         self._dali_epoch = -1  # DALI's epoch counter of the epoch now bound
         self._open_epoch = False  # an epoch was started and not run to its end
         self._consumed = 0  # batches handed out in the DALI epoch now bound
+        self._passes = 0  # loops started over this loader; only the latest may draw batches
         self._iter0 = 0  # DALI iteration of its first batch (>0 after a DALI restore)
         # (epoch, history, start) of the epoch now or last iterated: plan batch of the
         # k-th batch handed out is start + k
@@ -203,8 +204,16 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         iterator = self._start_epoch()
+        self._passes += 1
+        this_pass = self._passes
         while True:
             self._refuse_if_closed()  # a generator still held after close()
+            if self._passes != this_pass:  # it would take the newer loop's batches
+                raise ConfigError(
+                    f"{self.dataset.name}: a newer loop over this loader has started since "
+                    "this one; the DALI pipeline serves one loop at a time, so a loop left "
+                    "early cannot go on once another has begun. Iterate one loop at a time."
+                )
             try:
                 outputs = next(iterator)
             except StopIteration:

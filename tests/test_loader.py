@@ -459,6 +459,22 @@ def write_anndata_matrix(path: Path, x: sp.csr_matrix) -> None:
     ad.AnnData(X=x).write_zarr(path)
 
 
+def test_a_loop_replaced_by_a_newer_one_refuses_to_go_on(sc_store: Path) -> None:
+    """Two generators share the one DALI pipeline: an older loop that went on would take
+    the newer loop's batches, which would then miss rows. It fails instead, and the newer
+    loop delivers every row."""
+    loader = dz.Loader(dz.open_dataset(sc_store), sampler(), return_index=True)
+    reference = run_epoch(loader)["index"]
+    stale = iter(loader)
+    next(stale)  # a peek, or a loop left early and kept
+    fresh = iter(loader)
+    first = next(fresh)
+    with pytest.raises(dz.ConfigError, match="a newer loop over this loader has started"):
+        next(stale)
+    rows = np.concatenate([first["index"].numpy(), *(b["index"].numpy() for b in fresh)])
+    np.testing.assert_array_equal(rows, reference)
+
+
 def test_big_endian_obs_columns_arrive_as_their_values(tmp_path: Path) -> None:
     """zarr v2 keeps a column's byte order (``>f8``, ``>i8``); DALI and torch read bytes as
     native, so the loader converts: batches carry the values, not byte-swapped garbage."""
