@@ -7,6 +7,7 @@ and testable without either framework being initialised.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable
 from typing import Literal, TypeAlias
@@ -110,7 +111,7 @@ def resolve_rank_world(dist_info: DistInfo) -> tuple[int, int]:
     else:
         raise ConfigError(f"unknown dist_info {dist_info!r}: {_DIST_INFO_HELP}")
     try:
-        rank, world = int(rank), int(world)
+        rank, world = _integer(rank), _integer(world)
     except (TypeError, ValueError):
         raise ConfigError(
             f"{source} gave rank={rank!r}, world_size={world!r}; both must be integers"
@@ -121,6 +122,16 @@ def resolve_rank_world(dist_info: DistInfo) -> tuple[int, int]:
             "0 <= rank < world_size: fix the launcher settings or the dist_info callable"
         )
     return rank, world
+
+
+def _integer(value: object) -> int:
+    """An int, or a string of one (environment variables); ``int()`` would also take 0.7
+    (and True) and quietly make a rank of it."""
+    if isinstance(value, str):
+        return int(value)
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a rank")
+    return operator.index(value)  # type: ignore[arg-type]
 
 
 def broadcast_seed(seed: int) -> int:

@@ -341,6 +341,14 @@ def test_dist_info_env(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_rank_world("env")
 
 
+def test_dist_info_callable_must_give_integers() -> None:
+    """int() would make rank 0 of 0.7 and world 2 of 2.9 without a word."""
+    assert resolve_rank_world(lambda: (np.int64(1), 3)) == (1, 3)
+    for bad in ((0.7, 2.9), (True, 2), (0, "2x"), (None, 2)):
+        with pytest.raises(ConfigError, match="both must be integers"):
+            resolve_rank_world(lambda bad=bad: bad)
+
+
 def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         monkeypatch.delenv(var, raising=False)

@@ -373,6 +373,12 @@ def test_one_state_of_uneven_ranks() -> None:
     assert _point(_state(old[1], consumed=6), new).history == (Segment(2, (6, 6)),)
     # the same world: this rank's own count
     assert _point(states, old[1]).start == 7 and _point(states, old[0]).start == 6
+    # ... from its own state alone too (each rank reloads its own file), finished or not;
+    # another rank's finished state still cannot tell this rank's count
+    assert _point(_state(old[0], consumed=6), old[0]).start == 6
+    assert _point(_state(old[1], consumed=7), old[1]).start == 7
+    with pytest.raises(ConfigError, match="pass the list of all ranks' states"):
+        _point(_state(old[0], consumed=6), old[1])
 
 
 # --------------------------------------------------------------------------- pure planning

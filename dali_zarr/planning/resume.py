@@ -491,6 +491,8 @@ def resume_point(
                 f"state says rank {r0} consumed {c} batches of epoch {epoch} but its plan has "
                 f"{int(counts[r0])}: the state does not match this dataset and settings"
             )
+        if world_size == old_world and rank == r0:  # its own state: nothing to guess
+            return ResumePoint(epoch, history, c, s)
         if c == counts[r0] and (counts > c).any():
             raise ConfigError(
                 f"ranks of the saved run have different batch counts {counts.tolist()} and "
