@@ -165,6 +165,48 @@ def _local_ranks() -> int:
     return 1
 
 
+def _cpu_list_size(text: str) -> int:
+    """CPUs in a cpuset list such as ``0-3,8,10-11`` (7)."""
+    n = 0
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            n += int(hi or lo) - int(lo) + 1
+    return n
+
+
+def cgroup_cpuset(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> int | None:
+    """CPUs in this process's cgroup cpuset (v2 ``cpuset.cpus.effective``, v1
+    ``cpuset.effective_cpus``), or None where it cannot be read.
+
+    ``docker --cpuset-cpus`` and a SLURM job's cgroup narrow the affinity of every rank
+    alike: an affinity equal to the cpuset is shared by the node's ranks, one narrower than
+    it was made for this rank (``--cpu-bind``, ``taskset``, ``numactl``)."""
+    try:
+        with open(proc) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        lines = []
+    v2 = [p for i, c, p in (x for x in lines if len(x) == 3) if i == "0" and c == ""]
+    v1 = [p for _, c, p in (x for x in lines if len(x) == 3) if "cpuset" in c.split(",")]
+    candidates = [os.path.join(root, *v2[0].split("/"), "cpuset.cpus.effective")] if v2 else []
+    if v1:
+        base = os.path.join(root, "cpuset", *v1[0].split("/"))
+        candidates += [os.path.join(base, n) for n in ("cpuset.effective_cpus", "cpuset.cpus")]
+    # a container that sees its own cgroup at the root, under a path named for the host
+    candidates += [os.path.join(root, "cpuset.cpus.effective")]
+    candidates += [os.path.join(root, "cpuset", "cpuset.effective_cpus")]
+    for path in candidates:
+        try:
+            with open(path) as f:
+                n = _cpu_list_size(f.read())
+        except (OSError, ValueError):
+            continue
+        if n > 0:
+            return n
+    return None
+
+
 def cgroup_cpus(root: str = "/sys/fs/cgroup") -> int | None:
     """The CPU quota of this process's container in whole cores (rounded up), or None when
     it has none: cgroup v2's ``cpu.max`` or v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``.
@@ -198,8 +240,9 @@ def cpu_share() -> int:
     taskset's binding left it) are split between the node's ranks (torchrun's
     ``LOCAL_WORLD_SIZE``, or SLURM's ``SLURM_NTASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``,
     whose first node's count stands for this one's), unless a binding already gave
-    it fewer cores than the node has, which is that split made by the launcher. A
-    container's CPU quota (:func:`cgroup_cpus`) is split between the ranks too.
+    it fewer cores than its cgroup's cpuset (:func:`cgroup_cpuset`; else the node) holds,
+    which is that split made by the launcher. A container's CPU quota
+    (:func:`cgroup_cpus`) is split between the ranks too.
     """
     node = os.cpu_count() or 1
     try:
@@ -207,7 +250,8 @@ def cpu_share() -> int:
     except (AttributeError, OSError):  # not on Linux
         mine = node
     ranks = _local_ranks()
-    share = mine if mine < node else mine // ranks
+    shared_by_all = cgroup_cpuset() or node  # what every rank of a container or job may use
+    share = mine if mine < shared_by_all else mine // ranks
     quota = cgroup_cpus()
     if quota is not None:
         share = min(share, quota // ranks)

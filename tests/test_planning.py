@@ -15,7 +15,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dali_zarr.distributed import broadcast_seed, cgroup_cpus, cpu_share, resolve_rank_world
+from dali_zarr.distributed import (
+    broadcast_seed,
+    cgroup_cpus,
+    cgroup_cpuset,
+    cpu_share,
+    resolve_rank_world,
+)
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning import (
     ChunkSampler,
@@ -355,6 +361,7 @@ def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr("os.cpu_count", lambda: 64)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
     monkeypatch.setattr("dali_zarr.distributed.cgroup_cpus", lambda: None)
+    monkeypatch.setattr("dali_zarr.distributed.cgroup_cpuset", lambda: None)
     assert cpu_share() == 64  # one process: the whole node
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2),2")  # 4 tasks on 2 nodes, 2 on one
     assert cpu_share() == 16
@@ -375,6 +382,14 @@ def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
     monkeypatch.setattr("dali_zarr.distributed.cgroup_cpus", lambda: 16)
     assert cpu_share() == 2
+    # docker --cpuset-cpus or a SLURM job cgroup of 32 cores that every rank shares: split it
+    monkeypatch.setattr("dali_zarr.distributed.cgroup_cpus", lambda: None)
+    monkeypatch.setattr("dali_zarr.distributed.cgroup_cpuset", lambda: 32)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)))
+    assert cpu_share() == 4
+    # ... and a rank bound to 6 of them by the launcher keeps its 6
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(6)))
+    assert cpu_share() == 6
 
 
 @pytest.mark.parametrize(
@@ -396,6 +411,28 @@ def test_cgroup_cpus_reads_a_containers_quota(tmp_path, files: dict, cores: int 
     assert cgroup_cpus(str(tmp_path)) == cores
 
 
+@pytest.mark.parametrize(
+    ("files", "proc", "cpus"),
+    [
+        ({"a/b/cpuset.cpus.effective": "0-3,8,10-11\n"}, "0::/a/b\n", 7),  # cgroup v2
+        ({"cpuset/job_7/cpuset.effective_cpus": "4-7\n"}, "3:cpuset:/job_7\n0::/\n", 4),  # v1
+        ({"cpuset/j/cpuset.cpus": "0,2\n"}, "5:cpu,cpuset:/j\n", 2),  # v1, older kernels
+        ({"cpuset/cpuset.effective_cpus": "0-15\n"}, "3:cpuset:/docker/abc\n", 16),  # at root
+        ({}, "0::/\n", None),
+        ({"cpuset.cpus.effective": "garbled"}, "0::/\n", None),
+    ],
+    ids=["v2", "v1", "v1-cpus", "container-root", "absent", "garbled"],
+)
+def test_cgroup_cpuset_counts_the_cpus_of_this_process_cgroup(
+    tmp_path, files: dict, proc: str, cpus: int | None
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    assert cgroup_cpuset(str(tmp_path), str(tmp_path / "proc_cgroup")) == cpus
+
+
 def test_cpu_share_follows_the_real_affinity() -> None:
     """Under ``taskset -c 0`` the process may run on one core, whatever the node has."""
     if shutil.which("taskset") is None:
@@ -408,7 +445,7 @@ def test_cpu_share_follows_the_real_affinity() -> None:
     free = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={**env, "LOCAL_WORLD_SIZE": "2"}, check=True)  # fmt: skip
     mine = len(os.sched_getaffinity(0))
-    split = mine if mine < (os.cpu_count() or 1) else mine // 2  # bound: split made
+    split = mine if mine < (cgroup_cpuset() or os.cpu_count() or 1) else mine // 2  # bound
     quota = cgroup_cpus()  # this machine's container quota, if it has one
     assert free.stdout.strip() == str(max(1, min(split, quota // 2 if quota else split)))
 
