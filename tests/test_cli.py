@@ -507,7 +507,7 @@ def test_suggested_window_is_the_loaders() -> None:
     tiny = suggest(n_obs=100, rows_per_chunk=10, row_bytes=4, batch_size=256)
     assert (tiny.chunk_size, tiny.preload_nchunks, tiny.window_rows) == (40, 7, 256)
     assert not tiny.warning
-    huge = suggest(n_obs=1_000, rows_per_chunk=1, row_bytes=2**30, batch_size=4)
+    huge = suggest(n_obs=1_000, rows_per_chunk=1, row_bytes=2**30, batch_size=64)
     assert huge.window_rows == 0 and "lower batch_size or raise preload_nchunks" in huge.warning
 
 
