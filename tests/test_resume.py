@@ -343,7 +343,9 @@ def test_refuses_other_dataset_or_settings(store, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="one state per rank"):
         _point([state, state], sampler(3, 0))
     with pytest.raises(ConfigError, match="do not belong to one run"):
-        _point([state, {**_state(sampler(2, 1)), "epoch": 2}], s)
+        _point([state, _state(sampler(2, 1), epoch=2)], s)
+    with pytest.raises(ConfigError, match="does not match its epoch and sampler settings"):
+        _point({**state, "epoch": 2}, s)  # an edited state: its order digest is epoch 1's
     # through the Loader: a store of another size (and name) is refused at load time
     other = synthetic.make_single_cell(tmp_path / "other.zarr", n_obs=998, n_features=32)
     ld = loader(store, s)
@@ -353,6 +355,24 @@ def test_refuses_other_dataset_or_settings(store, tmp_path: Path) -> None:
         ConfigError, match=r"name: saved 'sc.zarr/X', now 'other.zarr/X'; dataset n_obs: saved 997"
     ):
         loader(other, s).load_state_dict(real_state)
+
+
+def test_a_numpy_that_permutes_otherwise_is_refused(monkeypatch) -> None:
+    """The state carries a digest of its epoch's chunk order: resumed where NumPy's
+    permutation stream differs, the plan would not be the one the saving run followed."""
+    s = sampler(2, 0)
+    state = _state(s, epoch=3)
+    assert state["numpy"] == np.__version__ and len(state["order"]) == 16
+    assert _point(state, s).start == 2
+    from dali_zarr.planning import resume
+
+    real = resume.global_chunk_order
+    monkeypatch.setattr(resume, "global_chunk_order", lambda n, **kw: real(n, **kw)[::-1])
+    monkeypatch.setattr(np, "__version__", "9.0.0")
+    with pytest.raises(ConfigError, match=r"epoch 3's chunk order .* \(NumPy .* then, 9\.0\.0 now"):
+        _point(state, s)
+    legacy = {k: v for k, v in state.items() if k not in ("order", "numpy")}
+    assert _point(legacy, s).start == 2  # states saved before the digest: not checked
 
 
 def test_one_state_of_uneven_ranks() -> None:

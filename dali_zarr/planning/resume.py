@@ -37,6 +37,7 @@ one window per old rank; a same-size resume costs one plan, like any epoch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,7 @@ import numpy as np
 
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning.partition import (
+    global_chunk_order,
     offsets_of,
     rank_bounds,
     slice_ranges,
@@ -353,6 +355,7 @@ def make_state(
     **extra: Any,
 ) -> dict[str, Any]:
     """A loader state: plain Python values (plus whatever ``extra`` carries)."""
+    order = order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=int(epoch))
     return {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
@@ -364,8 +367,19 @@ def make_state(
         "history": [seg.as_dict() for seg in history],
         "sampler": settings.as_dict(),
         "dataset": dict(dataset),
+        "order": order,
+        "numpy": np.__version__,
         **extra,
     }
+
+
+def order_digest(settings: PlanSettings, *, n_obs: int, epoch: int) -> str:
+    """A short digest of ``epoch``'s global chunk order. NumPy does not promise the same
+    permutation stream across versions: a run resumed under a NumPy that permutes otherwise
+    would plan other batches and deliver rows twice or never, so the digest is checked."""
+    n_chunks = -(-n_obs // settings.chunk_size)
+    order = global_chunk_order(n_chunks, seed=settings.seed, epoch=epoch, shuffle=settings.shuffle)
+    return hashlib.blake2b(order.astype("<i8").tobytes(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -425,6 +439,25 @@ def _check_state(
             "sampler settings: " + "; ".join(diffs) + ". Resume with the same dataset and "
             "sampler settings (only the number of ranks may change)" + hint
         )
+    epoch = state["epoch"]
+    if "order" in state and isinstance(epoch, int) and epoch >= 0:  # states of 2026-11-25 on
+        here = order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=epoch)
+        then = state.get("numpy")
+        if state["order"] != here and then == np.__version__:
+            raise ConfigError(
+                "cannot resume: the state's chunk order digest does not match its epoch and "
+                "sampler settings; it was edited, or saved by another dali_zarr. Pass the "
+                "dict Loader.state_dict() returned, unchanged."
+            )
+        if state["order"] != here:
+            raise ConfigError(
+                f"cannot resume: epoch {epoch}'s chunk order computed here differs from the "
+                f"one the saving run used (NumPy {then} then, {np.__version__} now: its "
+                "permutation stream changed), so the resumed epoch would deliver rows twice "
+                "or not at all. Resume with the NumPy version that saved the state, or leave "
+                f"the state out and run epoch {epoch} from its start "
+                f"(loader.set_epoch({epoch}))."
+            )
     return state
 
 
