@@ -462,8 +462,8 @@ def bench_summary(s: dict[str, Any]) -> str:
     kind = "sparse CSR" if s["output"] == "csr" else "dense float32"
     return "\n".join(
         [
-            f"bench {' + '.join(s['paths'])}: {s['batches']} batches of {s['batch_size']} rows "
-            f"after {s['warmup_batches']} warm-up batches",
+            f"bench {' + '.join(s['paths'])}: {s['batches']} batches ({s['rows']:,} rows, "
+            f"batch_size {s['batch_size']}) after {s['warmup_batches']} warm-up batches",
             f"  settings: output={s['output']}, chunk_size={s['chunk_size']}, "
             f"preload_nchunks={s['preload_nchunks']}, num_threads={s['num_threads']} "
             f"({s['n_obs']:,} observations)",

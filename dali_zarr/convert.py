@@ -227,7 +227,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
     for part in ("data", "indices", "indptr"):
         if part not in x or not is_array(x[part]):
             raise DatasetError(f"{where}: csr_matrix group has no array {part!r}; re-write it.")
-    shape = x.attrs.get("shape")
+    shape = x.attrs.get("shape", x.attrs.get("h5sparse_shape"))  # anndata < 0.7: h5sparse
     if shape is None or len(shape) != 2:
         raise DatasetError(f"{where}: csr_matrix group has no valid 'shape' attribute.")
     n_obs, n_features = (int(s) for s in shape)
@@ -487,9 +487,18 @@ def _combined_obs(inputs: Sequence[_Input]):
     for c in common:
         parts = [f[c] for f in frames]
         if all(isinstance(p.dtype, pd.CategoricalDtype) for p in parts):
-            columns[c] = pd.api.types.union_categoricals(parts, ignore_order=True)
-        else:
-            columns[c] = pd.concat(parts, ignore_index=True).to_numpy()
+            # one order kept where every input has the same ordered categories
+            same = all(p.dtype == parts[0].dtype for p in parts) and parts[0].cat.ordered
+            try:
+                columns[c] = pd.api.types.union_categoricals(parts, ignore_order=not same)
+            except TypeError as e:  # categories of different dtypes (ints here, text there)
+                raise DatasetError(
+                    f"obs column {c!r}: its categories have different types in "
+                    f"{', '.join(i.path for i in inputs)} ({e}); make them the same type "
+                    "(e.g. text everywhere) before converting."
+                ) from None
+        else:  # kept as pandas arrays: nullable integers and booleans stay nullable
+            columns[c] = pd.concat(parts, ignore_index=True).array
     index = pd.Index(np.concatenate([np.asarray(f.index, dtype=object) for f in frames]))
     return pd.DataFrame(columns, index=index.astype(str)), dropped
 
@@ -660,6 +669,25 @@ class _Plan:
     shuffle: dict[str, int] | None
 
 
+def _common_dtype(inputs: Sequence[_Input]) -> np.dtype:
+    """The dtype every input's values fit in. NumPy promotes int64 with uint64 (or with any
+    float) to float64, which rounds integers past 2**53: refused rather than written."""
+    dtypes = [np.dtype(inp.dtype) for inp in inputs]
+    dtype = np.result_type(*dtypes)
+    if dtype.kind == "f":
+        mantissa = np.finfo(dtype).nmant + 1
+        wide = [(i, d) for i, d in zip(inputs, dtypes, strict=True)
+                if d.kind in "iu" and 8 * d.itemsize - (d.kind == "i") > mantissa]  # fmt: skip
+        if wide:
+            names = ", ".join(f"{i.path} ({d})" for i, d in wide)
+            raise DatasetError(
+                f"the inputs' values have no common dtype that keeps them exact: {names} "
+                f"would become {dtype}, which rounds integers above 2**{mantissa}. Convert "
+                "the inputs to one dtype first."
+            )
+    return dtype
+
+
 def _plan(
     inputs: Sequence[_Input],
     *,
@@ -673,7 +701,7 @@ def _plan(
     if n_obs == 0:
         raise DatasetError(f"{', '.join(i.path for i in inputs)}: no rows; nothing to convert.")
     first = inputs[0]
-    dtype = np.result_type(*[inp.dtype for inp in inputs])
+    dtype = _common_dtype(inputs)
     nnz = index_dtype = None
     if first.layout == "csr":
         nnz = sum(inp.nnz for inp in inputs)

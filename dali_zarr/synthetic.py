@@ -91,7 +91,9 @@ def single_cell_counts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(data, indices, indptr, labels): negative-binomial counts, marker genes per type."""
     rng = np.random.default_rng(seed)
-    labels = rng.integers(0, n_types, size=n_obs).astype(np.int8)
+    if not 1 <= n_types <= n_features:
+        raise ValueError(f"n_types={n_types}: need 1 <= n_types <= n_features={n_features}")
+    labels = rng.integers(0, n_types, size=n_obs).astype(np.min_scalar_type(-n_types))
     markers = rng.permutation(n_features)[: n_types * max(1, n_features // (4 * n_types))]
     markers = markers.reshape(n_types, -1)
     block = max(1, min(n_obs, 2_000_000 // max(1, n_features)))

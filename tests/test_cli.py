@@ -593,3 +593,77 @@ def test_suggestion_for_collections_and_subsets(tmp_path, sc_store) -> None:
     quarter = dataset_suggestion(dz.Subset(whole, np.arange(0, 1_000, 4)), batch_size=64)
     assert quarter.rows_per_store_chunk == 10  # a store chunk holds 10 of the subset's rows
     assert quarter.chunk_size == 40 and quarter.read_amplification == 1.25
+
+
+def test_concatenated_obs_keeps_nullable_and_ordered_columns(tmp_path, capsys):
+    """Several inputs: nullable integers and booleans stay nullable (they became float64
+    and the text '<NA>'), one order of an ordered categorical is kept; categories of
+    different types are refused in one line."""
+    import anndata as ad
+    import pandas as pd
+
+    def write(name, n, obs):
+        x = sp.random(n, 5, density=0.4, format="csr", dtype=np.float32, random_state=n)
+        index = [f"{name}{i}" for i in range(n)]
+        adata = ad.AnnData(
+            x, obs=pd.DataFrame(obs, index=index), var=pd.DataFrame(index=list("abcde"))
+        )
+        adata.write_h5ad(tmp_path / f"{name}.h5ad")
+        return adata
+
+    ordered = pd.CategoricalDtype(["lo", "hi"], ordered=True)
+    a = write("a", 3, {"n": pd.array([2**62 + 1, None, 5], dtype="Int64"),
+                       "b": pd.array([True, None, False], dtype="boolean"),
+                       "o": pd.Categorical(["lo", "hi", "lo"], dtype=ordered)})  # fmt: skip
+    b = write("b", 2, {"n": pd.array([1, 2], dtype="Int64"),
+                       "b": pd.array([True, True], dtype="boolean"),
+                       "o": pd.Categorical(["hi", "lo"], dtype=ordered)})  # fmt: skip
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "b.h5ad", tmp_path / "ab.zarr", "-q") == 0
+    got, want = ad.read_zarr(tmp_path / "ab.zarr").obs, ad.concat([a, b]).obs
+    for column in ("n", "b", "o"):
+        assert got[column].dtype == want[column].dtype, column
+        pd.testing.assert_series_equal(got[column], want[column], check_index=False)
+    a.obs = pd.DataFrame({"batch": pd.Categorical([1, 1, 2])}, index=a.obs_names)
+    b.obs = pd.DataFrame({"batch": pd.Categorical(["x", "y"])}, index=b.obs_names)
+    a.write_h5ad(tmp_path / "a2.h5ad")
+    b.write_h5ad(tmp_path / "b2.h5ad")
+    assert run("convert", tmp_path / "a2.h5ad", tmp_path / "b2.h5ad", tmp_path / "x.zarr") == 2
+    assert "obs column 'batch': its categories have different types" in one_line_error(capsys)
+
+
+def test_inputs_without_a_dtype_that_keeps_them_exact_are_refused(tmp_path, capsys):
+    """uint64 beside int64 promotes to float64, which rounds 2**63 + 1: refused."""
+    for name, values in {"u": np.array([2**63 + 1, 2**64 - 1], np.uint64),
+                         "i": np.array([2**62 + 1, -3], np.int64)}.items():  # fmt: skip
+        zarr.create_array(tmp_path / f"{name}.zarr", data=values.reshape(2, 1), chunks=(1, 1))
+    assert run("convert", tmp_path / "u.zarr", tmp_path / "i.zarr", tmp_path / "ui.zarr") == 2
+    err = one_line_error(capsys)
+    assert "u.zarr (uint64)" in err and "would become float64" in err
+    assert not (tmp_path / "ui.zarr").exists()
+
+
+def test_legacy_h5sparse_x_converts(tmp_path):
+    """anndata before 0.7 wrote sparse X with h5sparse_format / h5sparse_shape attributes."""
+    import anndata as ad
+    import h5py
+
+    x = sp.random(20, 17, density=0.3, format="csr", dtype=np.float32, random_state=4)
+    ad.AnnData(x).write_h5ad(tmp_path / "legacy.h5ad")
+    with h5py.File(tmp_path / "legacy.h5ad", "r+") as f:
+        attrs = f["X"].attrs
+        shape = list(attrs["shape"])
+        for key in list(attrs):
+            del attrs[key]
+        attrs["h5sparse_format"], attrs["h5sparse_shape"] = "csr", shape
+    assert run("convert", tmp_path / "legacy.h5ad", tmp_path / "out.zarr", "-q") == 0
+    assert (x != ad.read_zarr(tmp_path / "out.zarr").X).nnz == 0
+
+
+def test_synthetic_labels_fit_any_number_of_types(tmp_path):
+    import anndata as ad
+
+    path = synthetic.make_single_cell(tmp_path / "t.zarr", n_obs=300, n_features=400, n_types=200)
+    obs = ad.read_zarr(path).obs
+    assert obs["cell_type"].notna().all() and obs["cell_type"].cat.categories.size == 200
+    with pytest.raises(ValueError, match="n_types=8: need 1 <= n_types <= n_features=4"):
+        synthetic.make_single_cell(tmp_path / "u.zarr", n_obs=10, n_features=4, n_types=8)
