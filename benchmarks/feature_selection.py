@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preload-nchunks", type=int, default=16)
     p.add_argument("--batches", type=int, default=60, help="timed batches per repetition")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--store", default="runs/bench/feature_selection.zarr")
+    p.add_argument("--store", default=None, help="default: runs/bench/feature_selection-CxG-D.zarr")
     p.add_argument("--json", default="", help="write the figures here")
     return p.parse_args(argv)
 
@@ -66,7 +66,9 @@ def _forever(loader: dz.Loader):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    store = Path(args.store)
+    # the store's shape in its name: a cached store of other sizes is never reused
+    default = f"runs/bench/feature_selection-{args.cells}x{args.genes}-{args.density}.zarr"
+    store = Path(args.store or default)
     if not store.exists():
         print(f"writing {args.cells} x {args.genes} store {store} ...", file=sys.stderr)
         synthetic.make_single_cell(

@@ -852,10 +852,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     print("\n".join(md))
-    log(
-        f"\nwrote {out / 'throughput.md'}, {out / 'throughput.png'}, {out / 'throughput.json'} "
-        f"in {(time.perf_counter() - t0) / 60:.1f} min"
-    )
+    written = [out / "throughput.md", out / "throughput.json"]
+    written += [out / "throughput.png"] if note is None else []  # no chart without matplotlib
+    log(f"\nwrote {', '.join(map(str, written))} in {(time.perf_counter() - t0) / 60:.1f} min")
 
 
 if __name__ == "__main__":

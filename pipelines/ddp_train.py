@@ -99,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         dist_info="torch",
     )
     loader = dz.Loader(dataset, sampler, device=args.device, device_id=local_rank, obs=[args.label])
-    n_classes = len(loader.categories(args.label) or ()) or 2
+    categories = loader.categories(args.label)
+    if not categories:
+        raise SystemExit(
+            f"--label {args.label!r}: the classifier needs a categorical obs column (its codes "
+            "are the classes); this one is numeric. Pick a categorical column."
+        )
+    n_classes = len(categories)
     if rank == 0:
         print(
             f"[rank 0] {dataset}; chunk_size {chunk_size}, preload_nchunks {preload_nchunks}; "

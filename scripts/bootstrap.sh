@@ -4,11 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+stamp=.venv/.dali_zarr-installed
+# A .venv whose python no longer runs (its interpreter was upgraded or removed) is made
+# anew: the stamp alone would skip the install and leave an empty environment.
+if [ -e .venv ] && ! .venv/bin/python -c "" > /dev/null 2>&1; then
+  echo "bootstrap: .venv/bin/python does not run; re-creating .venv" >&2
+  rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-stamp=.venv/.dali_zarr-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
+  || ! .venv/bin/python -c "import dali_zarr, torch, nvidia.dali" > /dev/null 2>&1; then
   # The install takes ~3 GB in .venv (DALI with its nvCOMP/nvJPEG libraries ~1 GB, torch
   # ~0.75 GB, JAX, scipy, ...) plus pip's unpacking room. Say so up front: on a full disk pip
   # only reports "[Errno 28] No space left on device" part way through.

@@ -4,8 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-nproc_per_node=${1:-2}
-shift || true
+nproc_per_node=2
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then  # NPROC is optional: flags may come first
+  nproc_per_node=$1
+  shift
+fi
 mkdir -p runs
 exec .venv/bin/torchrun --standalone --nproc_per_node="$nproc_per_node" \
   pipelines/ddp_train.py --data runs/demo.zarr --generate "$@"

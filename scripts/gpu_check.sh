@@ -61,11 +61,17 @@ case "$step" in
     # Three more dali_zarr rows: the cells as a collection of 14 stores (Tahoe-100M's plates),
     # a 1,000-gene panel, and the 14 stores each under its own panel map (stores written
     # with other gene orders), all read by byte plans (DZ_STORES=1 DZ_PANEL=0 drop them).
+    # an earlier run's results must not travel back as this one's
+    rm -f "$bench"/gpu_throughput.json "$bench"/gpu_throughput.png
     python3 benchmarks/gpu_throughput.py --cells "${DZ_CELLS:-400000}" --genes 20000 \
       --nnz-per-cell 2000 --batches "${DZ_BATCHES:-200}" --out "$bench" \
       --stores "${DZ_STORES:-14}" --panel "${DZ_PANEL:-1000}" ${DZ_BENCH_ARGS:-} 2>&1 \
       | tee "$out/gpu_throughput.txt"
-    cp "$bench"/gpu_throughput.json "$bench"/gpu_throughput.png "$out"/ 2>/dev/null
+    status=$?  # the benchmark's (pipefail), not the copies'
+    for f in gpu_throughput.json gpu_throughput.png; do  # no PNG without matplotlib
+      [ -f "$bench/$f" ] && cp "$bench/$f" "$out"/
+    done
+    exit "$status"
     ;;
   profile)
     python3 benchmarks/gpu_profile.py --cells "${DZ_CELLS:-400000}" --genes 20000 \

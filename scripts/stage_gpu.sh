@@ -47,14 +47,20 @@ cat >.gpu/install.sh <<EOF
 #!/usr/bin/env bash
 # Source this on the GPU machine: joins the $n parts once, installs into ~/dz/site, sets PYTHONPATH.
 root=\${DZ_ROOT:-\$HOME/dz}
-if [ ! -f \$root/site/.ok ]; then
-  have=\$(ls \$root/part* 2>/dev/null | wc -l)
+if [ ! -f "\$root/site/.ok" ]; then
+  have=\$(ls "\$root"/part* 2>/dev/null | wc -l)
   [ "\$have" = "$n" ] || { echo "have \$have of $n parts: the machine went back between calls; start again"; return 3 2>/dev/null || exit 3; }
-  rm -rf \$root/payload \$root/site && mkdir -p \$root/payload \$root/site
-  cat \$root/part* | tar -x -C \$root/payload
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target \$root/site \$root/payload/wheels/*.whl
-  xz -d <\$root/payload/dali.tar.xz | tar -x -C \$root/site
-  rm -rf \$root/payload \$root/part* && touch \$root/site/.ok
+  rm -rf "\$root/payload" "\$root/site" && mkdir -p "\$root/payload" "\$root/site"
+  # every step must succeed before .ok is written: a failed install marked good would be
+  # skipped by every later call on this machine
+  if cat "\$root"/part* | tar -x -C "\$root/payload" \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "\$root/site" "\$root"/payload/wheels/*.whl \
+    && xz -d <"\$root/payload/dali.tar.xz" | tar -x -C "\$root/site"; then
+    rm -rf "\$root/payload" "\$root"/part* && touch "\$root/site/.ok"
+  else
+    echo "staging failed (see above); the parts are kept: source .gpu/install.sh again"
+    return 4 2>/dev/null || exit 4
+  fi
 fi
 export PYTHONPATH=\$root/site:\$PWD\${PYTHONPATH:+:\$PYTHONPATH}
 python3 -c "import nvidia.dali as d, kvikio, nvidia.nvcomp as n, zarr; print('staged: DALI', d.__version__, 'kvikio', kvikio.__version__, 'nvCOMP', n.__version__, 'zarr', zarr.__version__)"

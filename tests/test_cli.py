@@ -667,3 +667,27 @@ def test_synthetic_labels_fit_any_number_of_types(tmp_path):
     assert obs["cell_type"].notna().all() and obs["cell_type"].cat.categories.size == 200
     with pytest.raises(ValueError, match="n_types=8: need 1 <= n_types <= n_features=4"):
         synthetic.make_single_cell(tmp_path / "u.zarr", n_obs=10, n_features=4, n_types=8)
+
+
+def test_synthetic_stores_appear_whole_or_not_at_all(tmp_path, monkeypatch):
+    """An interrupted write leaves nothing at the path (the demo's --generate then writes
+    it again, where it used to fail on the half store); a killed writer's partial is
+    cleaned up by the next write."""
+    path = tmp_path / "s.zarr"
+    real = synthetic._write_single_cell
+
+    def interrupted(partial, *args, **kw):
+        real(partial, *args, **kw)
+        raise KeyboardInterrupt  # after X, obs and var were written
+
+    monkeypatch.setattr(synthetic, "_write_single_cell", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        synthetic.make_single_cell(path, n_obs=50, n_features=10)
+    assert not path.exists() and not list(tmp_path.iterdir())
+    monkeypatch.setattr(synthetic, "_write_single_cell", real)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    (tmp_path / f"s.zarr.partial-{dead}" / "X").mkdir(parents=True)  # a killed writer's
+    synthetic.make_single_cell(path, n_obs=50, n_features=10)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+    assert dz.open_dataset(path).n_obs == 50
