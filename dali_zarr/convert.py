@@ -21,6 +21,7 @@ the stale ``DST.partial``.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import shutil
@@ -28,7 +29,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import IO, Any, Literal
 
 import numpy as np
 import zarr
@@ -521,7 +522,9 @@ def _check_var(inputs: Sequence[_Input]):
 # ---------------------------------------------------------------------------- convert
 
 
-def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> str:
+def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> tuple[str, IO[str]]:
+    """``DST.partial`` made (a stale one of an interrupted run removed) and its marker file,
+    locked for this run: a second convert to the same destination is refused, not merged."""
     dest = os.path.normpath(dest)
     parent = os.path.dirname(os.path.abspath(dest))
     if not os.path.isdir(parent):
@@ -538,17 +541,39 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
             f"{dest}: already exists; pass overwrite=True (--overwrite) to replace it."
         )
     partial = dest + ".partial"
+    busy = ConfigError(
+        f"{partial}: another dali-zarr convert is writing this destination now; wait for it "
+        "to finish, or choose another destination."
+    )
     if os.path.lexists(partial):
         if not os.path.exists(os.path.join(partial, _MARKER)):
             raise ConfigError(
                 f"{partial}: exists but was not left by an interrupted dali-zarr convert; "
                 "remove it or choose another destination."
             )
+        with open(os.path.join(partial, _MARKER), "a") as f:
+            if not _try_lock(f):  # its writer holds the lock for as long as it runs
+                raise busy
         shutil.rmtree(partial)  # a stale, half-written result of an interrupted run
-    os.makedirs(partial)
-    with open(os.path.join(partial, _MARKER), "w") as f:
-        f.write("an unfinished dali-zarr convert; safe to delete\n")
-    return partial
+    try:
+        os.makedirs(partial)
+    except FileExistsError:  # another convert made it since the check above
+        raise busy from None
+    lock = open(os.path.join(partial, _MARKER), "w")  # noqa: SIM115 (held past this call)
+    _try_lock(lock)  # held until the store is published or removed (the process ends)
+    lock.write("an unfinished dali-zarr convert; safe to delete once no convert runs\n")
+    lock.flush()
+    return partial, lock
+
+
+def _try_lock(f: IO[str]) -> bool:
+    """An exclusive lock on ``f``'s file, without waiting: False where another process holds
+    it (a convert that is still writing)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _publish(partial: str, dest: str) -> None:
@@ -856,7 +881,7 @@ def _convert(
     if first.anndata:  # read (and check) before touching the file system
         obs, dropped = _combined_obs(inputs)
         var = _check_var(inputs)
-    partial = _prepare_destination(dest, [i.path for i in inputs], overwrite)
+    partial, lock = _prepare_destination(dest, [i.path for i in inputs], overwrite)
     notes = [n for n in (_shuffle_note(inputs, plan),) if n]
     obs_columns: tuple[str, ...] = ()
     try:
@@ -901,6 +926,8 @@ def _convert(
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
+    finally:
+        lock.close()
     return ConvertResult(
         path=dest,
         anndata=first.anndata,

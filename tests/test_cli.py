@@ -691,3 +691,22 @@ def test_synthetic_stores_appear_whole_or_not_at_all(tmp_path, monkeypatch):
     synthetic.make_single_cell(path, n_obs=50, n_features=10)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
     assert dz.open_dataset(path).n_obs == 50
+
+
+def test_a_second_convert_to_a_destination_being_written_is_refused(tmp_path):
+    """Each convert locks its DST.partial: a second one used to take the first's live partial
+    for a stale one, delete it and write into it, and the first then published a store of
+    rows from both (and rows from neither)."""
+    from dali_zarr.convert import _prepare_destination
+
+    src = tmp_path / "a.zarr"
+    zarr.create_array(src, data=np.arange(40, dtype=np.float32).reshape(20, 2), chunks=(5, 2))
+    dest = str(tmp_path / "out.zarr")
+    partial, lock = _prepare_destination(dest, [str(src)], overwrite=False)  # a convert running
+    with pytest.raises(dz.ConfigError, match="another dali-zarr convert is writing"):
+        convert(src, dest)
+    assert os.path.isdir(partial)  # the running convert's work is left alone
+    lock.close()  # that convert was killed: its partial is stale now
+    convert(src, dest)
+    np.testing.assert_array_equal(zarr.open_array(dest)[...], zarr.open_array(src)[...])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "out.zarr"]
