@@ -22,12 +22,13 @@ the stale ``DST.partial``.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import math
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Literal
 
@@ -115,10 +116,20 @@ def _windows(
         yield ranges, np.random.default_rng([seed, 1, w]).permutation(n_rows)
 
 
-def output_permutation(n_obs: int, *, seed: int, piece_rows: int, window_pieces: int) -> np.ndarray:
+def output_permutation(
+    n_obs: int,
+    *,
+    seed: int,
+    piece_rows: int,
+    window_pieces: int,
+    digest: str | None = None,
+    numpy: str | None = None,
+) -> np.ndarray:
     """Input row of every output row of a shuffled conversion: ``out[i] = in[perm[i]]``.
 
-    Takes the ``shuffle`` entry of the output's ``dali_zarr`` attribute as keywords. A
+    Takes the ``shuffle`` entry of the output's ``dali_zarr`` attribute as keywords; its
+    ``digest`` (of the order the store was written in) is checked: NumPy does not promise
+    its permutation stream across versions, and another order would map rows wrongly. A
     uniform permutation of n rows needs random access to all of them; to stream with bounded
     memory the converter shuffles in two levels instead: the input (concatenated inputs) is
     cut into pieces of ``piece_rows`` consecutive rows, the pieces are put in a random order,
@@ -126,11 +137,31 @@ def output_permutation(n_obs: int, *, seed: int, piece_rows: int, window_pieces:
     permuted uniformly. Rows of one input piece thus land in one window of output rows.
     """
     shuffle = {"seed": seed, "piece_rows": piece_rows, "window_pieces": window_pieces}
-    parts = []
-    for ranges, perm in _windows(n_obs, block_rows=piece_rows * window_pieces, shuffle=shuffle):
+    parts = list(_output_rows(n_obs, shuffle))
+    order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    if digest is not None and _digest(parts) != digest:
+        raise DatasetError(
+            f"the shuffled order recomputed here differs from the one the store was written "
+            f"in (NumPy {numpy} then, {np.__version__} now: its permutation stream changed), "
+            "so it would map rows to the wrong input rows. Recompute it under the NumPy "
+            "version that wrote the store."
+        )
+    return order
+
+
+def _output_rows(n_obs: int, shuffle: dict[str, int]) -> Iterator[np.ndarray]:
+    """The input rows of each block of output rows, in order (bounded memory)."""
+    block_rows = shuffle["piece_rows"] * shuffle["window_pieces"]
+    for ranges, perm in _windows(n_obs, block_rows=block_rows, shuffle=shuffle):
         rows = ranges_to_rows(np.asarray(ranges))
-        parts.append(rows if perm is None else rows[perm])
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        yield rows if perm is None else rows[perm]
+
+
+def _digest(blocks: Iterable[np.ndarray]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for rows in blocks:
+        h.update(np.ascontiguousarray(rows, dtype="<i8").tobytes())
+    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -901,7 +932,12 @@ def _convert(
                 "chunk_elements": out.chunk_elements,
                 "codec": codec,
                 "element": first.element,
-                "shuffle": plan.shuffle,
+                "shuffle": plan.shuffle
+                and {  # the order written, to check it is recomputed
+                    **plan.shuffle,
+                    "digest": _digest(_output_rows(plan.n_obs, plan.shuffle)),
+                    "numpy": np.__version__,
+                },
                 "shuffle_method": SHUFFLE_METHOD if plan.shuffle else None,
             }
             if lengths is not None:
@@ -940,7 +976,7 @@ def _convert(
         chunk_elements=out.chunk_elements,
         shard_chunks=out.shard_chunks,
         codec=codec,
-        shuffle=plan.shuffle,
+        shuffle=info["shuffle"],
         block_rows=plan.block_rows,
         n_blocks=n_blocks,
         obs_columns=obs_columns,

@@ -195,8 +195,15 @@ def test_shuffle_is_a_recorded_permutation(tmp_path, h5ad_file):
     perm = back.obs["original_index"].to_numpy()
     assert sorted(perm) == list(range(700)) and not np.array_equal(perm, np.arange(700))
     info = zarr.open_group(dst, mode="r").attrs["dali_zarr"]
-    assert info["shuffle"] == {"seed": 7, "piece_rows": 25, "window_pieces": 4}
+    settings = {k: info["shuffle"][k] for k in ("seed", "piece_rows", "window_pieces")}
+    assert settings == {"seed": 7, "piece_rows": 25, "window_pieces": 4}
+    assert info["shuffle"]["numpy"] == np.__version__ and len(info["shuffle"]["digest"]) == 16
     np.testing.assert_array_equal(perm, output_permutation(700, **info["shuffle"]))
+    np.testing.assert_array_equal(perm, output_permutation(700, **settings))
+    # an order recomputed otherwise (a NumPy whose permutation stream changed) is refused
+    other = {**info["shuffle"], "digest": "0" * 16, "numpy": "1.0"}
+    with pytest.raises(dz.DatasetError, match=r"NumPy 1\.0 then, .* now: its permutation"):
+        output_permutation(700, **other)
     np.testing.assert_array_equal(back.X.toarray(), adata.X.toarray()[perm])
     np.testing.assert_array_equal(loader_rows(dst), adata.X.toarray()[perm])
     assert_same_obs(back.obs, adata.obs.iloc[perm])
