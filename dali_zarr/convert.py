@@ -607,8 +607,13 @@ def _try_lock(f: IO[str]) -> bool:
     return True
 
 
-def _publish(partial: str, dest: str) -> None:
+def _publish(partial: str, dest: str, overwrite: bool) -> None:
     """Move the finished store into place; an existing ``dest`` (overwrite) goes last."""
+    if os.path.lexists(dest) and not overwrite:  # it appeared while we converted
+        raise ConfigError(
+            f"{dest}: was created while this convert ran; pass overwrite=True (--overwrite) "
+            "to replace it."
+        )
     os.remove(os.path.join(partial, _MARKER))
     old = None
     if os.path.lexists(dest):
@@ -958,7 +963,7 @@ def _convert(
             else:
                 out.writers["X"].array.attrs.update({"dali_zarr": info})
         nbytes = _dir_bytes(partial)
-        _publish(partial, dest)
+        _publish(partial, dest, overwrite)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

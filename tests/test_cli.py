@@ -717,3 +717,19 @@ def test_a_second_convert_to_a_destination_being_written_is_refused(tmp_path):
     convert(src, dest)
     np.testing.assert_array_equal(zarr.open_array(dest)[...], zarr.open_array(src)[...])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "out.zarr"]
+
+
+def test_a_destination_created_during_the_convert_is_kept(tmp_path):
+    """Without overwrite, a DST that appears while the convert runs is not replaced."""
+    src = tmp_path / "a.zarr"
+    zarr.create_array(src, data=np.arange(40, dtype=np.float32).reshape(20, 2), chunks=(5, 2))
+    dest = tmp_path / "out.zarr"
+
+    def someone_else_writes_dest(done: int, total: int) -> None:
+        dest.mkdir(exist_ok=True)
+        (dest / "theirs").write_text("keep me")
+
+    with pytest.raises(dz.ConfigError, match="was created while this convert ran"):
+        convert(src, dest, progress=someone_else_writes_dest)
+    assert (dest / "theirs").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "out.zarr"]
