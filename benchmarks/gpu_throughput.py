@@ -217,7 +217,9 @@ def open_benchmark_dataset(
         ]
         if per_store_panels:
             blocks = [dz.FeatureSubset(b, np.roll(genes, i)) for i, b in enumerate(blocks)]
-        dataset = dz.Collection(blocks)
+        # one store stands for stores of other gene orders: its rolled panels are stacked by
+        # position, as name-mapped panels of such stores would be
+        dataset = dz.Collection(blocks, check_var_names=not per_store_panels)
     if panel and not per_store_panels:
         dataset = dz.FeatureSubset(dataset, genes)
     return dataset

@@ -124,8 +124,11 @@ def test_gpu_path_selects_features_of_collections_and_dense_stores(
         kept = f"{dataset.n_features} of {30 if dataset.layout == 'dense' else N_VARS} features"
         assert all(kept in p for p in paths.values()), paths
         assert assert_same_batches(cpu, gpu, epochs=(0, 1), where=where) == 2 * len(cpu) > 0
-    # panels keeping different columns: each store's ids mapped as the window is read
-    unlike = dz.Collection([panels[0], dz.open_dataset(second, features=PANEL[::-1])])
+    # panels keeping different columns (a store of another gene order): each store's ids
+    # mapped as the window is read
+    reversed_genes = tmp_path / "reversed.zarr"
+    make_adata(3, n_obs=57)[:, ::-1].copy().write_zarr(reversed_genes)
+    unlike = dz.open_dataset([path, reversed_genes], features=[f"g{j}" for j in PANEL])
     cpu, gpu = both(unlike, where, return_index=True)
     paths = gpu.read_paths()
     assert all(
@@ -200,7 +203,7 @@ def test_gpu_path_maps_each_stores_panel(rich, tmp_path: Path, where: str) -> No
     names = [f"g{j}" for j in PANEL]
     joined = dz.open_dataset([path, other_path], features=names)
     narrow = tmp_path / "narrow.zarr"  # a store of exactly the panel's genes, read whole
-    small = make_adata(7, n_obs=23)[:, names[::-1]]
+    small = make_adata(7, n_obs=23)[:, names]  # in the panel's order: its columns are its genes
     ad.AnnData(X=small.X, obs=small.obs, var=small.var).write_zarr(narrow)
     mixed = dz.Collection([joined, dz.open_dataset(narrow)])
     cases = (
@@ -264,10 +267,12 @@ def test_store_runs_carry_each_panel(rich, tmp_path: Path) -> None:
     path, _ = rich
     other_path, _ = _reordered_store(tmp_path, 8, 45)
     base = dz.open_dataset(path)
-    joined = dz.open_dataset([path, other_path], features=[f"g{j}" for j in PANEL])
+    names = [f"g{j}" for j in PANEL]
+    joined = dz.open_dataset([path, other_path], features=names)
     datasets = [
         dz.Subset(dz.FeatureSubset(base, PANEL), np.arange(0, N_OBS, 5)),
-        dz.Collection([dz.FeatureSubset(base, PANEL), dz.FeatureSubset(base, PANEL[::-1])]),
+        # the same genes kept from a store of another gene order: other stored columns
+        dz.Collection([dz.FeatureSubset(base, PANEL), dz.open_dataset(other_path, features=names)]),
         dz.FeatureSubset(dz.Subset(joined, np.arange(3, N_OBS + 45, 2)), [5, 1, 2]),
         dz.Collection([joined, dz.FeatureSubset(base, PANEL)]),
     ]
@@ -329,9 +334,14 @@ def test_collections_select_by_each_stores_names(tmp_path: Path) -> None:
     second.write_zarr(b)
     with pytest.raises(dz.DatasetError, match=r"of .*b.zarr/X: 1 name\(s\) not in .* 'g5'"):
         dz.open_dataset([a, b], features=["g5"])
+    # stores naming other genes at one position do not join (ids would mix genes), unless
+    # asked: the same genes under other names, stacked by position
     with pytest.raises(dz.DatasetError, match=r"b.zarr/X names feature 0 'h0' but a.zarr/X"):
-        dz.FeatureSubset(dz.open_dataset([a, b]), ["g5"])
-    assert dz.open_dataset([a, b], features=[5]).n_features == 1  # ids need no names
+        dz.open_dataset([a, b])
+    with pytest.raises(dz.DatasetError, match=r"names feature 0 'h0'.*check_var_names=False"):
+        dz.open_dataset([a, b], features=[5])
+    stacked = dz.Collection([dz.open_dataset(a), dz.open_dataset(b)], check_var_names=False)
+    assert dz.FeatureSubset(stacked, [5]).n_features == 1 and stacked.var_names() is None
 
 
 def test_bad_selections_say_what_to_change(rich, tmp_path: Path) -> None:

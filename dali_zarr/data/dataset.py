@@ -357,7 +357,10 @@ def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
 class Collection(Dataset):
     """Several datasets with the same feature axis, concatenated along observations."""
 
-    def __init__(self, parts: Sequence[Dataset]) -> None:
+    def __init__(self, parts: Sequence[Dataset], *, check_var_names: bool = True) -> None:
+        """``check_var_names``: refuse parts whose var names differ (their columns would be
+        other genes); ``False`` stacks them by position, for stores that name the same
+        genes otherwise (Ensembl ids here, symbols there)."""
         if not parts:
             raise DatasetError("an empty list of stores is not a dataset.")
         first = parts[0]
@@ -382,6 +385,10 @@ class Collection(Dataset):
         self.offsets = np.cumsum([0] + [p.n_obs for p in parts]).astype(np.int64)
         self.n_obs = int(self.offsets[-1])
         self._columns: dict[str, ObsColumn] = {}
+        self._check_var_names = check_var_names
+        # stores whose var names differ would put other genes in one column: refused here,
+        # not only when features are selected by name
+        self.var_names()
 
     def part_runs(self, ranges: np.ndarray) -> list[tuple[Dataset, np.ndarray]]:
         """``ranges`` split at store boundaries, as (part, its local ranges) in order, with
@@ -445,15 +452,18 @@ class Collection(Dataset):
         """The parts' common feature names (None if a part names none); parts whose names
         differ are refused: their columns would not mean the same genes."""
         names = [p.var_names() for p in self.parts]
-        if any(n is None for n in names):
+        if any(n is None for n in names) or not self._check_var_names:
             return None
         for part, other in zip(self.parts[1:], names[1:], strict=True):
             if other != names[0]:
                 j = next(i for i, (a, b) in enumerate(zip(names[0], other, strict=True)) if a != b)
                 raise DatasetError(
                     f"collection: {part.name} names feature {j} {other[j]!r} but "
-                    f"{self.parts[0].name} names it {names[0][j]!r}; align the stores' var "
-                    "before selecting features by name."
+                    f"{self.parts[0].name} names it {names[0][j]!r}, so one column would hold "
+                    "other genes in different stores. Pass features=[names] to open_dataset "
+                    "(each store's own var is looked up), or align the stores' var; if they "
+                    "are the same genes named otherwise, dz.Collection([...], "
+                    "check_var_names=False) stacks them by position."
                 )
         return names[0]
 

@@ -56,14 +56,27 @@ def select_features(
                 f"{where}: the store names no features (no var index for this element), so "
                 "select them by integer id."
             )
-        lookup = {name: i for i, name in enumerate(names)}
-        missing = [str(f) for f in chosen.tolist() if str(f) not in lookup]
+        lookup: dict[str, int] = {}
+        repeated: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            if lookup.setdefault(name, i) != i:
+                repeated.setdefault(name, [lookup[name]]).append(i)
+        wanted = [str(f) for f in chosen.tolist()]
+        missing = [f for f in wanted if f not in lookup]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5])
             raise DatasetError(
                 f"{where}: {len(missing)} name(s) not in the store's var index, e.g. {shown}."
             )
-        ids = np.array([lookup[str(f)] for f in chosen.tolist()], dtype=np.int64)
+        ambiguous = [f for f in dict.fromkeys(wanted) if f in repeated]
+        if ambiguous:  # which of the columns would be a guess
+            f = ambiguous[0]
+            raise DatasetError(
+                f"{where}: {len(ambiguous)} requested name(s) name several columns of the "
+                f"store's var index, e.g. {f!r} at columns {repeated[f]}; make var names "
+                "unique (anndata: var_names_make_unique) or select by integer id."
+            )
+        ids = np.array([lookup[f] for f in wanted], dtype=np.int64)
     elif chosen.dtype.kind in "iu":
         ids = chosen.astype(np.int64)
         bad = ids[(ids < 0) | (ids >= n_features)]
@@ -77,7 +90,10 @@ def select_features(
     counts = np.bincount(ids, minlength=n_features)
     if counts.max() > 1:
         j = int(np.argmax(counts))
-        raise DatasetError(f"{where}: feature {j} is selected {int(counts[j])} times; pick once.")
+        named = f" ({names[j]!r})" if names is not None and j < len(names) else ""
+        raise DatasetError(
+            f"{where}: feature {j}{named} is selected {int(counts[j])} times; pick once."
+        )
     return ids
 
 
