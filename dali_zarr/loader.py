@@ -107,6 +107,7 @@ class Loader:
             )
         self.device, self.device_reason = _choose_device(device, gpu_backend)
         self.dataset = dataset
+        self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.sampler = sampler
         self.output: Output = output
         self.obs = list(obs)
@@ -483,15 +484,52 @@ class Loader:
                 if name in batch:
                     batch[name] = batch[name].view(torch.bfloat16)
         if "X_data" in batch:
-            indptr = batch.pop("X_indptr")
-            batch["X"] = torch.sparse_csr_tensor(
-                indptr,
+            batch["X"] = canonical_csr(
+                batch.pop("X_indptr"),
                 batch.pop("X_indices"),
                 batch.pop("X_data"),
-                size=(len(indptr) - 1, *self.dataset.feature_shape),
-                check_invariants=False,  # built by our gather op from validated column ids
+                n_features=self.dataset.n_features,
+                sort_rows=self._panel_reorders,
             )
         return batch
+
+
+def panel_reorders(dataset: Dataset) -> bool:
+    """Whether a feature selection numbers some store's kept columns out of their stored
+    order, which leaves each CSR row's column ids unsorted."""
+    pairs = dataset.store_columns() or []
+    return any(c is not None and bool(np.any(np.diff(c) < 0)) for _, c in pairs)
+
+
+def canonical_csr(
+    crow: torch.Tensor,
+    col: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    n_features: int,
+    sort_rows: bool,
+) -> torch.Tensor:
+    """A batch CSR as torch's sparse ops expect it: row pointers and column ids of one
+    integer type (int32 where they fit; stores may hold uint8/uint16/uint32 ids) and, with
+    ``sort_rows``, each row's ids increasing (a reordered panel keeps the stored order). An
+    unsorted CSR is right for ``to_dense()`` and ``@`` but wrong for sparse-sparse ops."""
+    nnz = col.numel()
+    wide = nnz >= 2**31 or col.dtype in (torch.int64, torch.uint32, torch.uint64)
+    index_type = torch.int64 if wide else torch.int32
+    crow, col = crow.to(index_type), col.to(index_type)
+    if sort_rows and nnz > 1:
+        rows = torch.repeat_interleave(
+            torch.arange(crow.numel() - 1, device=col.device), crow.diff(), output_size=nnz
+        )
+        order = torch.argsort(rows * n_features + col.to(torch.int64))
+        col, values = col[order], values[order]
+    return torch.sparse_csr_tensor(
+        crow,
+        col,
+        values,
+        size=(crow.numel() - 1, n_features),
+        check_invariants=False,  # built by our gather op from validated column ids
+    )
 
 
 def _exact_in_float32(dtype: np.dtype) -> bool:

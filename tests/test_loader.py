@@ -453,6 +453,38 @@ def test_dense_float64_output_of_values_float32_cannot_hold_says_so(tmp_path: Pa
             assert said[0].startswith(f"{stored}.zarr/X: dense X is built in float32")
 
 
+@pytest.mark.parametrize("device", ["cpu", "gpu-host-backend"])
+def test_csr_batches_meet_torchs_invariants(tmp_path: Path, device: str) -> None:
+    """Row pointers and column ids of one integer type, each row's ids increasing, also
+    for a panel in another order than the store's (its rows kept the stored order, so
+    sparse-sparse products came out wrong) and for uint16 column ids."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    x = sp.random(90, 30, density=0.3, format="csr", dtype=np.float32, random_state=5)
+    write_anndata_matrix(tmp_path / "s.zarr", x)
+    group = zarr.open_group(tmp_path / "s.zarr" / "X", mode="r+")
+    narrow = group["indices"][...].astype(np.uint16)  # what anndata 0.13 may write
+    del group["indices"]
+    group.create_array("indices", data=narrow, chunks=(97,))
+    zarr.consolidate_metadata(tmp_path / "s.zarr")
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    panel = [f"{j}" for j in (9, 1, 5, 0, 22)]  # var names of anndata's default index
+    for features in (None, panel):
+        ds = dz.open_dataset(tmp_path / "s.zarr", features=features)
+        assert ds.index_dtype == np.uint16 or features is not None
+        want_x = x if features is None else x[:, [int(f) for f in features]]
+        loader = dz.Loader(ds, sampler(), output="csr", return_index=True, **where)
+        for batch in loader:
+            X = batch["X"]
+            crow, col = X.crow_indices(), X.col_indices()
+            assert crow.dtype == col.dtype == torch.int32
+            torch.sparse_csr_tensor(crow, col, X.values(), X.shape, check_invariants=True)
+            want = torch.from_numpy(want_x[batch["index"].numpy()].toarray())
+            torch.testing.assert_close(X.to_dense(), want, rtol=0, atol=0)
+            torch.testing.assert_close((X * X).to_dense(), want * want, rtol=0, atol=0)
+        loader.close()
+
+
 def write_anndata_matrix(path: Path, x: sp.csr_matrix) -> None:
     import anndata as ad
 

@@ -154,9 +154,9 @@ class FeatureSubset(Dataset):
     dataset ``len(features)`` wide, in the order given.
 
     The dataset must have one feature axis (AnnData X, a layer, an obsm entry; 2-D arrays).
-    A selection of a selection is flattened onto the original dataset. CSR batches keep each
-    row's stored column order, so with reordered features their column ids are not sorted
-    (``to_dense()`` and scipy accept that).
+    A selection of a selection is flattened onto the original dataset. CSR windows keep each
+    row's stored column order, so with reordered features their column ids are not sorted;
+    the Loader sorts each batch's rows for torch (``loader.canonical_csr``).
     """
 
     def __init__(self, dataset: Dataset, features: FeatureSelection) -> None:
