@@ -190,3 +190,27 @@ def test_loader_over_subset_reports_parent_ids(csr_store: str) -> None:
     np.testing.assert_array_equal(np.concatenate([p["X"] for p in parts]), reference[index])
     np.testing.assert_array_equal(np.concatenate([p["cell_type"] for p in parts]), codes[index])
     loader.close()
+
+
+def test_a_collection_of_subsets_reports_its_stores_ids(tmp_path: Path) -> None:
+    """Each part's ids after the id spaces of the parts before: a collection of splits of
+    stores a and b reports what a split of the collection [a, b] would, so every index maps
+    back to (store, row). It reported positions in the collection before."""
+    a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=40, seed=1)
+    b = synthetic.make_single_cell(tmp_path / "b.zarr", n_obs=200, n_features=40, seed=2)
+    rows_a, rows_b = np.arange(0, 300, 3), np.arange(1, 200, 4)
+    both = csr_reference(a).toarray(), csr_reference(b).toarray()
+    stacked = np.concatenate(both)
+    pieces = dz.Collection([dz.Subset(dz.open_dataset(a), rows_a),
+                            dz.Subset(dz.open_dataset(b), rows_b)])  # fmt: skip
+    whole = dz.Subset(dz.open_dataset([a, b]), np.concatenate([rows_a, 300 + rows_b]))
+    assert pieces.n_ids == whole.n_ids == 500
+    for dataset in (pieces, whole, dz.FeatureSubset(pieces, [3, 1])):
+        sampler = dz.ChunkSampler(chunk_size=8, preload_nchunks=4, batch_size=32, seed=0)
+        loader = dz.Loader(dataset, sampler, return_index=True)
+        got = [(b["index"].numpy(), b["X"].numpy()) for b in loader]
+        index = np.concatenate([i for i, _ in got])
+        np.testing.assert_array_equal(np.sort(index), np.concatenate([rows_a, 300 + rows_b]))
+        want = stacked[index] if dataset.n_features == 40 else stacked[index][:, [3, 1]]
+        np.testing.assert_array_equal(np.concatenate([x for _, x in got]), want)
+        loader.close()

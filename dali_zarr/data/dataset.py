@@ -139,9 +139,16 @@ class Dataset(ABC):
     def global_ids(self, rows: np.ndarray) -> np.ndarray:
         """This dataset's row ids → the observation ids batches report (``batch["index"]``).
 
-        The identity here; a :class:`~dali_zarr.data.subset.Subset` maps to its parent's ids.
+        The identity here; a :class:`~dali_zarr.data.subset.Subset` maps to its parent's ids,
+        a :class:`Collection` to its parts' ids after the id spaces of the parts before.
         """
         return rows
+
+    @property
+    def n_ids(self) -> int:
+        """How many observation ids :meth:`global_ids` can report (``[0, n_ids)``): a
+        subset reports its parent's ids, so it spans the parent's."""
+        return self.n_obs
 
     @property
     def n_features(self) -> int:
@@ -384,6 +391,9 @@ class Collection(Dataset):
         self.index_dtype = np.result_type(*[p.index_dtype for p in parts])
         self.offsets = np.cumsum([0] + [p.n_obs for p in parts]).astype(np.int64)
         self.n_obs = int(self.offsets[-1])
+        # each part's observation ids after those of the parts before: a collection of
+        # subsets reports the ids a subset of the collection of their stores would
+        self.id_offsets = np.cumsum([0] + [p.n_ids for p in parts]).astype(np.int64)
         self._columns: dict[str, ObsColumn] = {}
         self._check_var_names = check_var_names
         # stores whose var names differ would put other genes in one column: refused here,
@@ -447,6 +457,20 @@ class Collection(Dataset):
         if name not in self._columns:
             self._columns[name] = concat_obs_columns([p.obs_column(name) for p in self.parts])
         return self._columns[name]
+
+    @property
+    def n_ids(self) -> int:
+        return int(self.id_offsets[-1])
+
+    def global_ids(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, dtype=np.int64)
+        part = np.searchsorted(self.offsets, rows, side="right") - 1
+        out = np.empty_like(rows)
+        for i, p in enumerate(self.parts):  # per part, not per row
+            mine = part == i
+            if mine.any():
+                out[mine] = self.id_offsets[i] + p.global_ids(rows[mine] - self.offsets[i])
+        return out
 
     def var_names(self) -> tuple[str, ...] | None:
         """The parts' common feature names (None if a part names none); parts whose names

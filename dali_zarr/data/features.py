@@ -239,6 +239,10 @@ class FeatureSubset(Dataset):
     def obs_column(self, name: str) -> ObsColumn:
         return self.parent.obs_column(name)
 
+    @property
+    def n_ids(self) -> int:
+        return self.parent.n_ids
+
     def global_ids(self, rows: np.ndarray) -> np.ndarray:
         return self.parent.global_ids(rows)
 

@@ -145,6 +145,10 @@ class Subset(Dataset):
             )
         return self._columns[name]
 
+    @property
+    def n_ids(self) -> int:
+        return self.parent.n_ids
+
     def global_ids(self, rows: np.ndarray) -> np.ndarray:
         """Local row ids → the parent's observation ids (what ``batch["index"]`` reports)."""
         return self.parent.global_ids(self.parent_rows[rows])

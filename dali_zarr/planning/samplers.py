@@ -226,6 +226,8 @@ class ChunkSampler:
     Reading ``preload_nchunks`` chunks at a time and shuffling their rows gives near-random
     batches while every read stays a sequential chunk read. ``seed=None`` draws a random
     seed once, at construction; ``seed`` then holds the drawn int (log it to reproduce a run).
+    Wrapped in a :class:`DistributedSampler`, every rank draws its own and rank 0's is
+    broadcast: log ``DistributedSampler.seed`` (or a loader state's ``sampler.seed``) then.
     """
 
     chunk_size: int
