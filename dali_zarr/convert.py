@@ -22,13 +22,12 @@ the stale ``DST.partial``.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import math
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any, Literal
 
@@ -37,7 +36,12 @@ import zarr
 
 from dali_zarr.data.elements import Picked, is_array, matrix_layout, pick_element, var_key
 from dali_zarr.errors import ConfigError, DatasetError
-from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
+from dali_zarr.planning.partition import (
+    concat_aranges,
+    order_digest,
+    ranges_to_rows,
+    run_offsets,
+)
 
 __all__ = [
     "CODECS",
@@ -139,7 +143,7 @@ def output_permutation(
     shuffle = {"seed": seed, "piece_rows": piece_rows, "window_pieces": window_pieces}
     parts = list(_output_rows(n_obs, shuffle))
     order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    if digest is not None and _digest(parts) != digest:
+    if digest is not None and order_digest(parts) != digest:
         raise DatasetError(
             f"the shuffled order recomputed here differs from the one the store was written "
             f"in (NumPy {numpy} then, {np.__version__} now: its permutation stream changed), "
@@ -155,13 +159,6 @@ def _output_rows(n_obs: int, shuffle: dict[str, int]) -> Iterator[np.ndarray]:
     for ranges, perm in _windows(n_obs, block_rows=block_rows, shuffle=shuffle):
         rows = ranges_to_rows(np.asarray(ranges))
         yield rows if perm is None else rows[perm]
-
-
-def _digest(blocks: Iterable[np.ndarray]) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    for rows in blocks:
-        h.update(np.ascontiguousarray(rows, dtype="<i8").tobytes())
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------- inputs
@@ -940,7 +937,7 @@ def _convert(
                 "shuffle": plan.shuffle
                 and {  # the order written, to check it is recomputed
                     **plan.shuffle,
-                    "digest": _digest(_output_rows(plan.n_obs, plan.shuffle)),
+                    "digest": order_digest(_output_rows(plan.n_obs, plan.shuffle)),
                     "numpy": np.__version__,
                 },
                 "shuffle_method": SHUFFLE_METHOD if plan.shuffle else None,

@@ -368,6 +368,7 @@ def test_a_numpy_that_permutes_otherwise_is_refused(monkeypatch) -> None:
 
     real = resume.global_chunk_order
     monkeypatch.setattr(resume, "global_chunk_order", lambda n, **kw: real(n, **kw)[::-1])
+    resume.epoch_order_digest.cache_clear()  # a fresh process under that NumPy
     monkeypatch.setattr(np, "__version__", "9.0.0")
     with pytest.raises(ConfigError, match=r"epoch 3's chunk order .* \(NumPy .* then, 9\.0\.0 now"):
         _point(state, s)

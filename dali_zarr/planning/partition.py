@@ -12,7 +12,9 @@ each range in the rank's virtual row sequence; ``offsets[0] == 0``, ``offsets[-1
 
 from __future__ import annotations
 
+import hashlib
 import operator
+from collections.abc import Iterable
 from typing import Literal
 
 import numpy as np
@@ -181,6 +183,17 @@ def rows_delivered(
 
 
 # --------------------------------------------------------------------------- orders
+
+
+def order_digest(blocks: Iterable[np.ndarray]) -> str:
+    """16 hex digits naming a sequence of ids (``blocks`` end to end, as int64). NumPy does
+    not promise its permutation streams across versions: an order recomputed later (a
+    resumed epoch, a converted store's shuffle) is checked against the digest of the one
+    used."""
+    h = hashlib.blake2b(digest_size=8)
+    for ids in blocks:
+        h.update(np.ascontiguousarray(ids, dtype="<i8").tobytes())
+    return h.hexdigest()
 
 
 def global_chunk_order(n_chunks: int, *, seed: int, epoch: int, shuffle: bool) -> np.ndarray:

@@ -37,7 +37,7 @@ one window per old rank; a same-size resume costs one plan, like any epoch.
 
 from __future__ import annotations
 
-import hashlib
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +48,7 @@ from dali_zarr.errors import ConfigError
 from dali_zarr.planning.partition import (
     global_chunk_order,
     offsets_of,
+    order_digest,
     rank_bounds,
     slice_ranges,
     validate_count,
@@ -355,7 +356,7 @@ def make_state(
     **extra: Any,
 ) -> dict[str, Any]:
     """A loader state: plain Python values (plus whatever ``extra`` carries)."""
-    order = order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=int(epoch))
+    order = epoch_order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=int(epoch))
     return {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
@@ -373,13 +374,14 @@ def make_state(
     }
 
 
-def order_digest(settings: PlanSettings, *, n_obs: int, epoch: int) -> str:
-    """A short digest of ``epoch``'s global chunk order. NumPy does not promise the same
-    permutation stream across versions: a run resumed under a NumPy that permutes otherwise
-    would plan other batches and deliver rows twice or never, so the digest is checked."""
+@functools.lru_cache(maxsize=8)
+def epoch_order_digest(settings: PlanSettings, *, n_obs: int, epoch: int) -> str:
+    """:func:`order_digest` of ``epoch``'s global chunk order (cached: ``state_dict`` may be
+    called every few steps). A run resumed under a NumPy that permutes otherwise would plan
+    other batches and deliver rows twice or never."""
     n_chunks = -(-n_obs // settings.chunk_size)
     order = global_chunk_order(n_chunks, seed=settings.seed, epoch=epoch, shuffle=settings.shuffle)
-    return hashlib.blake2b(order.astype("<i8").tobytes(), digest_size=8).hexdigest()
+    return order_digest([order])
 
 
 @dataclass(frozen=True)
@@ -441,7 +443,7 @@ def _check_state(
         )
     epoch = state["epoch"]
     if "order" in state and isinstance(epoch, int) and epoch >= 0:  # states of 2026-11-25 on
-        here = order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=epoch)
+        here = epoch_order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=epoch)
         then = state.get("numpy")
         if state["order"] != here and then == np.__version__:
             raise ConfigError(
@@ -449,7 +451,7 @@ def _check_state(
                 "sampler settings; it was edited, or saved by another dali_zarr. Pass the "
                 "dict Loader.state_dict() returned, unchanged."
             )
-        if state["order"] != here:
+        if state["order"] != here:  # the same state, another NumPy
             raise ConfigError(
                 f"cannot resume: epoch {epoch}'s chunk order computed here differs from the "
                 f"one the saving run used (NumPy {then} then, {np.__version__} now: its "
