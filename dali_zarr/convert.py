@@ -21,6 +21,7 @@ the stale ``DST.partial``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import math
 import os
@@ -550,6 +551,23 @@ def _check_var(inputs: Sequence[_Input]):
 # ---------------------------------------------------------------------------- convert
 
 
+@contextlib.contextmanager
+def written_whole(dest: str, *, sources: Sequence[str] = (), overwrite: bool) -> Iterator[str]:
+    """A path to write a store into (``DST.partial``, locked for this writer), moved to
+    ``dest`` when the block ends and removed if it raises: ``dest`` holds a whole store or
+    none, and a second writer to the same ``dest`` is refused. Used by ``convert`` and by
+    the synthetic stores (an interrupted demo must not leave a half store behind)."""
+    partial, lock = _prepare_destination(dest, sources, overwrite)
+    try:
+        yield partial
+        _publish(partial, dest, overwrite)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        lock.close()
+
+
 def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> tuple[str, IO[str]]:
     """``DST.partial`` made (a stale one of an interrupted run removed) and its marker file,
     locked for this run: a second convert to the same destination is refused, not merged."""
@@ -570,13 +588,13 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
         )
     partial = dest + ".partial"
     busy = ConfigError(
-        f"{partial}: another dali-zarr convert is writing this destination now; wait for it "
-        "to finish, or choose another destination."
+        f"{partial}: another dali-zarr writer (a convert, a synthetic store) is writing this "
+        "destination now; wait for it to finish, or choose another destination."
     )
     if os.path.lexists(partial):
         if not os.path.exists(os.path.join(partial, _MARKER)):
             raise ConfigError(
-                f"{partial}: exists but was not left by an interrupted dali-zarr convert; "
+                f"{partial}: exists but was not left by an interrupted dali-zarr writer; "
                 "remove it or choose another destination."
             )
         with open(os.path.join(partial, _MARKER), "a") as f:
@@ -589,7 +607,7 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
         raise busy from None
     lock = open(os.path.join(partial, _MARKER), "w")  # noqa: SIM115 (held past this call)
     _try_lock(lock)  # held until the store is published or removed (the process ends)
-    lock.write("an unfinished dali-zarr convert; safe to delete once no convert runs\n")
+    lock.write("an unfinished dali-zarr store; safe to delete once its writer has stopped\n")
     lock.flush()
     return partial, lock
 
@@ -914,10 +932,10 @@ def _convert(
     if first.anndata:  # read (and check) before touching the file system
         obs, dropped = _combined_obs(inputs)
         var = _check_var(inputs)
-    partial, lock = _prepare_destination(dest, [i.path for i in inputs], overwrite)
     notes = [n for n in (_shuffle_note(inputs, plan),) if n]
     obs_columns: tuple[str, ...] = ()
-    try:
+    sources = [i.path for i in inputs]
+    with written_whole(dest, sources=sources, overwrite=overwrite) as partial:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*Numcodecs codecs are not in the Zarr")
             warnings.filterwarnings("ignore", message=".*zarr v3 autosharding")
@@ -960,12 +978,6 @@ def _convert(
             else:
                 out.writers["X"].array.attrs.update({"dali_zarr": info})
         nbytes = _dir_bytes(partial)
-        _publish(partial, dest, overwrite)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    finally:
-        lock.close()
     return ConvertResult(
         path=dest,
         anndata=first.anndata,

@@ -8,16 +8,15 @@ from: each cell type raises its own marker genes, so expression predicts the lab
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import os
-import shutil
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
+
+from dali_zarr.convert import written_whole
 
 Codec = Literal["zstd", "blosc", "none"]
 
@@ -138,45 +137,13 @@ def make_single_cell(
     data, indices, indptr, labels = single_cell_counts(
         n_obs, n_features, density=density, n_types=n_types, seed=seed
     )
-    with _written_whole(path) as partial:
+    final = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+    with written_whole(final, overwrite=True) as partial:  # never a half store at ``path``
         _write_single_cell(partial, data, indices, indptr, labels, n_features=n_features,
                            n_types=n_types, zarr_format=zarr_format, codec=codec,
                            chunk_elements=chunk_elements, shard_chunks=shard_chunks)  # fmt: skip
-    return os.fspath(path)
-
-
-@contextlib.contextmanager
-def _written_whole(path: str | os.PathLike):
-    """A partial path to write a store into, renamed to ``path`` (replacing what was there)
-    once the write has finished: an interrupted write leaves no half store at ``path`` for
-    the next run (the demo's ``--generate`` only writes a store that does not exist)."""
-    final = os.fspath(path)
-    for stale in glob.glob(glob.escape(final) + ".partial-*"):  # left by a killed writer
-        pid = stale.rsplit("-", 1)[1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-    partial = f"{final}.partial-{os.getpid()}"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        yield partial
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if os.path.isdir(final):
-        shutil.rmtree(final)
-    elif os.path.exists(final):
-        os.remove(final)
-    os.rename(partial, final)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+    return final
 
 
 def _write_single_cell(
@@ -194,7 +161,7 @@ def _write_single_cell(
     shard_chunks: int | None,
 ) -> None:
     n_obs = len(indptr) - 1
-    root = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+    root = zarr.open_group(path, mode="a", zarr_format=zarr_format)  # a fresh partial
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
     x = root.create_group("X")
     x.attrs.update(

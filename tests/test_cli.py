@@ -679,7 +679,7 @@ def test_synthetic_labels_fit_any_number_of_types(tmp_path):
 def test_synthetic_stores_appear_whole_or_not_at_all(tmp_path, monkeypatch):
     """An interrupted write leaves nothing at the path (the demo's --generate then writes
     it again, where it used to fail on the half store); a killed writer's partial is
-    cleaned up by the next write."""
+    cleaned up by the next write, a running writer's is not touched (convert's mechanism)."""
     path = tmp_path / "s.zarr"
     real = synthetic._write_single_cell
 
@@ -692,12 +692,22 @@ def test_synthetic_stores_appear_whole_or_not_at_all(tmp_path, monkeypatch):
         synthetic.make_single_cell(path, n_obs=50, n_features=10)
     assert not path.exists() and not list(tmp_path.iterdir())
     monkeypatch.setattr(synthetic, "_write_single_cell", real)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    (tmp_path / f"s.zarr.partial-{dead}" / "X").mkdir(parents=True)  # a killed writer's
+    killed = tmp_path / "s.zarr.partial"  # a killed writer's: marked, but nobody holds it
+    (killed / "X").mkdir(parents=True)
+    (killed / ".dali-zarr-partial").write_text("")
     synthetic.make_single_cell(path, n_obs=50, n_features=10)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
     assert dz.open_dataset(path).n_obs == 50
+    synthetic.make_single_cell(path, n_obs=30, n_features=10)  # replaces the store whole
+    assert dz.open_dataset(path).n_obs == 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
+    from dali_zarr.convert import _prepare_destination
+
+    _, lock = _prepare_destination(str(path), [], overwrite=True)  # a writer running
+    with pytest.raises(dz.ConfigError, match="another dali-zarr writer"):
+        synthetic.make_single_cell(path, n_obs=20, n_features=10)
+    lock.close()
+    assert dz.open_dataset(path).n_obs == 30
 
 
 def test_a_second_convert_to_a_destination_being_written_is_refused(tmp_path):
@@ -710,7 +720,7 @@ def test_a_second_convert_to_a_destination_being_written_is_refused(tmp_path):
     zarr.create_array(src, data=np.arange(40, dtype=np.float32).reshape(20, 2), chunks=(5, 2))
     dest = str(tmp_path / "out.zarr")
     partial, lock = _prepare_destination(dest, [str(src)], overwrite=False)  # a convert running
-    with pytest.raises(dz.ConfigError, match="another dali-zarr convert is writing"):
+    with pytest.raises(dz.ConfigError, match=r"another dali-zarr writer .* is writing"):
         convert(src, dest)
     assert os.path.isdir(partial)  # the running convert's work is left alone
     lock.close()  # that convert was killed: its partial is stale now
