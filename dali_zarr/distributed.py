@@ -1,15 +1,23 @@
-"""Find this process's rank and the world size, and agree on a seed across ranks.
+"""Find this process's rank and the world size, and check that the ranks agree.
 
 Kept apart from the planning code (which never communicates) so that the only places
 that touch torch.distributed / jax are here, imported lazily: the planner stays importable
 and testable without either framework being initialised.
+
+Disjoint shards need every rank to plan from the same inputs. A rank seeded with
+``seed + rank``, opening another store, or resuming from another step's state would plan
+alone: rows delivered twice or never, or batch counts that differ and leave DDP waiting
+forever. Where the sampler's ranks are torch.distributed's own, :func:`gather_across_ranks`
+exchanges those inputs once (at a sampler's and a loader's construction and on
+``load_state_dict``, never per batch or epoch) and :func:`refuse_disagreement` raises the same
+error on every rank, so no rank is left waiting.
 """
 
 from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, TypeAlias
 
 from dali_zarr.errors import ConfigError
@@ -19,8 +27,11 @@ __all__ = [
     "broadcast_seed",
     "cgroup_cpus",
     "cpu_share",
+    "gather_across_ranks",
+    "refuse_disagreement",
     "resolve_rank_world",
     "torch_dist_initialized",
+    "torch_world_is",
 ]
 
 DistInfo: TypeAlias = Literal["torch", "jax", "env"] | Callable[[], tuple[int, int]]
@@ -145,11 +156,96 @@ def broadcast_seed(seed: int) -> int:
             "cannot broadcast a seed: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) first, or pass an explicit seed"
         )
+    return int(gather_across_ranks(int(seed))[0])  # type: ignore[call-overload]
+
+
+def torch_world_is(rank: int, world_size: int) -> bool:
+    """True when torch.distributed is initialized with exactly this rank and world size:
+    then every process of its world is one of the sampler's ranks and may be asked to take
+    part in a check (a data-parallel group smaller than the world, as with pipeline
+    parallelism, is not: its other processes may never build a loader)."""
+    if not torch_dist_initialized():
+        return False
     import torch.distributed as dist
 
-    box: list[object] = [int(seed)]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])  # type: ignore[call-overload]
+    return dist.get_rank() == rank and dist.get_world_size() == world_size
+
+
+# (the default group it was made for, a gloo group over the same ranks)
+_CPU_GROUP: list[tuple[object, object]] = []
+
+
+def _cpu_group() -> object | None:
+    """A process group that exchanges objects on the CPU: the default one where it has a
+    CPU backend (gloo, or ``cpu:gloo,cuda:nccl``), else a gloo group made once over the same
+    ranks. NCCL alone would stage the objects on ``torch.cuda.current_device()``, which is
+    device 0 on every rank unless the script called ``torch.cuda.set_device``, and NCCL
+    refuses ranks that share a device. Made lazily, by the first check, which every rank
+    reaches in the same order (a sampler's construction)."""
+    import torch.distributed as dist
+
+    if "gloo" in _backend_name():
+        return None
+    world = dist.group.WORLD
+    if not _CPU_GROUP or _CPU_GROUP[0][0] is not world:
+        _CPU_GROUP[:] = [(world, dist.new_group(backend="gloo"))]
+    return _CPU_GROUP[0][1]
+
+
+def _backend_name() -> str:
+    """The default group's backend, e.g. ``gloo``, ``nccl`` or ``cpu:gloo,cuda:nccl``."""
+    import torch.distributed as dist
+
+    return str(dist.get_backend()).lower()
+
+
+def gather_across_ranks(payload: object) -> list[object]:
+    """Every rank's ``payload`` (small and picklable), in rank order, on every rank.
+
+    A collective over torch.distributed's world: every rank must call it at the same point.
+    """
+    import torch.distributed as dist
+
+    rows: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, payload, group=_cpu_group())
+    return rows
+
+
+def refuse_disagreement(
+    rows: Sequence[Mapping[str, object]],
+    *,
+    what: str,
+    hints: Mapping[str, str] | None = None,
+) -> None:
+    """Raise a ConfigError, on every rank alike, if the ranks' ``rows`` (from
+    :func:`gather_across_ranks`) differ in any key; the error gives each differing value
+    with the ranks that hold it and, from ``hints``, what to change."""
+    problems = []
+    for key in rows[0]:
+        by_value: dict[str, list[int]] = {}
+        for rank, row in enumerate(rows):
+            by_value.setdefault(repr(row.get(key)), []).append(rank)
+        if len(by_value) > 1:
+            held = "; ".join(
+                f"{_ranks_text(ranks)}: {value}" for value, ranks in list(by_value.items())[:4]
+            )
+            more = f"; {len(by_value) - 4} more values" if len(by_value) > 4 else ""
+            hint = (hints or {}).get(key, "")
+            problems.append(f"{key} ({held}{more}){': ' + hint if hint else ''}")
+    if problems:
+        raise ConfigError(
+            f"{what}: the {len(rows)} ranks disagree on " + "; and on ".join(problems) + ". "
+            "Every rank must plan from the same inputs, or rows are delivered twice or "
+            "never and the ranks' batch counts can differ (DDP would wait forever)."
+        )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``rank 3`` / ``ranks 0, 1, 2`` / ``ranks 0, 1, 2, ... (12 ranks)``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    shown = ", ".join(str(r) for r in ranks[:6])
+    return f"ranks {shown}" + (f", ... ({len(ranks)} ranks)" if len(ranks) > 6 else "")
 
 
 def _local_ranks() -> int:

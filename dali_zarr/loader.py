@@ -17,7 +17,11 @@ import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
 from dali_zarr.data.dataset import Dataset
-from dali_zarr.distributed import torch_dist_initialized
+from dali_zarr.distributed import (
+    gather_across_ranks,
+    refuse_disagreement,
+    torch_dist_initialized,
+)
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
@@ -65,6 +69,12 @@ class Loader:
     ``allow_uneven_batches=True`` to take that on yourself (e.g. with
     ``torch.distributed.algorithms.Join``).
 
+    **Ranks that disagree.** With a DistributedSampler whose ranks are torch.distributed's
+    (``ranks_checked``), construction exchanges the dataset's size, row shape, dtype and
+    layout, and :meth:`load_state_dict` the resumed position, refusing on every rank alike
+    ranks that differ (another store; states saved at other steps); every rank must then
+    build the loader and load its state at the same point.
+
     **Resuming.** :meth:`state_dict` / :meth:`load_state_dict` save and restore the position
     in the epoch (see :mod:`dali_zarr.planning.resume`), on the same or on another number of
     ranks. Our state is the source of truth for *which rows* come in which batch: the DALI
@@ -109,6 +119,9 @@ class Loader:
         self.dataset = dataset
         self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.sampler = sampler
+        self._ranks_checked = bool(getattr(sampler, "ranks_checked", False))
+        if self._ranks_checked:
+            self._refuse_other_datasets()
         self.output: Output = output
         self.obs = list(obs)
         self.return_index = return_index
@@ -299,7 +312,9 @@ class Loader:
             rank=self.sampler.rank,  # type: ignore[attr-defined]
             world_size=self.sampler.world_size,  # type: ignore[attr-defined]
         )
-        self._source.plan(point.epoch, point.history)  # plan now: fail here, not in DALI
+        plan = self._source.plan(point.epoch, point.history)  # fail here, not in DALI
+        if self._ranks_checked:
+            self._refuse_other_positions(point, plan.n_batches)
         self._pending = point
         self._restore = None
         self.epoch = point.epoch
@@ -310,6 +325,38 @@ class Loader:
             log.info(
                 "dali_zarr: the state has a DALI checkpoint; ignored (enable_checkpointing=False)"
             )
+
+    def _refuse_other_datasets(self) -> None:
+        """One exchange at construction: the ranks' datasets must have the same size and
+        rows (paths may differ, e.g. a copy on each node's local disk)."""
+        mine = dataset_fingerprint(self.dataset)
+        del mine["name"]
+        refuse_disagreement(
+            gather_across_ranks(mine),  # type: ignore[arg-type]
+            what=f"Loader over {self.dataset.name}",
+            hints={
+                "n_obs": "open the same store (or the same subset of it) on every rank; "
+                "the sampler shards one dataset among the ranks, it does not join "
+                "one store per rank",
+            },
+        )
+
+    def _refuse_other_positions(self, point: ResumePoint, n_batches: int) -> None:
+        """One exchange in ``load_state_dict``: every rank must resume the same epoch after
+        the same history, and (with equal batches) have as many batches left, which fails
+        when the ranks loaded states saved at different steps."""
+        mine = {"epoch": point.epoch, "history": [seg.as_dict() for seg in point.history]}
+        if PlanSettings.of(self.sampler).enforce_equal_batches:
+            mine["batches left"] = n_batches - point.start
+        refuse_disagreement(
+            gather_across_ranks(mine),  # type: ignore[arg-type]
+            what=f"Loader.load_state_dict over {self.dataset.name}",
+            hints={
+                "batches left": "load states saved at the same step on every rank "
+                "(the same checkpoint)",
+                "epoch": "load states saved at the same step on every rank (the same checkpoint)",
+            },
+        )
 
     def _resume_for(self, epoch: int) -> tuple[tuple[Segment, ...], int]:
         """(history, first plan batch) the next iteration of ``epoch`` starts from."""

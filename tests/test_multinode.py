@@ -32,6 +32,7 @@ from tests.ddp_worker import sampler_of
 from tests.processes import child_env, free_port, start, wait_all
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
+AGREEMENT_WORKER = Path(__file__).with_name("agreement_worker.py")
 TIMEOUT = 240  # seconds for one job; a hang fails instead of blocking
 
 pytestmark = pytest.mark.slow
@@ -260,3 +261,44 @@ def test_one_node_drawn_seed_disjoint_equal_complete(tmp_path: Path, shard: str)
         assert set(ranks[0]["epoch0"].tolist()) != set(ranks[0]["epoch1"].tolist())
     else:
         assert ranks[0]["epoch0"].max() < n_obs // 2 <= ranks[1]["epoch0"].min()
+
+
+@pytest.mark.parametrize("nccl", [False, True], ids=["gloo", "nccl-default-group"])
+def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, nccl: bool) -> None:
+    """A rank with its own seed, batch size, store or resume step would plan alone (rows
+    twice or never, DDP waiting forever); every rank raises the same error instead. With
+    an NCCL default group the checks run on a gloo group of their own."""
+    big = synthetic.make_single_cell(
+        tmp_path / "big.zarr", n_obs=1_000, n_features=16, chunk_elements=256
+    )
+    small = synthetic.make_single_cell(
+        tmp_path / "small.zarr", n_obs=900, n_features=16, chunk_elements=256
+    )
+    link = tmp_path / "node-local-copy.zarr"
+    link.symlink_to(big)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(AGREEMENT_WORKER), "--stores", str(big), str(small), str(link)]
+    cmd += ["--out", str(tmp_path), *(["--nccl"] if nccl else [])]
+    ((code, stdout, stderr),) = wait_all([start(cmd, env=_env())], TIMEOUT)
+    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for name, words in {
+        "seed_per_rank": ["DistributedSampler", "seed (rank 0: 0; rank 1: 1)", "seed + rank"],
+        "batch_per_rank": ["batch_size (rank 0: 32; rank 1: 64)"],
+        "mixed_drawn_seed": ["seed (rank 0: None; rank 1: 7)"],
+        "store_per_rank": ["n_obs (rank 0: 1000; rank 1: 900)", "same store"],
+        "resume_other_steps": ["load_state_dict", "batches left (rank 0: ", "same step"],
+    }.items():
+        (kind, text), (kind1, text1) = ranks[0][name], ranks[1][name]
+        # the same error on every rank (a loader names its own rank's store)
+        assert kind1 == kind and text1.split(": the ")[1] == text.split(": the ")[1], name
+        assert kind == "error" and all(w in text for w in words), (name, text)
+    seeds = [r["drawn_seed"] for r in ranks]
+    assert seeds[0] == seeds[1] and seeds[0][0] == "ok"  # rank 0's draw, on both
+    assert [r["own_world"] for r in ranks] == [["ok", False]] * 2  # not the world: unchecked
+    lens = [r["same_store_other_paths"] for r in ranks]
+    assert lens[0] == lens[1] and lens[0][0] == "ok" and lens[0][1] > 0
+    # states of one step resume: each rank gets the rest of its epoch, as many batches
+    rest = [r["resume_same_step"] for r in ranks]
+    assert rest[0][0] == rest[1][0] == "ok" and len(rest[0][1]) == len(rest[1][1]) > 0
+    assert [r["cpu_group_made"] for r in ranks] == [nccl, nccl]

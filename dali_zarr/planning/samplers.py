@@ -18,8 +18,11 @@ import numpy as np
 from dali_zarr.distributed import (
     DistInfo,
     broadcast_seed,
+    gather_across_ranks,
+    refuse_disagreement,
     resolve_rank_world,
     torch_dist_initialized,
+    torch_world_is,
 )
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning.partition import (
@@ -301,9 +304,15 @@ class DistributedSampler:
 
     ``enforce_equal_batches`` (default) makes every rank yield the same number of full
     batches, so DDP's collectives never wait on a rank that has run out of data.
+
+    Where the ranks are torch.distributed's own (it is initialized, with this rank and
+    world size), construction exchanges the settings once and refuses, on every rank, ranks
+    that disagree (``seed=rank``, another batch size): they would not split one plan.
+    ``ranks_checked`` says whether that ran; a :class:`~dali_zarr.Loader` then checks its
+    dataset and resumed position the same way. Every rank must construct it then.
     """
 
-    __slots__ = ("_enforce", "_rank", "_sampler", "_seed", "_shard", "_world_size")
+    __slots__ = ("_checked", "_enforce", "_rank", "_sampler", "_seed", "_shard", "_world_size")
 
     def __init__(
         self,
@@ -322,7 +331,10 @@ class DistributedSampler:
         _check_flag("enforce_equal_batches", enforce_equal_batches)
         rank, world_size = resolve_rank_world(dist_info)
         seed: int = sampler.seed  # type: ignore[assignment]
-        if sampler.seed_was_drawn and world_size > 1:
+        checked = world_size > 1 and torch_world_is(rank, world_size)
+        if checked:
+            seed = _agreed_seed(sampler, enforce_equal_batches=enforce_equal_batches, shard=shard)
+        elif sampler.seed_was_drawn and world_size > 1:
             if not torch_dist_initialized():
                 raise ConfigError(
                     f"seed=None with world_size={world_size} and no initialized "
@@ -338,6 +350,7 @@ class DistributedSampler:
         object.__setattr__(self, "_seed", validate_seed(seed))
         object.__setattr__(self, "_enforce", enforce_equal_batches)
         object.__setattr__(self, "_shard", shard)
+        object.__setattr__(self, "_checked", checked)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"DistributedSampler is immutable; build a new one to change {name}")
@@ -347,7 +360,15 @@ class DistributedSampler:
         # the seed: restore the resolved values as they are
         return (
             _restore_distributed,
-            (self._sampler, self._rank, self._world_size, self._seed, self._enforce, self._shard),
+            (
+                self._sampler,
+                self._rank,
+                self._world_size,
+                self._seed,
+                self._enforce,
+                self._shard,
+                self._checked,
+            ),
         )
 
     def __repr__(self) -> str:
@@ -363,6 +384,9 @@ class DistributedSampler:
     seed = property(lambda self: self._seed, doc="The seed all ranks share (resolved int).")
     enforce_equal_batches = property(lambda self: self._enforce, doc="Equal batches per rank.")
     shard = property(lambda self: self._shard, doc='"chunks" or "contiguous".')
+    ranks_checked = property(
+        lambda self: self._checked, doc="The ranks' settings were exchanged and agree."
+    )
     batch_size = property(lambda self: self._sampler.batch_size, doc="Rows per batch.")
     chunk_size = property(lambda self: self._sampler.chunk_size, doc="Rows per chunk.")
     preload_nchunks = property(lambda self: self._sampler.preload_nchunks, doc="Chunks/window.")
@@ -391,8 +415,41 @@ class DistributedSampler:
         return int(counts[self._rank])
 
 
+def _agreed_seed(sampler: ChunkSampler, *, enforce_equal_batches: bool, shard: Shard) -> int:
+    """Exchange the ranks' settings (one collective) and refuse any that differ; the seed
+    all ranks use: rank 0's where the seeds were drawn (``seed=None``)."""
+    mine = {
+        "seed": None if sampler.seed_was_drawn else sampler.seed,
+        "drawn seed": sampler.seed if sampler.seed_was_drawn else None,
+        "chunk_size": sampler.chunk_size,
+        "preload_nchunks": sampler.preload_nchunks,
+        "batch_size": sampler.batch_size,
+        "shuffle": sampler.shuffle,
+        "drop_last": sampler.drop_last,
+        "enforce_equal_batches": enforce_equal_batches,
+        "shard": shard,
+    }
+    rows: list[dict[str, Any]] = gather_across_ranks(mine)  # type: ignore[assignment]
+    compared = [{k: v for k, v in row.items() if k != "drawn seed"} for row in rows]
+    refuse_disagreement(
+        compared,
+        what="DistributedSampler",
+        hints={
+            "seed": "pass the same seed on every rank (not seed + rank; the ranks' shards "
+            "come from one shared order), or seed=None on every rank to use rank 0's draw",
+        },
+    )
+    return int(rows[0]["drawn seed"] if sampler.seed_was_drawn else sampler.seed)
+
+
 def _restore_distributed(
-    sampler: ChunkSampler, rank: int, world_size: int, seed: int, enforce: bool, shard: Shard
+    sampler: ChunkSampler,
+    rank: int,
+    world_size: int,
+    seed: int,
+    enforce: bool,
+    shard: Shard,
+    checked: bool = False,
 ) -> DistributedSampler:
     obj = object.__new__(DistributedSampler)
     for name, value in (
@@ -402,6 +459,7 @@ def _restore_distributed(
         ("_seed", seed),
         ("_enforce", enforce),
         ("_shard", shard),
+        ("_checked", checked),
     ):
         object.__setattr__(obj, name, value)
     return obj

@@ -1,0 +1,108 @@
+"""One rank of the torchrun test of ranks that disagree (``test_multinode.py``).
+
+Runs every scenario in turn over one gloo process group and writes
+``--out/rank{R}.json``: per scenario, the ConfigError text this rank raised, or ``"ok"``
+(plus what the scenario reports). Each scenario builds what a user would: a
+DistributedSampler and a Loader, in which one rank differs from the others (its seed, its
+batch size, its store, the step its state was saved at), and the ranks must all raise the
+same error instead of planning apart. ``--stores`` gives a store and a smaller one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+import dali_zarr as dz
+from dali_zarr import distributed
+
+
+def sampler(*, seed: int | None = 0, batch_size: int = 32, dist_info="torch"):
+    inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=batch_size, seed=seed)
+    return dz.DistributedSampler(inner, dist_info=dist_info)
+
+
+def loader(path: str, s: dz.DistributedSampler) -> dz.Loader:
+    return dz.Loader(dz.open_dataset(path), s, num_threads=1, return_index=True)
+
+
+def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[[], object]]:
+    def seed_per_rank():
+        sampler(seed=rank)
+
+    def batch_per_rank():
+        sampler(batch_size=32 * (rank + 1))
+
+    def mixed_drawn_seed():
+        sampler(seed=None if rank == 0 else 7)
+
+    def drawn_seed():
+        return sampler(seed=None).seed
+
+    def own_world():  # each process its own world of one: nothing is exchanged
+        s = sampler(seed=rank, dist_info=lambda: (0, 1))
+        return s.ranks_checked
+
+    def store_per_rank():
+        loader(big if rank == 0 else small, sampler()).close()
+
+    def same_store_other_paths():  # a node-local copy under another path is the same data
+        with loader(big if rank == 0 else link, sampler()) as ld:
+            return len(ld)
+
+    def resume(steps: int) -> Callable[[], object]:
+        def run():
+            s = sampler()
+            with loader(big, s) as first:
+                first.set_epoch(1)
+                for k, _ in enumerate(first, 1):
+                    if k == steps:
+                        break
+                state = first.state_dict()
+            with loader(big, s) as again:
+                again.load_state_dict(state)
+                return [int(b["index"].numel()) for b in again]
+
+        return run
+
+    return {
+        "seed_per_rank": seed_per_rank,
+        "batch_per_rank": batch_per_rank,
+        "mixed_drawn_seed": mixed_drawn_seed,
+        "drawn_seed": drawn_seed,
+        "own_world": own_world,
+        "store_per_rank": store_per_rank,
+        "same_store_other_paths": same_store_other_paths,
+        "resume_other_steps": resume(2 + rank),
+        "resume_same_step": resume(2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stores", nargs=3, required=True, help="a store, a smaller one, a link")
+    p.add_argument("--out", required=True)
+    p.add_argument("--nccl", action="store_true", help="take the default group for NCCL's")
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    if args.nccl:  # the checks must then make and use a gloo group of their own
+        distributed.__dict__["_backend_name"] = lambda: "nccl"
+    rank = dist.get_rank()
+    results: dict[str, object] = {}
+    for name, run in scenarios(rank, *args.stores).items():
+        try:
+            results[name] = ["ok", run()]
+        except dz.ConfigError as e:
+            results[name] = ["error", str(e)]
+    results["cpu_group_made"] = bool(distributed._CPU_GROUP)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
