@@ -34,6 +34,7 @@ GROUPS = [
     "gather_dense",
     "select_columns",
     "bfloat16",
+    "float16",
     "copy_segments",
     "remap_columns",
     "keep_panel_rows",
@@ -172,6 +173,24 @@ def _worker() -> dict:
         eq(got[~nan], want16.view(np.uint16)[~nan])
         back = torch.from_numpy(got.view(np.int16)).view(torch.bfloat16).float().numpy()
         assert np.isnan(back[nan]).all()
+
+    cpu_f16 = numba.njit(kernels._to_float16_bits)
+
+    def f16(launch, x):
+        # NumPy rounds once from the value; torch's .half() agrees for float32 and integers,
+        # and narrows float64 through float32 (twice rounded), which is why it is not used
+        want = x.astype(np.float16).view(np.uint16)
+        if x.dtype != np.float64:
+            torch_half = torch.from_numpy(x.copy()).half().view(torch.int16).numpy()
+            eq(want[~np.isnan(x.astype(np.float64))], torch_half.view(np.uint16)[~np.isnan(x)])
+        out = np.zeros(x.shape, np.uint16)
+        got = run(K.to_float16_bits, launch, out, x)[0]
+        nan = np.isnan(x.astype(np.float64))
+        eq(got[~nan], want[~nan])
+        assert ((got[nan] & 0x7FFF) > 0x7C00).all()  # NaN stays NaN
+        cpu = np.zeros(x.shape, np.uint16)
+        cpu_f16(cpu, x)
+        eq(cpu, got)
 
     def segments(launch, src, seg, out_dtype):
         want = np.zeros(int(seg[:, 2].sum()), out_dtype)
@@ -318,6 +337,22 @@ def _worker() -> dict:
     want16 = torch.from_numpy(x.copy()).to(torch.bfloat16).view(torch.int16).numpy()
     for launch in LAUNCHES:
         check("bfloat16", f"launch{launch}", bf16, launch, x, want16)
+
+    # -- float16 bits: one rounding from float32, float64 and integers ------------------------
+    halves = np.concatenate(
+        [
+            rng.standard_normal(40) * 1e3,
+            [0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 2**-24, 2**-25],
+            [3 * 2**-26, 2**-14 - 2**-25, 2049, 2051, 4097, 1 + 2**-11, 1 + 3 * 2**-11],
+            [2049 + 1e-9, -(1 + 2**-11 + 2**-40), 1e-30],  # float32 would round onto a tie
+        ]
+    )
+    halves = np.resize(halves, 64).reshape(-1, 4)
+    for dt in (np.float32, np.float64):
+        for launch in LAUNCHES:
+            check("float16", f"{np.dtype(dt)} launch{launch}", f16, launch, halves.astype(dt))
+    counts = np.array([[0, 1, 2049, 2051], [4097, 65519, 65520, 70000]], np.int32)
+    check("float16", "int32 counts", f16, LAUNCHES[1], counts)
 
     # -- segment copies (the GPU read path's window assembly) ---------------------------------
     # the last two widen as they copy (a store's int32 ids or float16 values in a wider window)
@@ -542,6 +577,11 @@ PTX_CASES = [
     ("gather_dense_rows", ["f4", "i8", "i2"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "u1"], [2, 1, 2]),
     ("float32_bits_to_bfloat16_bits", ["u2", "u4"], [2, 2]),
+    ("to_float16_bits", ["u2", "f4"], [2, 2]),
+    ("to_float16_bits", ["u2", "f8"], [2, 2]),
+    ("to_float16_bits", ["u2", "i4"], [2, 2]),
+    ("to_float16_bits", ["u2", "u8"], [2, 2]),
+    ("to_float16_bits", ["u2", "b1"], [2, 2]),
     ("copy_segments", ["f4", "f4", "i8", "i8", "i8"], [1] * 5),
     ("copy_segments", ["u1", "u1", "i8", "i8", "i8"], [1] * 5),
     ("copy_segments", ["i8", "i4", "i8", "i8", "i8"], [1] * 5),  # widened as placed

@@ -230,6 +230,49 @@ def test_bfloat16_rounds_like_torch(tmp_path):
         )
 
 
+# float16 ties (2049 lies halfway between 2048 and 2050), values float32 would round onto a
+# tie (2049 + 1e-9), float16's extremes; float64 so that each store dtype can hold them
+HALF_TIES = [2049, 2051, 4097, -2049, 1 + 2**-11, 2049 + 1e-9, 65519.99, 65520, 2**-25, 3 * 2**-26]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("stored", ["float32", "float64", "int32"])
+def test_float16_is_rounded_once_to_nearest_even_on_both_paths(tmp_path, where, stored):
+    """float16 output is NumPy's ``astype(float16)`` of the value the path holds: of the
+    stored value for CSR values, of the float32 X for dense X. DALI's CPU cast rounded
+    ties away from zero (2049 -> 2050) where its GPU cast gives 2048, so the two paths
+    differed; now both run our op, the same arithmetic (its CUDA twin: test_cuda_kernels)."""
+    import anndata
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(5)
+    dense = np.zeros((200, 12))
+    dense[rng.random(dense.shape) < 0.4] = rng.choice(HALF_TIES, 1)[0]
+    dense[:, :10] = np.resize(np.array(HALF_TIES), (200, 10))
+    dense = dense.astype(stored)
+    path = tmp_path / f"ties-{stored}.zarr"
+    anndata.AnnData(X=sp.csr_matrix(dense)).write_zarr(path)
+    ds = dz.open_dataset(path)
+    small = sampler(chunk_size=8, batch_size=16)
+    for output in ("dense", "csr"):
+        paths = [{}, gpu_kwargs(where)]
+        for kwargs in paths:
+            loader = dz.Loader(
+                ds, small, output=output, dtype=torch.float16, return_index=True, **kwargs
+            )
+            for batch in loader:
+                rows = dense[batch["index"].cpu().numpy()]
+                if output == "dense":  # X is built in float32, then made float16
+                    want = rows.astype(np.float32).astype(np.float16)
+                    got = batch["X"].cpu().numpy()
+                else:
+                    want = rows[rows != 0].astype(np.float16)
+                    got = batch["X"].values().cpu().numpy()
+                assert got.dtype == np.float16
+                np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+            loader.close()
+
+
 def _retype(path: Path, name: str, dtype: str) -> None:
     """Re-write array ``X/<name>`` of a store with another dtype (same values)."""
     import zarr

@@ -477,7 +477,7 @@ def test_setup_functions_give_batch_shapes():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("output", ["dense", "csr"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
     import torch
 
@@ -500,11 +500,11 @@ def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
         for name in cpu_names:
             want = torch.from_dlpack(a[name])
             got = torch.from_dlpack(b[name])
-            if name == "X" and dtype == "bfloat16":
+            if name in ("X", "X_data") and dtype == "bfloat16":  # bits, as the loader gets
                 got = got.view(torch.bfloat16)
             assert got.is_cuda
-            if name == "X" and dtype == "bfloat16":
-                want = want.to(torch.bfloat16)
+            if name in ("X", "X_data") and dtype != "float32":  # the CPU pipe's are float32
+                want = want.to(getattr(torch, dtype))
             torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=name)
 
 

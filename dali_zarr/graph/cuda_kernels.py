@@ -56,9 +56,11 @@ window, also once per window, and the graph gathers the panel-wide rows. For bot
 one mechanism serves one panel and panels that differ per store.
 
 Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
-float16 is a DALI ``fn.cast`` after the op; bfloat16 is :func:`to_bfloat16_bits_gpu`, which
-rounds float32 to nearest-even bfloat16 and writes the bits as uint16 (the framework views
-them as bfloat16, no copy). Both are one extra launch per minibatch.
+:func:`to_float16_bits_gpu` and :func:`to_bfloat16_bits_gpu` round to nearest even and
+write the bits as uint16: float16 is then ``fn.reinterpret``-ed (no copy), bfloat16 viewed by
+the framework (no copy). Each is one extra launch per minibatch. float16 is ours rather
+than DALI's ``fn.cast`` so that the CPU path, whose cast rounds otherwise, gives the same
+values (the CPU twin is the same arithmetic).
 
 Nothing here needs a GPU at import time: ``numba.cuda`` imports without a driver; kernels
 are compiled when a pipeline is built on a device. The same functions run under the numba
@@ -68,6 +70,7 @@ test_cuda_kernels.py), and compile to PTX without a GPU where libNVVM is install
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import numba
@@ -167,18 +170,52 @@ def gather_dense_rows(out, pos, values):
 
 
 def float32_bits_to_bfloat16_bits(out, bits):
-    """out = bfloat16 bits (round to nearest even, NaN kept quiet) of float32 ``bits`` (2-D)."""
+    """out = bfloat16 bits (round to nearest even, NaN kept quiet) of float32 ``bits`` (2-D).
+
+    Elementwise, so one grid-stride loop over all elements: a CSR batch's values come as
+    one column (``(nnz, 1)``), which a loop of blocks over rows and threads over columns
+    would leave to one thread per block."""
     width = out.shape[1]
-    t = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    for i in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
-        for c in range(t, width, nt):
-            u = numba.uint32(bits[i, c])
-            if (u & numba.uint32(0x7FFFFFFF)) > numba.uint32(0x7F800000):
-                out[i, c] = numba.uint16((u >> numba.uint32(16)) | numba.uint32(0x40))
+    for k in range(cuda.grid(1), out.shape[0] * width, cuda.gridsize(1)):
+        i = k // width
+        c = k - i * width
+        u = numba.uint32(bits[i, c])
+        if (u & numba.uint32(0x7FFFFFFF)) > numba.uint32(0x7F800000):
+            out[i, c] = numba.uint16((u >> numba.uint32(16)) | numba.uint32(0x40))
+        else:
+            lsb = (u >> numba.uint32(16)) & numba.uint32(1)
+            out[i, c] = numba.uint16((u + numba.uint32(0x7FFF) + lsb) >> numba.uint32(16))
+
+
+def to_float16_bits(out, x):
+    """out = float16 bits of ``x`` (2-D, any real dtype), rounded once to nearest even:
+    the arithmetic of the CPU twin (kernels._to_float16_bits), so both paths give the same
+    bits; one grid-stride loop over all elements, as above."""
+    width = out.shape[1]
+    for k in range(cuda.grid(1), out.shape[0] * width, cuda.gridsize(1)):
+        i = k // width
+        c = k - i * width
+        v = x[i, c] * 1.0
+        bits = 0x8000 if math.copysign(1.0, v) < 0 else 0
+        a = abs(v)
+        if a != a:
+            bits |= 0x7E00
+        elif a >= 65520.0:
+            bits |= 0x7C00
+        else:
+            if a < 6.103515625e-05:
+                y = a * 16777216.0
+                base = 0
             else:
-                lsb = (u >> numba.uint32(16)) & numba.uint32(1)
-                out[i, c] = numba.uint16((u + numba.uint32(0x7FFF) + lsb) >> numba.uint32(16))
+                m, e = math.frexp(a)
+                y = m * 2048.0
+                base = ((e + 14) << 10) - 1024
+            q = numba.int64(math.floor(y))  # int(): compiling it needs a driver
+            rest = y - q
+            if rest > 0.5 or (rest == 0.5 and q % 2 == 1):
+                q += 1
+            bits |= base + q
+        out[i, c] = numba.uint16(bits)
 
 
 def copy_segments(out, src, seg_src, seg_dst, seg_len):
@@ -443,6 +480,21 @@ def gather_dense_gpu(
         in_types=[types.INT64, dali_type(dtype)],
         outs_ndim=[2],
         ins_ndim=[1, 2],
+        blocks=blocks,
+        threads=threads,
+    )
+
+
+def to_float16_bits_gpu(x, *, dtype, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS):
+    """GPU op: uint16 float16 bits of a 2-D batch of ``dtype`` values (rounded once)."""
+    return _gpu_op(
+        x,
+        run_fn=to_float16_bits,
+        setup_fn=_same_shape_2d,
+        out_types=[types.UINT16],
+        in_types=[dali_type(dtype)],
+        outs_ndim=[2],
+        ins_ndim=[2],
         blocks=blocks,
         threads=threads,
     )

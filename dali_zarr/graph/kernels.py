@@ -18,6 +18,7 @@ inputs, so the input that decides an output's shape always comes first.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import cache, lru_cache
 
@@ -170,6 +171,42 @@ def _float32_bits_to_bfloat16_bits(out, bits):
                 out[i, c] = np.uint16((u + half + ((u >> shift) & one)) >> shift)
 
 
+def _to_float16_bits(out, x):
+    """out = float16 bits of ``x`` (2-D, any real dtype), one rounding to nearest even from
+    the value itself, NaN kept quiet with its sign: NumPy's ``astype(float16)``, and torch's
+    ``.half()`` of float32 values (torch narrows float64 through float32, rounding twice).
+
+    Not DALI's ``fn.cast``: on the CPU it rounds halves away from zero (2049 → 2050, where
+    torch and DALI's GPU cast give 2048) and narrows float64 through float32, so the two
+    loader paths would differ. The CUDA twin
+    (cuda_kernels.to_float16_bits) is the same arithmetic: float64, ``frexp``, and a
+    round-half-to-even of a value with at most 53 significant bits, all exact.
+    """
+    for i in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            v = x[i, c] * 1.0
+            bits = 0x8000 if math.copysign(1.0, v) < 0 else 0
+            a = abs(v)
+            if a != a:
+                bits |= 0x7E00
+            elif a >= 65520.0:  # halfway past float16's largest (65504) and beyond: inf
+                bits |= 0x7C00
+            else:
+                if a < 6.103515625e-05:  # below 2**-14: subnormal, steps of 2**-24
+                    y = a * 16777216.0
+                    base = 0
+                else:  # [2**(e-1), 2**e): 11 significant bits, the leading one implicit
+                    m, e = math.frexp(a)
+                    y = m * 2048.0
+                    base = ((e + 14) << 10) - 1024
+                q = np.int64(math.floor(y))
+                rest = y - q
+                if rest > 0.5 or (rest == 0.5 and q % 2 == 1):
+                    q += 1
+                bits |= base + q  # a carry into the exponent is the right next value
+            out[i, c] = np.uint16(bits)
+
+
 # --- setup functions: output shapes from input shapes ---------------------------------------
 
 
@@ -208,6 +245,7 @@ _KERNELS: dict[str, tuple[Callable, Callable[[int], Callable]]] = {
     "gather_csr": (_gather_csr_rows, lambda _width: _csr_batch_shapes),
     "gather_dense": (_gather_dense_rows, _rows_by_width),
     "to_bfloat16_bits": (_float32_bits_to_bfloat16_bits, lambda _width: _same_shape_2d),
+    "to_float16_bits": (_to_float16_bits, lambda _width: _same_shape_2d),
 }
 
 
@@ -281,3 +319,10 @@ def to_bfloat16_bits(bits):
     """
     op = _numba_op("to_bfloat16_bits", None, (types.UINT16,), (types.UINT32,), (2,), (2,))
     return op(bits)
+
+
+def to_float16_bits(x, *, dtype):
+    """DALI op: uint16 float16 bits of a 2-D batch of ``dtype`` values, rounded once to
+    nearest even (:func:`_to_float16_bits`); ``fn.reinterpret`` makes them float16."""
+    op = _numba_op("to_float16_bits", None, (types.UINT16,), (dali_type(dtype),), (2,), (2,))
+    return op(x)

@@ -21,11 +21,10 @@ from dali_zarr.graph.source import BatchSource, obs_source_name, window_dtype
 
 Transform = Callable[[dict], dict]
 
-#: dtypes ``X`` can leave the pipeline in. Numba cannot write float16, so half outputs are a
-#: cast after our ops; DALI has no bfloat16, so "bfloat16" leaves as its uint16 bits, which
-#: the framework adapter views as bfloat16 (see :func:`convert_x`).
+#: dtypes ``X`` can leave the pipeline in. Numba cannot write float16 and DALI has no
+#: bfloat16, so both halves are our ops writing uint16 bits: float16's are reinterpreted
+#: in the graph, bfloat16's viewed by the framework adapter (see :func:`convert_x`).
 OUTPUT_DTYPES = ("float32", "float16", "float64", "bfloat16")
-_CASTS = {"float16": types.FLOAT16, "float64": types.FLOAT64}
 
 
 def output_dtype_name(dtype: Any) -> str:
@@ -40,35 +39,37 @@ def output_dtype_name(dtype: Any) -> str:
 
 
 def convert_x(x, dtype: str, feature_shape: tuple[int, ...], ops: GraphOps):
-    """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`), bfloat16 by
-    ``ops``' op on X's device."""
+    """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`); the halves by
+    ``ops``' ops on X's device, which work on rows: N-D rows are flattened around them."""
     if dtype == "float32":
         return x
-    if dtype in _CASTS:
-        return fn.cast(x, dtype=_CASTS[dtype])
-    bits = fn.reinterpret(x, dtype=types.UINT32)
-    if len(feature_shape) != 1:
-        bits = fn.reshape(bits, shape=[-1, int(np.prod(feature_shape))])
-    out = ops.to_bfloat16_bits(bits)
-    if len(feature_shape) != 1:
-        out = fn.reshape(out, shape=[-1, *feature_shape])
-    return out
+    if dtype == "float64":
+        return fn.cast(x, dtype=types.FLOAT64)
+    flat = len(feature_shape) != 1
+    if flat:
+        x = fn.reshape(x, shape=[-1, int(np.prod(feature_shape))])
+    if dtype == "float16":
+        out = ops.to_float16(x, dtype=np.dtype(np.float32))
+    else:
+        out = ops.to_bfloat16_bits(fn.reinterpret(x, dtype=types.UINT32))
+    return fn.reshape(out, shape=[-1, *feature_shape]) if flat else out
 
 
 def convert_csr_values(data, stored: np.dtype, dtype: str, ops: GraphOps):
     """A batch CSR's values (``X_data``, in :func:`window_dtype` of ``stored``) → ``dtype``,
-    so that ``dtype=`` means for ``output="csr"`` what it means for dense ``X``; one cast
-    from the stored values (float64 stays exact), bfloat16 through float32."""
+    so that ``dtype=`` means for ``output="csr"`` what it means for dense ``X``; one
+    rounding from the stored values (float64 stays exact), bfloat16 through float32."""
     wire = window_dtype("csr", stored)
-    if dtype != "bfloat16":
+    if dtype in ("float32", "float64"):
         if wire == np.dtype(dtype):
             return data
-        return fn.cast(data, dtype=types.FLOAT if dtype == "float32" else _CASTS[dtype])
+        return fn.cast(data, dtype=types.FLOAT if dtype == "float32" else types.FLOAT64)
+    column = fn.reshape(data, shape=[-1, 1])  # the half ops take 2-D batches
+    if dtype == "float16":
+        return fn.reshape(ops.to_float16(column, dtype=wire), shape=[-1])
     if wire != np.float32:
-        data = fn.cast(data, dtype=types.FLOAT)
-    # our bfloat16 op takes 2-D float32 bits: one column of them
-    bits = fn.reshape(fn.reinterpret(data, dtype=types.UINT32), shape=[-1, 1])
-    return fn.reshape(ops.to_bfloat16_bits(bits), shape=[-1])
+        column = fn.cast(column, dtype=types.FLOAT)
+    return fn.reshape(ops.to_bfloat16_bits(fn.reinterpret(column, dtype=types.UINT32)), shape=[-1])
 
 
 def dense_to_float32(x, stored: np.dtype):
@@ -167,6 +168,16 @@ class GraphOps:
             out_dtype=wire if bits else np.float32, **launch,
         )  # fmt: skip
         return dense_to_float32(x, stored) if bits else x
+
+    def to_float16(self, x, *, dtype: np.dtype):
+        """2-D ``x`` of ``dtype`` as float16, rounded once to nearest even (our op; see
+        kernels._to_float16_bits for why not ``fn.cast``)."""
+        if self.on_gpu:
+            K, launch = self._cuda()
+            bits = K.to_float16_bits_gpu(x, dtype=dtype, **launch)
+        else:
+            bits = kernels.to_float16_bits(x, dtype=dtype)
+        return fn.reinterpret(bits, dtype=types.FLOAT16)
 
     def to_bfloat16_bits(self, bits):
         """uint16 bfloat16 bits of 2-D float32 ``bits`` (as uint32), shaped like them."""
