@@ -115,6 +115,11 @@ class Loader:
             raise ConfigError(
                 f"output='csr' needs a sparse X, but {dataset.name} is dense; use output='dense'."
             )
+        if dataset.n_obs < 1:
+            raise ConfigError(
+                f"{dataset.name} has no observations: there is nothing to load. Check the "
+                "store (or the ids of a subset, e.g. an empty split)."
+            )
         self.device, self.device_reason = _choose_device(device, gpu_backend)
         self.dataset = dataset
         self._panel_reorders = output == "csr" and panel_reorders(dataset)
@@ -515,6 +520,7 @@ class Loader:
         the user consumed while the pipeline runs ahead, at the price of one copy per batch.
         """
         if self.enable_checkpointing:
+            _teach_dali_unsigned_types()
             return DALIGenericIterator([pipe], names, auto_reset=False, prepare_first_batch=False)
         return DaliEpochIterator(pipe, names)
 
@@ -541,11 +547,25 @@ class Loader:
         return batch
 
 
+def _teach_dali_unsigned_types() -> None:
+    """DALI's PyTorch iterator allocates each output as ``to_torch_type[dtype]``, a table
+    without uint16/32/64, so it failed with a KeyError on bfloat16 (which leaves DALI as
+    uint16 bits), on uint16/uint32 column ids and on unsigned obs columns. torch has those
+    types (as storage; we view or convert them): add them where DALI has none."""
+    from nvidia.dali import types as dali_types
+    from nvidia.dali.plugin.pytorch import torch_utils
+
+    for name in ("UINT16", "UINT32", "UINT64"):
+        ours = getattr(torch, name.lower(), None)
+        if ours is not None:
+            torch_utils.to_torch_type.setdefault(getattr(dali_types.DALIDataType, name), ours)
+
+
 def panel_reorders(dataset: Dataset) -> bool:
     """Whether a feature selection numbers some store's kept columns out of their stored
     order, which leaves each CSR row's column ids unsorted."""
     pairs = dataset.store_columns() or []
-    return any(c is not None and bool(np.any(np.diff(c) < 0)) for _, c in pairs)
+    return any(c is not None and bool(np.any(np.diff(c[c >= 0]) < 0)) for _, c in pairs)
 
 
 def canonical_csr(

@@ -372,3 +372,19 @@ def test_suggestion_reads_the_parents_rows(rich) -> None:
     path, _ = rich
     base = dz.open_dataset(path)
     assert dataset_suggestion(dz.FeatureSubset(base, PANEL)) == dataset_suggestion(base)
+
+
+def test_only_panels_out_of_stored_order_sort_their_csr_rows(rich) -> None:
+    """Rows of a panel whose columns keep the stored order come out sorted as stored; only a
+    panel that reorders columns pays the per-batch sort. Dropped columns (map -1) once
+    made every panel count as reordered."""
+    from dali_zarr.loader import panel_reorders
+
+    path, _ = rich
+    ds = dz.open_dataset(path)
+    assert not panel_reorders(ds)
+    assert not panel_reorders(dz.FeatureSubset(ds, [0, 3, 4, 11, 17, 29]))
+    assert panel_reorders(dz.FeatureSubset(ds, PANEL))
+    joined = dz.open_dataset([path, path])
+    assert not panel_reorders(dz.FeatureSubset(joined, [2, 5]))
+    assert panel_reorders(dz.FeatureSubset(joined, [5, 2]))

@@ -319,6 +319,45 @@ def test_truncated_chunk_raises(tmp_path: Path) -> None:
             pass
 
 
+@pytest.mark.parametrize("device", ["cpu", "gpu-path-on-host"])
+@pytest.mark.parametrize("shard_chunks", [None, 2], ids=["chunk-files", "shards"])
+@pytest.mark.parametrize("kind", ["dangling-link", "named-pipe"])
+def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
+    tmp_path: Path, kind: str, shard_chunks, device: str
+) -> None:
+    """A chunk or shard that is a dangling symbolic link (links to a volume not mounted)
+    had read as the fill value, zeros, with no error; a named pipe blocked the read
+    forever. Both are refused, naming the chunk, on the CPU path and the GPU path's
+    planning alike."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    path = Path(
+        synthetic.make_dense_cube(
+            tmp_path / "t.zarr", n_obs=200, shape=(10,), chunk_obs=20, codec="zstd",
+            shard_chunks=shard_chunks,
+        )
+    )  # fmt: skip
+    target = path / "c" / "1" / "0"
+    target.unlink()
+    if kind == "dangling-link":
+        target.symlink_to(tmp_path / "not-mounted" / "0")
+    else:
+        os.mkfifo(target)
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    loader = dz.Loader(dz.open_dataset(path), sampler(chunk_size=20, shuffle=False), **where)
+    problem = "symbolic link to" if kind == "dangling-link" else "not a regular file"
+    with pytest.raises(dz.ChunkReadError, match=rf"c/1/0.*{problem}"):
+        for _ in loader:
+            pass
+    loader.close()
+
+
+def test_a_dataset_without_observations_is_named(sc_store: Path) -> None:
+    empty = dz.Subset(dz.open_dataset(sc_store), np.zeros(0, np.int64))
+    with pytest.raises(dz.ConfigError, match=rf"{sc_store.name}.*no observations"):
+        dz.Loader(empty, sampler())
+
+
 def test_open_dataset_errors(tmp_path: Path, sc_store: Path) -> None:
     with pytest.raises(dz.DatasetError, match="no such file"):
         dz.open_dataset(tmp_path / "nope.zarr")
@@ -630,3 +669,41 @@ def test_device_auto_says_which_path(sc_store: Path, caplog) -> None:
         assert "CPU path" in found
         with pytest.raises(dz.ConfigError, match="device='gpu' but the GPU path is not usable"):
             dz.Loader(dz.open_dataset(sc_store), sampler(), device="gpu")
+
+
+def test_dali_checkpointing_takes_unsigned_outputs(tmp_path: Path) -> None:
+    """With ``enable_checkpointing`` batches leave through DALI's own iterator, whose type
+    table has no uint16/32/64: bfloat16 (uint16 bits), uint16 column ids and unsigned obs
+    columns failed with a KeyError. They arrive as without checkpointing."""
+    import anndata as ad
+    import pandas as pd
+
+    rng = np.random.default_rng(2)
+    x = sp.random(300, 40, density=0.2, format="csr", dtype=np.float32, random_state=rng)
+    obs = pd.DataFrame({"plate": rng.integers(0, 70_000, 300).astype(np.uint32)})
+    obs.index = obs.index.astype(str)
+    path = tmp_path / "unsigned.zarr"
+    ad.AnnData(X=x, obs=obs).write_zarr(path)
+    group = zarr.open_group(str(path), mode="r+")
+    ids = group["X/indices"][...]
+    group.create_array("X/indices", shape=ids.shape, dtype="uint16", chunks=(500,), overwrite=True)
+    group["X/indices"][...] = ids.astype(np.uint16)
+    ds = dz.open_dataset(path)
+    for output, dtype in (("dense", torch.bfloat16), ("csr", torch.bfloat16), ("csr", "float32")):
+        kw = dict(output=output, dtype=dtype, obs=["plate"], return_index=True)
+        plain = dz.Loader(ds, sampler(), **kw)
+        checked = dz.Loader(ds, sampler(), **kw, enable_checkpointing=True)
+        n = 0
+        for a, b in zip(plain, checked, strict=True):
+            assert a.keys() == b.keys() and a["plate"].dtype == torch.uint32
+            for name in a:
+                want, got = a[name], b[name]
+                if want.layout == torch.sparse_csr:
+                    want, got = want.to_dense(), got.to_dense()
+                assert got.dtype == want.dtype, name
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+            n += 1
+        assert n == len(plain) > 0
+        assert checked.state_dict()["dali"] is not None
+        plain.close()
+        checked.close()

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from itertools import product
@@ -273,6 +274,45 @@ def _copy_rows(
 # ---------------------------------------------------------------------------- direct reader
 
 _tls = threading.local()
+
+
+def open_stored(path: str) -> int | None:
+    """A read-only descriptor of a chunk or shard file; None where none is stored (it reads
+    as the fill value). A dangling symbolic link is not "not stored" (a store assembled
+    from links to a volume that is not mounted would read as zeros), and a named pipe or
+    device would block or stream forever: both raise DecodeError. O_NONBLOCK makes the
+    open of a pipe return at once; regular files ignore it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise DecodeError(_dangling(path)) from None
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DecodeError(_NOT_A_FILE)
+    return fd
+
+
+_NOT_A_FILE = "it is not a regular file (a named pipe, socket or device?)"
+
+
+def _dangling(path: str) -> str:
+    return f"it is a symbolic link to {os.readlink(path)!r}, which does not exist"
+
+
+def stored_size(path: str) -> int | None:
+    """The size of a chunk file, or None where none is stored; as :func:`open_stored`
+    refuses, without opening it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise DecodeError(_dangling(path)) from None
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        raise DecodeError(_NOT_A_FILE)
+    return st.st_size
 
 
 def _scratch(nbytes: int) -> np.ndarray:
@@ -507,11 +547,13 @@ class DirectReader:
         for c in np.unique(chunks).tolist():
             path = self._file(self.layout.key((c, *zeros)))
             try:
-                size = os.stat(path).st_size
-            except FileNotFoundError:
-                continue  # reads as the fill value; looked for again next time
+                size = stored_size(path)
+            except DecodeError as e:
+                raise self._error((c, *zeros), str(e)) from e
             except OSError as e:
                 raise self._error((c, *zeros), f"stat failed ({e})") from e
+            if size is None:
+                continue  # reads as the fill value; looked for again next time
             self._chunk_files[c] = path
             self._chunk_nbytes[c] = size
 
@@ -578,10 +620,8 @@ class DirectReader:
                 self.chunks_prefix_decoded += 1
 
     def _read_chunk(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
-        path = self._file(self.layout.key(piece.coords))
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        fd = open_stored(self._file(self.layout.key(piece.coords)))
+        if fd is None:
             return None
         try:
             size = os.fstat(fd).st_size
@@ -663,11 +703,13 @@ class DirectReader:
             return ChunkReadError(f"{self.name}: shard {key!r} ({path}): {problem}. {_ADVICE}")
 
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return  # not cached: every inner chunk reads as the fill value
+            fd = open_stored(path)
+        except DecodeError as e:
+            raise fail(str(e)) from e
         except OSError as e:
             raise fail(f"opening failed ({e})") from e
+        if fd is None:
+            return  # not cached: every inner chunk reads as the fill value
         try:
             size = os.fstat(fd).st_size
             want = sl.index_nbytes
