@@ -292,6 +292,18 @@ class Contender:
     errors: list[str] = field(default_factory=list)
 
 
+def steady_warmup(warmup: int, *, chunk_size: int, preload_nchunks: int, batch_size: int) -> int:
+    """Batches to consume before the clock starts: at least ``warmup``, and past what our
+    loader reads ahead when it starts (2 windows, plus DALI's queue of 2 batches). With 2
+    warm-up batches its clock started with up to two windows read already, batches the
+    timed interval did not pay for (a window is 2 batches at full size: 24 timed batches
+    are 12 windows, so up to 2 of them free). annbatch gets the same warm-up."""
+    from dali_zarr.planning.partition import window_rows_of
+
+    per_window = window_rows_of(chunk_size, preload_nchunks, batch_size) // batch_size
+    return max(warmup, 3 * per_window + 2)
+
+
 def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
     py = sys.executable
     ab_py = envs["annbatch_python"]
@@ -322,6 +334,8 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
         ),
     ):
         outputs = ("csr", "dense") if store == "sparse" else ("dense",)
+        # the chunked loaders (ours, annbatch) all warm up past our deepest read-ahead
+        sizes_measure = {**sizes, **measure, "warmup": steady_warmup(args.warmup, **sizes)}
         ref = {o: f"{store}/annbatch/{o}" for o in outputs}
         ceiling = {"csr": f"{store}/ceiling/csr", "dense": f"{store}/ceiling/dense"}
         for device in ("cpu", "gpu") if cuda else ("cpu",):
@@ -336,7 +350,7 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
                         o,
                         "dali_zarr_runner.py",
                         py,
-                        {**sizes, **measure, "output": o, "device": device},
+                        {**sizes_measure, "output": o, "device": device},
                         ref[o],
                         ceiling[o],
                     )
@@ -351,7 +365,7 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
                 o,
                 "annbatch_runner.py",
                 ab_py or "",
-                {**sizes, **measure, "output": o},
+                {**sizes_measure, "output": o},
                 ref[o],
                 ceiling[o],
             )
@@ -581,7 +595,8 @@ def conditions(args, infos, envs, load_before, load_after, seconds) -> list[str]
         + (" (the machine was shared: numbers are noisy)" if load_before[0] > 0.5 else ""),
         f"- Run: {time.strftime('%Y-%m-%d %H:%M %Z')}, {args.reps} repetitions round-robin, "
         f"{seconds / 60:.1f} min; measurement = {args.batches} batches after {args.warmup} "
-        f"warm-up (clock stops at the first batch past {args.seconds:g} s); page cache warm "
+        "warm-up (dali_zarr and annbatch: at least 3 windows + 2 batches, past any "
+        f"read-ahead; clock stops at the first batch past {args.seconds:g} s); page cache warm "
         "(every store file read once before the first measurement)",
     ]
     if "sparse" in infos:
