@@ -598,6 +598,9 @@ def test_bad_column_ids_are_refused(tmp_path: Path) -> None:
     path = Path(synthetic.make_single_cell(tmp_path / "w.zarr", n_obs=200, n_features=50))
     group = zarr.open_group(path, mode="r+")
     group["X"].attrs["shape"] = [200, 10]
+    with pytest.raises(dz.DatasetError, match=r"var has 50 names but .*X is 10 features wide"):
+        dz.open_dataset(path)  # with a var index the width is checked at open
+    del group["var"]  # without one, the ids are checked as they are read
     loader = dz.Loader(dz.open_dataset(path), sampler())
     with pytest.raises(dz.DatasetError, match=r"X/indices.*outside \[0, 10\)"):
         for _ in loader:

@@ -19,7 +19,13 @@ from typing import Any, Literal
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import matrix_layout, pick_element, var_key
+from dali_zarr.data.elements import (
+    matrix_layout,
+    pick_element,
+    shape_attribute,
+    var_key,
+    zarr_member,
+)
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader, check_ranges, open_reader
@@ -270,23 +276,21 @@ class CsrDataset(_StoreDataset):
         store: str | None = None,
     ) -> None:
         super().__init__(name, obs, var, store=store)
-        for key in ("data", "indices", "indptr"):
-            if key not in group or not isinstance(group[key], zarr.Array):
+        arrays = {key: zarr_member(group, key, where=name) for key in ("data", "indices", "indptr")}
+        for key, array in arrays.items():
+            if not isinstance(array, zarr.Array):
                 raise DatasetError(
                     f"{name}: a csr_matrix group needs arrays data, indices and indptr; "
                     f"{key!r} is missing. The store is incomplete: re-write it."
                 )
-        shape = group.attrs.get("shape")
-        if not shape or len(shape) != 2:
-            raise DatasetError(f"{name}: csr_matrix group has no valid 'shape' attribute.")
-        self.n_obs, n_features = int(shape[0]), int(shape[1])
+        self.n_obs, n_features = shape_attribute(group, where=name)
         self.feature_shape = (n_features,)
         # the arrays' readers (public: the GPU path plans byte reads through them)
         self.data_reader = open_reader(
-            group["data"], name=f"{name}/data", executor=executor, force_zarr=force_zarr
+            arrays["data"], name=f"{name}/data", executor=executor, force_zarr=force_zarr
         )
         self.indices_reader = open_reader(
-            group["indices"], name=f"{name}/indices", executor=executor, force_zarr=force_zarr
+            arrays["indices"], name=f"{name}/indices", executor=executor, force_zarr=force_zarr
         )
         self.dtype = np.dtype(self.data_reader.dtype)
         self.index_dtype = np.dtype(self.indices_reader.dtype)
@@ -295,16 +299,34 @@ class CsrDataset(_StoreDataset):
                 f"{name}: data dtype {self.dtype} / indices dtype {self.indices_reader.dtype} "
                 "are not numeric/integer."
             )
-        self.indptr = np.asarray(group["indptr"][...]).astype(np.int64, copy=False)
+        self.indptr = self._read_indptr(arrays["indptr"])
         self._check_indptr()
+
+    def _read_indptr(self, array: zarr.Array) -> np.ndarray:
+        """``indptr`` as int64, refused before the cast where the cast would change it: float
+        offsets are truncated (rows shift silently) and uint64 ones past int64 wrap negative."""
+        where, expected = f"{self.name}/indptr", (self.n_obs + 1,)
+        if array.dtype.kind not in "iu":
+            raise DatasetError(
+                f"{where}: dtype {array.dtype} is not an integer dtype; row offsets must be "
+                "integers (anndata and scipy refuse others too). Re-write the matrix with an "
+                "integer indptr (e.g. X.indptr = X.indptr.astype(np.int64))."
+            )
+        if array.shape != expected:
+            raise DatasetError(
+                f"{where}: has shape {array.shape} for {self.n_obs} rows (expected {expected}: "
+                "one offset per row, plus one); the store is inconsistent: re-write the matrix."
+            )
+        indptr = np.asarray(array[...])
+        if indptr.dtype.itemsize == 8 and indptr.dtype.kind == "u" and indptr.max() > 2**63 - 1:
+            raise DatasetError(
+                f"{where}: offset {int(indptr.max())} is beyond int64 (the largest is "
+                f"{2**63 - 1}); the store is corrupted: re-write the matrix."
+            )
+        return indptr.astype(np.int64, copy=False)
 
     def _check_indptr(self) -> None:
         indptr, name = self.indptr, self.name
-        if indptr.shape != (self.n_obs + 1,):
-            raise DatasetError(
-                f"{name}/indptr: has {len(indptr)} entries for {self.n_obs} rows "
-                f"(expected {self.n_obs + 1}); the store is inconsistent."
-            )
         if indptr[0] != 0 or np.any(np.diff(indptr) < 0):
             raise DatasetError(f"{name}/indptr: must start at 0 and never decrease.")
         nnz = int(indptr[-1])
@@ -577,17 +599,42 @@ def _open_one(
     x, x_key = picked.node, picked.key
     assert x_key is not None
     x_name = f"{name}/{x_key}"
-    obs = node["obs"] if "obs" in node and isinstance(node["obs"], zarr.Group) else None
+    obs = zarr_member(node, "obs", where=name)
+    obs = obs if isinstance(obs, zarr.Group) else None
     names_at = var_key(x_key)
-    var = node.get(names_at) if names_at is not None else None
+    var = zarr_member(node, names_at, where=name) if names_at is not None else None
     var = var if isinstance(var, zarr.Group) else None
-    if matrix_layout(x, where=x_name) == "dense":
+    dataset: Dataset
+    if matrix_layout(x, where=x_name, any_rank=x_key.startswith("obsm/")) == "dense":
         reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
-        x_name = name if x_key == "X" else x_name
-        return DenseDataset(reader, name=x_name, obs=obs, var=var, store=name)
-    return CsrDataset(
-        x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr, store=name
-    )
+        shown = name if x_key == "X" else x_name
+        dataset = DenseDataset(reader, name=shown, obs=obs, var=var, store=name)
+    else:
+        dataset = CsrDataset(
+            x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr, store=name
+        )
+    if var is not None:
+        _check_var_width(var, dataset.feature_shape, var_name=f"{name}/{names_at}", x_name=x_name)
+    return dataset
+
+
+def _check_var_width(
+    var: zarr.Group, feature_shape: tuple[int, ...], *, var_name: str, x_name: str
+) -> None:
+    """Refuse X as wide as var's index is not (anndata refuses it too): by position, columns
+    past the names (or names past the columns) would be some other gene's. Reads only the
+    index's metadata, not its names."""
+    index = var.attrs.get("_index")
+    node = zarr_member(var, index, where=var_name) if isinstance(index, str) else None
+    if not isinstance(node, zarr.Array) or not node.shape or len(feature_shape) != 1:
+        return
+    if node.shape[0] != feature_shape[0]:
+        raise DatasetError(
+            f"{var_name}/{index}: var has {node.shape[0]} names but {x_name} is "
+            f"{feature_shape[0]} features wide; the store is inconsistent (anndata refuses "
+            "it too). Re-write it with one var row per column (for a sparse matrix, check "
+            "its 'shape' attribute first)."
+        )
 
 
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
@@ -603,6 +650,13 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
+        found = [f for f in ("zarr.json", ".zarray", ".zgroup") if os.path.isfile(f"{path}/{f}")]
+        if found:  # a store whose metadata zarr cannot take
+            raise DatasetError(
+                f"{path}: its Zarr metadata ({found[0]}) cannot be read ({type(exc).__name__}: "
+                f"{exc}); fix that file (e.g. a fill_value that fits the dtype) or re-write "
+                "the store."
+            ) from exc
         raise DatasetError(
             f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}). Pass the directory "
             "that holds zarr.json (v3) or .zgroup/.zarray (v2); convert .h5ad files first."

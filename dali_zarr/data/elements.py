@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
+import numpy as np
+
 from dali_zarr.errors import ConfigError, DatasetError
 
 #: Where elements whose rows are observations live, and the form each name takes.
@@ -51,11 +53,57 @@ def available_elements(root: Any) -> list[str]:
     return found
 
 
+def _valid_shape(shape: Any) -> tuple[int, int] | None:
+    """``shape`` as two non-negative ints, or None where it is not that (a float would be
+    truncated by ``int()``, text would fail deep in the loader)."""
+    if not isinstance(shape, list | tuple | np.ndarray) or len(shape) != 2:
+        return None
+    if not all(isinstance(s, int | np.integer) and not isinstance(s, bool) for s in shape):
+        return None
+    rows, cols = (int(s) for s in shape)
+    return (rows, cols) if rows >= 0 and cols >= 0 else None
+
+
+def shape_attribute(node: Any, *, where: str) -> tuple[int, int]:
+    """The ``shape`` attribute of a sparse matrix group (its only record of the width)."""
+    shape = _valid_shape(node.attrs.get("shape"))
+    if shape is None:
+        raise DatasetError(
+            f"{where}: 'shape' attribute is {node.attrs.get('shape')!r}; a csr_matrix group "
+            "needs two non-negative integers [n_obs, n_features]. Set it to the matrix's "
+            "real shape, or re-write the matrix."
+        )
+    return shape
+
+
+def zarr_member(group: Any, key: str, *, where: str) -> Any:
+    """``group[key]`` of a zarr group, or None where nothing is stored there (``where``: the
+    group's name in messages).
+
+    Metadata that cannot be parsed is named here: zarr raises JSONDecodeError, TypeError or
+    a KeyError of a metadata field for it, naming no node (and ``in``/``get`` call it
+    missing). zarr's own "not there" is a KeyError raised from FileNotFoundError (a store
+    read) or from KeyError (consolidated metadata)."""
+    try:
+        return group[key]
+    except KeyError as exc:
+        if isinstance(exc.__cause__, FileNotFoundError | KeyError):
+            return None
+        error: Exception = exc
+    except Exception as exc:  # zarr raises many types for bad metadata
+        error = exc
+    raise DatasetError(
+        f"{where}/{key}: its Zarr metadata cannot be read ({type(error).__name__}: {error}); "
+        "the store is corrupted there: restore that node's zarr.json (v3) or .zarray/.zgroup/"
+        ".zattrs (v2), or re-write the store."
+    ) from error
+
+
 def _rows(node: Any) -> int | None:
     if is_array(node):
         return int(node.shape[0]) if len(node.shape) else None
-    shape = node.attrs.get("shape")
-    return int(shape[0]) if shape is not None and len(shape) == 2 else None
+    shape = _valid_shape(node.attrs.get("shape"))
+    return None if shape is None else shape[0]
 
 
 def store_n_obs(root: Any) -> int | None:
@@ -136,28 +184,38 @@ def pick_element(
     if anndata or (anndata is None and encoding == "anndata"):
         key = (element or "X").strip("/")
         return Picked(anndata_element(root, key, store=store), key, True)
-    arrays = sorted(k for k in root if is_array(root[k]))
+    members = {k: root[k] for k in sorted(root)}
+    arrays = [k for k, v in members.items() if is_array(v)]
     listing = f" (arrays here: {', '.join(arrays)})" if arrays else " (it holds no arrays)"
+    # AnnData stores written inside a plain group (anndata's write_elem(group, "sample1", ...))
+    nested = [
+        f"{store}/{k}"
+        for k, v in members.items()
+        if not is_array(v) and attribute(v, "encoding-type") == "anndata"
+    ]
+    inside = f" It holds AnnData stores: open one of {', '.join(nested)}." if nested else ""
     if element is None:
         hint = f" To load one of its arrays, pass element={arrays[0]!r}{listing}." if arrays else ""
         raise DatasetError(
             f"{store}: is a Zarr group but neither an AnnData store (root attribute "
-            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}"
+            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}{inside}"
         )
     key = element.strip("/")
     node = root.get(key) if key else None
     if node is None or not is_array(node):
         raise DatasetError(
-            f"{store}: has no array {element!r}{listing}; pass element= the path of one."
+            f"{store}: has no array {element!r}{listing}; pass element= the path of one.{inside}"
         )
     return Picked(node, key, False)
 
 
-def matrix_layout(node: Any, *, where: str) -> Literal["csr", "dense"]:
+def matrix_layout(node: Any, *, where: str, any_rank: bool = False) -> Literal["csr", "dense"]:
     """``"dense"`` for a 2-D array, ``"csr"`` for a CSR group (anndata's or h5sparse's
-    encoding); anything else (CSC, other encodings, N-D arrays) is refused."""
+    encoding); anything else (CSC, other encodings, N-D arrays) is refused. ``any_rank``:
+    an array of any rank is dense too (``obsm`` entries: anndata only asks for observations
+    on axis 0, and the loader batches N-D rows as it does plain arrays)."""
     if is_array(node):
-        if len(node.shape) != 2:
+        if len(node.shape) != 2 and not (any_rank and len(node.shape) >= 1):
             raise DatasetError(f"{where}: a dense matrix must be 2-D, found shape {node.shape}.")
         return "dense"
     encoding = attribute(node, "encoding-type") or attribute(node, "h5sparse_format")

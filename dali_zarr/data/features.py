@@ -127,13 +127,18 @@ def _compiled_filter() -> Any:
 
 
 def keep_csr_columns(rows: CsrRows, column_map: np.ndarray) -> CsrRows:
-    """The rows with only the columns whose ``column_map`` entry is >= 0, renumbered to it."""
+    """The rows with only the columns whose ``column_map`` entry is >= 0, renumbered to it.
+
+    Values only move, so they go through the filter as unsigned ints of their width: numba
+    has no float16, and a float16 store would otherwise fail here."""
+    data = np.ascontiguousarray(rows.data)
+    bits = data.view(f"u{data.dtype.itemsize}")
     indices = np.ascontiguousarray(rows.indices)
-    out_data = np.empty(rows.data.shape, dtype=rows.data.dtype)
+    out_data = np.empty(bits.shape, dtype=bits.dtype)
     out_indices = np.empty(indices.shape, dtype=indices.dtype)
     out_indptr = np.empty(rows.indptr.shape, dtype=np.int64)
     n = _compiled_filter()(
-        np.ascontiguousarray(rows.data),
+        bits,
         indices,
         np.ascontiguousarray(rows.indptr, dtype=np.int64),
         column_map,
@@ -146,7 +151,7 @@ def keep_csr_columns(rows: CsrRows, column_map: np.ndarray) -> CsrRows:
             f"a column id reaches outside the {len(column_map)} features; the store is "
             "inconsistent."
         )
-    return CsrRows(out_data[:n], out_indices[:n], out_indptr)
+    return CsrRows(out_data[:n].view(data.dtype), out_indices[:n], out_indptr)
 
 
 class FeatureSubset(Dataset):

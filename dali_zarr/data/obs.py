@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import zarr
 
+from dali_zarr.data.elements import zarr_member
 from dali_zarr.errors import DatasetError
 
 
@@ -19,7 +20,9 @@ class ObsColumn:
     """One obs column: ``values`` has one entry per observation.
 
     Categorical columns carry int64 codes in ``values`` (-1 = missing) and the names in
-    ``categories``; numeric columns keep their dtype and have ``categories=None``.
+    ``categories``; numeric columns keep their dtype and have ``categories=None``, except
+    float16, widened to float32 when read (the loader's graph takes no float16 column; every
+    float16 value is exact in float32).
     """
 
     name: str
@@ -41,20 +44,49 @@ def _native(values: np.ndarray) -> np.ndarray:
     return values.astype(values.dtype.newbyteorder("="), copy=False)
 
 
+def _member(node: zarr.Group | zarr.Array, key: str, *, where: str, encoding: str) -> np.ndarray:
+    """Array ``key`` of a column group, read; a missing one named (not zarr's KeyError)."""
+    array = zarr_member(node, key, where=where) if isinstance(node, zarr.Group) else None
+    if not isinstance(array, zarr.Array):
+        raise DatasetError(
+            f"{where}: a {encoding} column needs an array {key!r}, which is missing; the "
+            "column is incomplete: re-write it from the source data."
+        )
+    return _read_1d(array, where=f"{where}/{key}")
+
+
+def _read_1d(array: zarr.Array, *, where: str) -> np.ndarray:
+    """The array, read, refused unless 1-D: batches take one value per observation, and a
+    2-D column would pass open and fail inside the DALI graph."""
+    if array.ndim != 1:
+        raise DatasetError(
+            f"{where}: has shape {array.shape}, but obs columns are 1-D (one value per "
+            "observation). Re-write it; store several values per observation in obsm."
+        )
+    return np.asarray(array[...])
+
+
 def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     """Read one column of an AnnData ``obs`` dataframe group (anndata >= 0.8 encodings);
     ``where`` names the group in messages (``cells.zarr/obs``)."""
-    if column not in obs:
+    node = zarr_member(obs, column, where=where)
+    if node is None:
         available = ", ".join(sorted(k for k in obs if k != obs.attrs.get("_index")))
         raise DatasetError(
             f"{where}: no column {column!r}; available columns: {available or 'none'}."
         )
     where = f"{where}/{column}"
-    node = obs[column]
     encoding = node.attrs.get("encoding-type", "array")
     if encoding == "categorical":
-        codes = np.asarray(node["codes"][...]).astype(np.int64, copy=False)
-        categories = _text(node["categories"][...])
+        codes = _member(node, "codes", where=where, encoding=encoding)
+        if codes.dtype.kind not in "iu":
+            raise DatasetError(
+                f"{where}/codes: dtype {codes.dtype} is not an integer dtype; category codes "
+                "must be integers (anndata refuses others too, and casting would truncate "
+                "them). Re-write the column."
+            )
+        codes = codes.astype(np.int64, copy=False)
+        categories = _text(_member(node, "categories", where=where, encoding=encoding))
         bad = np.flatnonzero((codes < -1) | (codes >= len(categories)))
         if bad.size:
             i = int(bad[0])
@@ -65,8 +97,8 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
             )
         return ObsColumn(column, codes, categories)
     if encoding in ("nullable-integer", "nullable-boolean"):
-        values = _native(np.asarray(node["values"][...]))
-        mask = np.asarray(node["mask"][...]).astype(bool)
+        values = _native(_member(node, "values", where=where, encoding=encoding))
+        mask = _member(node, "mask", where=where, encoding=encoding).astype(bool)
         if mask.any():
             raise DatasetError(
                 f"{where}: {int(mask.sum())} missing values in a nullable column; batches cannot "
@@ -74,13 +106,16 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
             )
         return ObsColumn(column, values)
     if isinstance(node, zarr.Array) and encoding == "array":
-        values = np.asarray(node[...])
+        values = _read_1d(node, where=where)
         if values.dtype.kind not in "biuf":
             raise DatasetError(
                 f"{where}: dtype {values.dtype} cannot ride in a batch tensor; "
                 "store it as a categorical column."
             )
-        return ObsColumn(column, _native(values))
+        values = _native(values)
+        if values.dtype == np.float16:  # see ObsColumn: no float16 column reaches the graph
+            values = values.astype(np.float32)
+        return ObsColumn(column, values)
     raise DatasetError(
         f"{where}: encoding {encoding!r} cannot ride in a batch tensor "
         "(supported: categorical, numeric, nullable without missing values); "

@@ -1,0 +1,336 @@
+"""Broken or unusual stores written on disk with anndata and zarr: each is refused with a
+DatasetError naming the store's array and what to change, or, where anndata reads it, loads
+the values anndata reads. Never silent wrong data, never a raw error from deep inside."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import torch
+import zarr
+
+import dali_zarr as dz
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+N_OBS, N_VARS = 120, 12
+
+
+def make_adata(*, sparse: bool = True, obs_extra: dict | None = None):
+    import anndata as ad
+
+    rng = np.random.default_rng(0)
+    dense = rng.random((N_OBS, N_VARS)).astype(np.float32)
+    dense[dense > 0.3] = 0
+    dense = (dense * 100).round()
+    obs = pd.DataFrame(
+        {
+            "cell_type": pd.Categorical(rng.choice(["a", "b", "c"], size=N_OBS)),
+            "score": rng.random(N_OBS),
+            **(obs_extra or {}),
+        },
+        index=[f"cell{i}" for i in range(N_OBS)],
+    )
+    var = pd.DataFrame(index=[f"g{j}" for j in range(N_VARS)])
+    return ad.AnnData(X=sp.csr_matrix(dense) if sparse else dense, obs=obs, var=var)
+
+
+def write_store(path: Path, adata, *, zarr_format: int = 3) -> Path:
+    import anndata as ad
+
+    previous = ad.settings.zarr_write_format
+    ad.settings.zarr_write_format = zarr_format
+    try:
+        adata.write_zarr(path)
+    finally:
+        ad.settings.zarr_write_format = previous
+    return path
+
+
+def replace_array(path: Path, key: str, values: np.ndarray) -> None:
+    """Overwrite array ``key`` of the store with ``values`` (attributes kept, one chunk)."""
+    group = zarr.open_group(path, mode="a")
+    parent, _, name = key.rpartition("/")
+    where = group[parent] if parent else group
+    attrs = dict(where[name].attrs)
+    values = np.asarray(values)
+    array = where.create_array(
+        name, shape=values.shape, dtype=values.dtype, chunks=values.shape, overwrite=True
+    )
+    array[...] = values
+    array.attrs.update(attrs)
+    zarr.consolidate_metadata(path)  # anndata consolidates: refresh, or zarr reads the old
+
+
+def set_x_shape(path: Path, shape: list) -> None:
+    zarr.open_group(path, mode="a")["X"].attrs["shape"] = shape
+    zarr.consolidate_metadata(path)
+
+
+def sampler() -> dz.ChunkSampler:
+    return dz.ChunkSampler(
+        chunk_size=32, preload_nchunks=2, batch_size=16, shuffle=True, drop_last=False, seed=0
+    )
+
+
+def epoch(dataset: dz.Dataset, *, obs=(), output: str = "dense") -> dict[str, np.ndarray]:
+    """One full epoch on the CPU path, concatenated per output (CSR densified)."""
+    loader = dz.Loader(
+        dataset, sampler(), device="cpu", num_threads=1, obs=list(obs), return_index=True,
+        output=output,
+    )  # fmt: skip
+    parts: dict[str, list[np.ndarray]] = {}
+    try:
+        for batch in loader:
+            for name, value in batch.items():
+                if value.layout == torch.sparse_csr:
+                    value = value.to_dense()
+                parts.setdefault(name, []).append(value.numpy())
+    finally:
+        loader.close()
+    out = {name: np.concatenate(values) for name, values in parts.items()}
+    assert np.array_equal(np.sort(out["index"]), np.arange(dataset.n_obs)), "each row once"
+    return out
+
+
+# --- X/indptr and X's shape attribute -------------------------------------------------------
+
+
+def test_float_indptr_is_refused(tmp_path: Path) -> None:
+    """12 stored as 11.999999 was truncated to 11: every later row shifted silently."""
+    adata = make_adata()
+    path = write_store(tmp_path / "ip.zarr", adata, zarr_format=2)
+    indptr = adata.X.indptr.astype(np.float64)
+    indptr[1:-1] -= 1e-6
+    replace_array(path, "X/indptr", indptr)
+    with pytest.raises(dz.DatasetError, match=r"ip\.zarr/X/indptr: dtype float64 is not an int"):
+        dz.open_dataset(path)
+
+
+def test_uint64_indptr_beyond_int64_is_refused(tmp_path: Path) -> None:
+    """2**63 + 5 wrapped negative in the int64 cast and passed the checks."""
+    adata = make_adata()
+    path = write_store(tmp_path / "u64.zarr", adata)
+    indptr = adata.X.indptr.astype(np.uint64)
+    indptr[-1] = np.uint64(2**63 + 5)
+    replace_array(path, "X/indptr", indptr)
+    with pytest.raises(dz.DatasetError, match=r"u64\.zarr/X/indptr: offset 9223372036854775813 "):
+        dz.open_dataset(path)
+
+
+def test_two_d_indptr_reports_its_shape(tmp_path: Path) -> None:
+    adata = make_adata()
+    path = write_store(tmp_path / "ip2.zarr", adata)
+    replace_array(path, "X/indptr", np.stack([adata.X.indptr] * 2, axis=1))
+    with pytest.raises(
+        dz.DatasetError, match=rf"X/indptr: has shape \({N_OBS + 1}, 2\) for {N_OBS} rows"
+    ):
+        dz.open_dataset(path)
+
+
+@pytest.mark.parametrize("shape", [[N_OBS, 11.5], [N_OBS, "twelve"], [N_OBS, -1], [N_OBS]])
+def test_bad_shape_attribute_is_refused(tmp_path: Path, shape: list) -> None:
+    """[n, 11.5] was truncated to 11 columns; text raised a bare ValueError."""
+    path = write_store(tmp_path / "shape.zarr", make_adata())
+    set_x_shape(path, shape)
+    with pytest.raises(
+        dz.DatasetError, match=r"shape\.zarr/X: 'shape' attribute is .* two non-negative integers"
+    ):
+        dz.open_dataset(path)
+
+
+@pytest.mark.parametrize("width", [N_VARS + 5, N_VARS - 2])
+def test_csr_width_other_than_var_is_refused(tmp_path: Path, width: int) -> None:
+    path = write_store(tmp_path / "wide.zarr", make_adata())
+    set_x_shape(path, [N_OBS, width])
+    with pytest.raises(
+        dz.DatasetError,
+        match=rf"wide\.zarr/var/_index: var has {N_VARS} names but wide\.zarr/X is {width} ",
+    ):
+        dz.open_dataset(path)
+
+
+def test_dense_x_wider_than_var_is_refused(tmp_path: Path) -> None:
+    path = write_store(tmp_path / "wide.zarr", make_adata(sparse=False))
+    replace_array(path, "X", np.zeros((N_OBS, N_VARS + 3), np.float32))
+    with pytest.raises(
+        dz.DatasetError, match=rf"var has {N_VARS} names but wide\.zarr/X is {N_VARS + 3} "
+    ):
+        dz.open_dataset(path)
+
+
+# --- X values anndata reads -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("features", "columns", "output"),
+    [
+        ([5, 2, 11], [5, 2, 11], "dense"),
+        (["g5", "g2"], [5, 2], "csr"),
+        (np.arange(N_VARS) % 2 == 0, list(range(0, N_VARS, 2)), "dense"),
+    ],
+    ids=["ids-dense", "names-csr", "mask-dense"],
+)
+def test_float16_csr_with_features_matches_anndata(
+    tmp_path: Path, features, columns: list[int], output: str
+) -> None:
+    """float16 X/data through a feature selection crashed in the numba column filter.
+
+    anndata cannot read float16 CSR (scipy has no float16), so the reference is the matrix
+    anndata wrote, whose small integer counts float16 holds exactly."""
+    adata = make_adata()
+    path = write_store(tmp_path / "half.zarr", adata, zarr_format=2)
+    half = adata.X.data.astype(np.float16)
+    assert np.array_equal(half, adata.X.data)
+    replace_array(path, "X/data", half)
+    reference = adata.X.toarray()[:, columns]
+    got = epoch(dz.open_dataset(path, features=features), output=output)
+    np.testing.assert_array_equal(got["X"], reference[got["index"]].astype(np.float32))
+
+
+def test_three_d_obsm_entry_matches_anndata(tmp_path: Path) -> None:
+    """An N-D obsm entry is valid AnnData; element="obsm/cube" refused it as "not 2-D"."""
+    import anndata as ad
+
+    adata = make_adata()
+    adata.obsm["cube"] = np.random.default_rng(1).random((N_OBS, 2, 3)).astype(np.float32)
+    path = write_store(tmp_path / "cube.zarr", adata)
+    reference = ad.read_zarr(path).obsm["cube"]
+    dataset = dz.open_dataset(path, element="obsm/cube")
+    assert dataset.feature_shape == (2, 3)
+    got = epoch(dataset)
+    np.testing.assert_array_equal(got["X"], reference[got["index"]])
+
+
+# --- obs columns ----------------------------------------------------------------------------
+
+
+def test_float16_obs_column_arrives_as_float32(tmp_path: Path) -> None:
+    """A float16 column failed at the first batch ("no DALI equivalent"), naming no column."""
+    import anndata as ad
+
+    half = np.random.default_rng(2).random(N_OBS).astype(np.float16)
+    path = write_store(tmp_path / "h.zarr", make_adata(obs_extra={"h": half}))
+    reference = ad.read_zarr(path).obs["h"].to_numpy()
+    assert reference.dtype == np.float16
+    got = epoch(dz.open_dataset(path), obs=["h"])
+    assert got["h"].dtype == np.float32
+    np.testing.assert_array_equal(got["h"], reference[got["index"]].astype(np.float32))
+
+
+@pytest.mark.parametrize("how", ["float", "nan"])
+def test_float_category_codes_are_refused(tmp_path: Path, how: str) -> None:
+    """Codes 0.999999 were truncated to 0 (the wrong label); NaN became -2**63."""
+    adata = make_adata()
+    path = write_store(tmp_path / "cat.zarr", adata, zarr_format=2)
+    stored = adata.obs["cell_type"].cat.codes.to_numpy()
+    codes = np.where(stored > 0, stored - 1e-6, 0).astype(np.float32)
+    if how == "nan":
+        codes = stored.astype(np.float32)
+        codes[3] = np.nan
+    replace_array(path, "obs/cell_type/codes", codes)
+    dataset = dz.open_dataset(path)
+    with pytest.raises(
+        dz.DatasetError, match=r"cat\.zarr/obs/cell_type/codes: dtype float32 is not an integer"
+    ):
+        dz.Loader(dataset, sampler(), device="cpu", obs=["cell_type"])
+
+
+@pytest.mark.parametrize("column", ["score", "cell_type"])
+def test_two_d_obs_columns_are_refused(tmp_path: Path, column: str) -> None:
+    """A 2-D numeric column or 2-D codes passed open and failed inside the DALI graph."""
+    adata = make_adata()
+    path = write_store(tmp_path / "o2.zarr", adata)
+    if column == "score":
+        key, values = "obs/score", adata.obs["score"].to_numpy()
+    else:
+        key, values = "obs/cell_type/codes", adata.obs["cell_type"].cat.codes.to_numpy()
+    replace_array(path, key, np.stack([values, values], axis=1))
+    dataset = dz.open_dataset(path)
+    with pytest.raises(
+        dz.DatasetError, match=rf"o2\.zarr/{key}: has shape \({N_OBS}, 2\), but obs columns are"
+    ):
+        dz.Loader(dataset, sampler(), device="cpu", obs=[column])
+
+
+@pytest.mark.parametrize(
+    ("column", "missing", "encoding"),
+    [("cell_type", "categories", "categorical"), ("cell_type", "codes", "categorical"),
+     ("ni", "mask", "nullable-integer")],
+)  # fmt: skip
+def test_obs_columns_missing_an_array_are_named(
+    tmp_path: Path, column: str, missing: str, encoding: str
+) -> None:
+    ni = pd.array([1, 2, 3] * (N_OBS // 3), dtype="Int64")
+    path = write_store(tmp_path / "sub.zarr", make_adata(obs_extra={"ni": ni}))
+    del zarr.open_group(path, mode="a")[f"obs/{column}/{missing}"]
+    zarr.consolidate_metadata(path)
+    dataset = dz.open_dataset(path)
+    with pytest.raises(
+        dz.DatasetError,
+        match=rf"sub\.zarr/obs/{column}: a {encoding} column needs an array '{missing}', "
+        "which is missing",
+    ):
+        dataset.obs_column(column)
+
+
+# --- unreadable metadata and what is not a store --------------------------------------------
+
+
+def test_unreadable_array_metadata_is_named(tmp_path: Path) -> None:
+    """Raw JSONDecodeError / TypeError before; a v3 array with invalid zarr.json "missing"."""
+    adata = make_adata()
+    v2 = write_store(tmp_path / "v2.zarr", adata, zarr_format=2)
+    os.remove(v2 / ".zmetadata")
+    (v2 / "X" / "data" / ".zarray").write_text("{not json")
+    with pytest.raises(dz.DatasetError, match=r"v2\.zarr/X/data: its Zarr metadata cannot be read"):
+        dz.open_dataset(v2)
+
+    obs = write_store(tmp_path / "obs.zarr", adata, zarr_format=2)
+    os.remove(obs / ".zmetadata")
+    (obs / "obs" / "score" / ".zarray").write_text("[]")
+    with pytest.raises(
+        dz.DatasetError, match=r"obs\.zarr/obs/score: its Zarr metadata cannot be read"
+    ):
+        dz.open_dataset(obs).obs_column("score")
+
+    v3 = write_store(tmp_path / "v3.zarr", adata)
+    root = json.loads((v3 / "zarr.json").read_text())
+    root.pop("consolidated_metadata", None)
+    (v3 / "zarr.json").write_text(json.dumps(root))
+    (v3 / "X" / "indices" / "zarr.json").write_text('{"zarr_format": 3, "node_type": "array"}')
+    with pytest.raises(
+        dz.DatasetError, match=r"v3\.zarr/X/indices: its Zarr metadata cannot be read"
+    ):
+        dz.open_dataset(v3)
+
+
+def test_array_with_a_bad_fill_value_is_not_called_not_a_store(tmp_path: Path) -> None:
+    path = tmp_path / "fill.zarr"
+    zarr.create_array(path, shape=(64, 4), dtype="i4", chunks=(16, 4), zarr_format=2)
+    meta = json.loads((path / ".zarray").read_text())
+    meta["fill_value"] = "NaN"
+    (path / ".zarray").write_text(json.dumps(meta))
+    with pytest.raises(dz.DatasetError) as info:
+        dz.open_dataset(path)
+    assert "its Zarr metadata (.zarray) cannot be read" in str(info.value)
+    assert "not a Zarr store" not in str(info.value)
+
+
+def test_anndata_inside_a_plain_group_is_pointed_at(tmp_path: Path) -> None:
+    from anndata.io import write_elem
+
+    root = tmp_path / "nested.zarr"
+    write_elem(zarr.open_group(root, mode="w", zarr_format=2), "sample1", make_adata())
+    hint = r"It holds AnnData stores: open one of nested\.zarr/sample1\."
+    with pytest.raises(dz.DatasetError, match=rf"neither an AnnData store .*{hint}"):
+        dz.open_dataset(root)
+    with pytest.raises(dz.DatasetError, match=rf"has no array 'sample1/X'.*{hint}"):
+        dz.open_dataset(root, element="sample1/X")
+    assert dz.open_dataset(root / "sample1").n_obs == N_OBS
