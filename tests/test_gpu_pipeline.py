@@ -457,6 +457,8 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
         assert out_dtypes[0] == [types.FLOAT]
     # bfloat16 is our op for dense X and for a CSR's values alike
     assert ("float32_bits_to_bfloat16_bits" in calls) == (dtype == "bfloat16")
+    # float16 too: our op on the GPU, as on the CPU (DALI's casts round differently there)
+    assert ("to_float16_bits" in calls) == (dtype == "float16")
     src.close()
 
 
