@@ -175,6 +175,7 @@ def _worker() -> dict:
         assert np.isnan(back[nan]).all()
 
     cpu_f16 = numba.njit(kernels._to_float16_bits)
+    cpu_fast = numba.njit(kernels._float32_bits_to_float16_bits)
 
     def f16(launch, x):
         # NumPy rounds once from the value; torch's .half() agrees for float32 and integers,
@@ -191,6 +192,13 @@ def _worker() -> dict:
         cpu = np.zeros(x.shape, np.uint16)
         cpu_f16(cpu, x)
         eq(cpu, got)
+        if x.dtype == np.float32:  # and the integer-only twins that float32 batches take
+            fast = np.zeros(x.shape, np.uint16)
+            got = run(K.float32_bits_to_float16_bits, launch, fast, x.view(np.uint32))[0]
+            eq(got[~nan], want[~nan])
+            assert ((got[nan] & 0x7FFF) > 0x7C00).all()
+            cpu_fast(fast, x.view(np.uint32))
+            eq(fast, got)
 
     def segments(launch, src, seg, out_dtype):
         want = np.zeros(int(seg[:, 2].sum()), out_dtype)
@@ -577,6 +585,7 @@ PTX_CASES = [
     ("gather_dense_rows", ["f4", "i8", "i2"], [2, 1, 2]),
     ("gather_dense_rows", ["f4", "i8", "u1"], [2, 1, 2]),
     ("float32_bits_to_bfloat16_bits", ["u2", "u4"], [2, 2]),
+    ("float32_bits_to_float16_bits", ["u2", "u4"], [2, 2]),
     ("to_float16_bits", ["u2", "f4"], [2, 2]),
     ("to_float16_bits", ["u2", "f8"], [2, 2]),
     ("to_float16_bits", ["u2", "i4"], [2, 2]),
@@ -708,3 +717,34 @@ def test_gpu_ops_match_cpu_ops(n_cols, index_dtype):
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     sys.stdout.write("RESULT " + json.dumps(_worker()) + "\n")
+
+
+def test_float16_kernels_round_like_numpy_over_float32_bit_patterns():
+    """The CPU float16 kernels (float32 bits in integer arithmetic, and any dtype through
+    float64) against NumPy's float32 -> float16 over a spread of every bit pattern, the
+    subnormal range and the overflow edge, both signs; their CUDA twins run the same lines
+    under the simulator above."""
+    import numba
+
+    from dali_zarr.graph import kernels
+
+    bits = np.concatenate(
+        [
+            np.arange(0, 2**31, 997, dtype=np.uint64).astype(np.uint32),
+            np.arange(0x32F00000, 0x38900000, 61, dtype=np.uint32),  # around the subnormals
+            np.arange(0x477F0000, 0x47810000, dtype=np.uint32),  # around 65504 / 65520
+        ]
+    )
+    bits = np.concatenate([bits, bits | np.uint32(0x80000000)]).reshape(-1, 1)
+    x = bits.view(np.float32)
+    with np.errstate(all="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    nan = np.isnan(x)
+    for kernel, arg in (
+        (kernels._float32_bits_to_float16_bits, bits),
+        (kernels._to_float16_bits, x),
+    ):
+        got = np.zeros(bits.shape, np.uint16)
+        numba.njit(kernel)(got, arg)
+        np.testing.assert_array_equal(got[~nan], want[~nan])
+        assert ((got[nan] & 0x7FFF) > 0x7C00).all()

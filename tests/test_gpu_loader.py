@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
 
 import dali_zarr as dz
 from dali_zarr import synthetic
@@ -271,6 +272,53 @@ def test_float16_is_rounded_once_to_nearest_even_on_both_paths(tmp_path, where, 
                 assert got.dtype == np.float16
                 np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
             loader.close()
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_outputs_take_what_a_transform_made(tmp_path, where, dtype):
+    """The half conversions run after ``transform``, so they take X as the transform left
+    it: another dtype (float64, or log1p of int32 CSR values), another shape (an N-D cube
+    flattened, or cropped to fewer dimensions). They had assumed the store's float32 and
+    feature shape: a crash, or rows silently regrouped (a (2, 3, 4) cube cropped to (3, 4)
+    came back as half as many (2, 3, 4) rows)."""
+    from nvidia.dali import fn, types
+    from nvidia.dali import math as dmath
+
+    def to_float64(o):
+        o["X"] = fn.cast(o["X"], dtype=types.FLOAT64)
+        return o
+
+    def flatten(o):
+        o["X"] = fn.reshape(o["X"], shape=[-1, 3 * 7])
+        return o
+
+    def crop(o):
+        o["X"] = o["X"][:, 0]
+        return o
+
+    def log1p_values(o):
+        o["X_data"] = dmath.log(o["X_data"] + 1.0)
+        return o
+
+    cube_path = dense_store(tmp_path, 3, "zstd", 4)
+    cube = dz.open_dataset(cube_path)
+    reference = torch.from_numpy(zarr.open_array(str(cube_path))[...])
+    counts = csr_store(tmp_path, 3, "zstd", 8)
+    _retype(counts, "data", "int32")
+    for ds, transform, output, want in (
+        (cube, to_float64, "dense", lambda rows: rows),
+        (cube, flatten, "dense", lambda rows: rows.reshape(len(rows), -1)),
+        (cube, crop, "dense", lambda rows: rows[:, 0]),
+        (dz.open_dataset(counts), log1p_values, "csr", None),
+    ):
+        cpu, gpu = both(ds, where, dtype=dtype, transform=transform, output=output,
+                        return_index=True)  # fmt: skip
+        if want is not None:  # the CPU path against torch's conversion of the reference
+            for batch in cpu:
+                expected = want(reference[batch["index"]]).to(dtype)
+                assert torch.equal(batch["X"], expected), transform.__name__
+        assert_same_batches(cpu, gpu, epochs=(0,), where=where, x_dtype=dtype)
 
 
 def _retype(path: Path, name: str, dtype: str) -> None:

@@ -458,7 +458,12 @@ def test_gpu_graph_declares(request, monkeypatch, store, output, dtype):
     # bfloat16 is our op for dense X and for a CSR's values alike
     assert ("float32_bits_to_bfloat16_bits" in calls) == (dtype == "bfloat16")
     # float16 too: our op on the GPU, as on the CPU (DALI's casts round differently there)
-    assert ("to_float16_bits" in calls) == (dtype == "float16")
+    half16 = {"to_float16_bits", "float32_bits_to_float16_bits"}
+    assert bool(half16 & set(calls)) == (dtype == "float16")
+    # after a transform the halves take X's run-time shape (a CPU node of a GPU node's shape)
+    calls.clear()
+    build_gpu_pipeline(src, device_id=0, dtype=dtype, transform=lambda outputs: outputs)
+    assert bool(half16 & set(calls)) == (dtype == "float16")
     src.close()
 
 

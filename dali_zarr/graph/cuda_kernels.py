@@ -187,6 +187,37 @@ def float32_bits_to_bfloat16_bits(out, bits):
             out[i, c] = numba.uint16((u + numba.uint32(0x7FFF) + lsb) >> numba.uint32(16))
 
 
+def float32_bits_to_float16_bits(out, bits):
+    """out = float16 bits of float32 ``bits`` (2-D uint32), rounded to nearest even in integer
+    arithmetic: the twin of kernels._float32_bits_to_float16_bits, one grid-stride loop over
+    all elements."""
+    width = out.shape[1]
+    for k in range(cuda.grid(1), out.shape[0] * width, cuda.gridsize(1)):
+        i = k // width
+        c = k - i * width
+        u = numba.uint32(bits[i, c])
+        sign = (u >> numba.uint32(16)) & numba.uint32(0x8000)
+        a = u & numba.uint32(0x7FFFFFFF)
+        if a > numba.uint32(0x7F800000):
+            h = numba.uint32(0x7E00)
+        elif a >= numba.uint32(0x477FF000):
+            h = numba.uint32(0x7C00)
+        elif a >= numba.uint32(0x38800000):
+            odd = (a >> numba.uint32(13)) & numba.uint32(1)
+            h = (a - numba.uint32(0x38000000) + numba.uint32(0xFFF) + odd) >> numba.uint32(13)
+        elif a > numba.uint32(0x33000000):
+            shift = numba.uint32(126) - (a >> numba.uint32(23))
+            m = (a & numba.uint32(0x7FFFFF)) | numba.uint32(0x800000)
+            h = m >> shift
+            rest = m & ((numba.uint32(1) << shift) - numba.uint32(1))
+            half = numba.uint32(1) << (shift - numba.uint32(1))
+            if rest > half or (rest == half and (h & numba.uint32(1)) == numba.uint32(1)):
+                h += numba.uint32(1)
+        else:
+            h = numba.uint32(0)
+        out[i, c] = numba.uint16(sign | h)
+
+
 def to_float16_bits(out, x):
     """out = float16 bits of ``x`` (2-D, any real dtype), rounded once to nearest even:
     the arithmetic of the CPU twin (kernels._to_float16_bits), so both paths give the same
@@ -480,6 +511,23 @@ def gather_dense_gpu(
         in_types=[types.INT64, dali_type(dtype)],
         outs_ndim=[2],
         ins_ndim=[1, 2],
+        blocks=blocks,
+        threads=threads,
+    )
+
+
+def float32_bits_to_float16_bits_gpu(
+    x_bits, *, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS
+):
+    """GPU op: uint16 float16 bits of a 2-D float32 batch given as uint32."""
+    return _gpu_op(
+        x_bits,
+        run_fn=float32_bits_to_float16_bits,
+        setup_fn=_same_shape_2d,
+        out_types=[types.UINT16],
+        in_types=[types.UINT32],
+        outs_ndim=[2],
+        ins_ndim=[2],
         blocks=blocks,
         threads=threads,
     )

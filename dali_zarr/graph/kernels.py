@@ -171,6 +171,36 @@ def _float32_bits_to_bfloat16_bits(out, bits):
                 out[i, c] = np.uint16((u + half + ((u >> shift) & one)) >> shift)
 
 
+def _float32_bits_to_float16_bits(out, bits):
+    """out = float16 bits of float32 ``bits`` (2-D uint32), rounded to nearest even in
+    integer arithmetic: the path of every dense X and of float32 CSR values, about as fast
+    as a cast (the float64 arithmetic of :func:`_to_float16_bits` is ~10x slower). Same
+    results, and the same as NumPy's and torch's float32 -> float16."""
+    for i in range(bits.shape[0]):
+        for c in range(bits.shape[1]):
+            u = np.uint32(bits[i, c])
+            sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+            a = u & np.uint32(0x7FFFFFFF)
+            if a > np.uint32(0x7F800000):  # NaN: quiet
+                h = np.uint32(0x7E00)
+            elif a >= np.uint32(0x477FF000):  # 65520 (halfway past 65504) and up: inf
+                h = np.uint32(0x7C00)
+            elif a >= np.uint32(0x38800000):  # 2**-14 and up: normal; drop 13 bits, rebias
+                odd = (a >> np.uint32(13)) & np.uint32(1)
+                h = (a - np.uint32(0x38000000) + np.uint32(0xFFF) + odd) >> np.uint32(13)
+            elif a > np.uint32(0x33000000):  # (2**-25, 2**-14): subnormal, steps of 2**-24
+                shift = np.uint32(126) - (a >> np.uint32(23))  # 14 .. 24
+                m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+                h = m >> shift
+                rest = m & ((np.uint32(1) << shift) - np.uint32(1))
+                half = np.uint32(1) << (shift - np.uint32(1))
+                if rest > half or (rest == half and (h & np.uint32(1)) == np.uint32(1)):
+                    h += np.uint32(1)
+            else:  # up to 2**-25 (a tie, to the even 0): zero
+                h = np.uint32(0)
+            out[i, c] = np.uint16(sign | h)
+
+
 def _to_float16_bits(out, x):
     """out = float16 bits of ``x`` (2-D, any real dtype), one rounding to nearest even from
     the value itself, NaN kept quiet with its sign: NumPy's ``astype(float16)``, and torch's
@@ -246,6 +276,7 @@ _KERNELS: dict[str, tuple[Callable, Callable[[int], Callable]]] = {
     "gather_dense": (_gather_dense_rows, _rows_by_width),
     "to_bfloat16_bits": (_float32_bits_to_bfloat16_bits, lambda _width: _same_shape_2d),
     "to_float16_bits": (_to_float16_bits, lambda _width: _same_shape_2d),
+    "float32_to_float16_bits": (_float32_bits_to_float16_bits, lambda _width: _same_shape_2d),
 }
 
 
@@ -318,6 +349,13 @@ def to_bfloat16_bits(bits):
     them as bfloat16 (no copy).
     """
     op = _numba_op("to_bfloat16_bits", None, (types.UINT16,), (types.UINT32,), (2,), (2,))
+    return op(bits)
+
+
+def float32_bits_to_float16_bits(bits):
+    """DALI op: uint16 float16 bits of a 2-D float32 batch given as uint32 (``fn.reinterpret``),
+    rounded as :func:`to_float16_bits` rounds, in integer arithmetic."""
+    op = _numba_op("float32_to_float16_bits", None, (types.UINT16,), (types.UINT32,), (2,), (2,))
     return op(bits)
 
 

@@ -38,38 +38,52 @@ def output_dtype_name(dtype: Any) -> str:
     return name
 
 
-def convert_x(x, dtype: str, feature_shape: tuple[int, ...], ops: GraphOps):
+def convert_x(
+    x, dtype: str, feature_shape: tuple[int, ...], ops: GraphOps, *, transformed: bool = False
+):
     """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`); the halves by
-    ``ops``' ops on X's device, which work on rows: N-D rows are flattened around them."""
+    ``ops``' ops on X's device, which take 2-D batches: N-D rows are flattened around them.
+    ``transformed``: a user ``transform`` ran, so X's dtype and shape are whatever it made
+    them: X is made float32 first and takes back its own run-time shape."""
     if dtype == "float32":
         return x
     if dtype == "float64":
         return fn.cast(x, dtype=types.FLOAT64)
-    flat = len(feature_shape) != 1
-    if flat:
-        x = fn.reshape(x, shape=[-1, int(np.prod(feature_shape))])
-    if dtype == "float16":
-        out = ops.to_float16(x, dtype=np.dtype(np.float32))
+    if transformed:
+        x = fn.cast(x, dtype=types.FLOAT)
+        rows, shape = fn.reshape(x, shape=[-1, 1]), x.shape()
+    elif len(feature_shape) != 1:
+        rows, shape = fn.reshape(x, shape=[-1, int(np.prod(feature_shape))]), [-1, *feature_shape]
     else:
-        out = ops.to_bfloat16_bits(fn.reinterpret(x, dtype=types.UINT32))
-    return fn.reshape(out, shape=[-1, *feature_shape]) if flat else out
+        rows, shape = x, None
+    bits = fn.reinterpret(rows, dtype=types.UINT32)
+    out = ops.float32_to_float16(bits) if dtype == "float16" else ops.to_bfloat16_bits(bits)
+    return out if shape is None else fn.reshape(out, shape=shape)
 
 
-def convert_csr_values(data, stored: np.dtype, dtype: str, ops: GraphOps):
+def convert_csr_values(
+    data, stored: np.dtype, dtype: str, ops: GraphOps, *, transformed: bool = False
+):
     """A batch CSR's values (``X_data``, in :func:`window_dtype` of ``stored``) → ``dtype``,
     so that ``dtype=`` means for ``output="csr"`` what it means for dense ``X``; one
-    rounding from the stored values (float64 stays exact), bfloat16 through float32."""
-    wire = window_dtype("csr", stored)
+    rounding from the stored values (float64 stays exact), bfloat16 through float32.
+    ``transformed``: a ``transform`` ran, so the values' dtype is unknown; float16 is then
+    rounded from their float64 (exact for every float32 and every integer up to 2**53)."""
+    wire = None if transformed else window_dtype("csr", stored)
     if dtype in ("float32", "float64"):
         if wire == np.dtype(dtype):
             return data
         return fn.cast(data, dtype=types.FLOAT if dtype == "float32" else types.FLOAT64)
     column = fn.reshape(data, shape=[-1, 1])  # the half ops take 2-D batches
-    if dtype == "float16":
+    if dtype == "float16" and wire != np.float32:
+        if wire is None:
+            column, wire = fn.cast(column, dtype=types.FLOAT64), np.dtype(np.float64)
         return fn.reshape(ops.to_float16(column, dtype=wire), shape=[-1])
     if wire != np.float32:
         column = fn.cast(column, dtype=types.FLOAT)
-    return fn.reshape(ops.to_bfloat16_bits(fn.reinterpret(column, dtype=types.UINT32)), shape=[-1])
+    bits = fn.reinterpret(column, dtype=types.UINT32)
+    out = ops.float32_to_float16(bits) if dtype == "float16" else ops.to_bfloat16_bits(bits)
+    return fn.reshape(out, shape=[-1])
 
 
 def dense_to_float32(x, stored: np.dtype):
@@ -168,6 +182,15 @@ class GraphOps:
             out_dtype=wire if bits else np.float32, **launch,
         )  # fmt: skip
         return dense_to_float32(x, stored) if bits else x
+
+    def float32_to_float16(self, bits):
+        """2-D float32 ``bits`` (as uint32) as float16, rounded to nearest even."""
+        if self.on_gpu:
+            K, launch = self._cuda()
+            out = K.float32_bits_to_float16_bits_gpu(bits, **launch)
+        else:
+            out = kernels.float32_bits_to_float16_bits(bits)
+        return fn.reinterpret(out, dtype=types.FLOAT16)
 
     def to_float16(self, x, *, dtype: np.dtype):
         """2-D ``x`` of ``dtype`` as float16, rounded once to nearest even (our op; see
@@ -294,9 +317,13 @@ def assemble_pipeline(
         if transform is not None:
             outputs = transform(dict(outputs))
         if "X" in outputs:
-            outputs["X"] = convert_x(outputs["X"], want, dataset.feature_shape, ops)
+            outputs["X"] = convert_x(
+                outputs["X"], want, dataset.feature_shape, ops, transformed=transform is not None
+            )
         elif "X_data" in outputs:
-            outputs["X_data"] = convert_csr_values(outputs["X_data"], dataset.dtype, want, ops)
+            outputs["X_data"] = convert_csr_values(
+                outputs["X_data"], dataset.dtype, want, ops, transformed=transform is not None
+            )
         names = list(outputs)
         pipe.set_outputs(*outputs.values())
     return pipe, names
