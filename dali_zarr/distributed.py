@@ -23,9 +23,12 @@ from typing import Literal, TypeAlias
 from dali_zarr.errors import ConfigError
 
 __all__ = [
+    "CHECK_RANKS_ENV",
     "DistInfo",
+    "agree_or_raise",
     "broadcast_seed",
     "cgroup_cpus",
+    "checks_ranks",
     "cpu_share",
     "gather_across_ranks",
     "refuse_disagreement",
@@ -159,6 +162,19 @@ def broadcast_seed(seed: int) -> int:
     return int(gather_across_ranks(int(seed))[0])  # type: ignore[call-overload]
 
 
+#: ``DALI_ZARR_CHECK_RANKS=0`` turns the exchanges off (and the gloo group they use under
+#: NCCL): for jobs whose nodes reach each other over NCCL's network only.
+CHECK_RANKS_ENV = "DALI_ZARR_CHECK_RANKS"
+
+
+def checks_ranks(rank: int, world_size: int) -> bool:
+    """Whether the ranks exchange and compare their inputs: several ranks that are
+    torch.distributed's own world (:func:`torch_world_is`), unless turned off."""
+    if world_size <= 1 or os.environ.get(CHECK_RANKS_ENV, "1") == "0":
+        return False
+    return torch_world_is(rank, world_size)
+
+
 def torch_world_is(rank: int, world_size: int) -> bool:
     """True when torch.distributed is initialized with exactly this rank and world size:
     then every process of its world is one of the sampler's ranks and may be asked to take
@@ -184,7 +200,7 @@ def _cpu_group() -> object | None:
     reaches in the same order (a sampler's construction)."""
     import torch.distributed as dist
 
-    if "gloo" in _backend_name():
+    if "gloo" in _backend_name() or os.environ.get(CHECK_RANKS_ENV, "1") == "0":
         return None
     world = dist.group.WORLD
     if not _CPU_GROUP or _CPU_GROUP[0][0] is not world:
@@ -209,6 +225,33 @@ def gather_across_ranks(payload: object) -> list[object]:
     rows: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, payload, group=_cpu_group())
     return rows
+
+
+def agree_or_raise(
+    mine: Mapping[str, object],
+    *,
+    local_error: Exception | None,
+    what: str,
+    hints: Mapping[str, str] | None = None,
+) -> None:
+    """Exchange ``mine`` and refuse disagreement (:func:`refuse_disagreement`); a rank whose
+    own checks failed first (``local_error``) still takes part, so that every rank raises
+    instead of the others waiting in the exchange for a rank that left: that rank raises
+    its own error, the others one that names it."""
+    error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
+    rows: list[dict[str, object]] = gather_across_ranks({"error": error, **mine})  # type: ignore[assignment]
+    if local_error is not None:
+        raise local_error
+    failed = [(rank, row["error"]) for rank, row in enumerate(rows) if row["error"]]
+    if failed:
+        rank, text = failed[0]
+        raise ConfigError(
+            f"{what}: rank {rank} could not go on ({text}); "
+            f"{len(failed)} of {len(rows)} ranks failed, so every rank stops here."
+        )
+    refuse_disagreement(
+        [{k: v for k, v in row.items() if k != "error"} for row in rows], what=what, hints=hints
+    )
 
 
 def refuse_disagreement(

@@ -17,11 +17,7 @@ import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
 from dali_zarr.data.dataset import Dataset
-from dali_zarr.distributed import (
-    gather_across_ranks,
-    refuse_disagreement,
-    torch_dist_initialized,
-)
+from dali_zarr.distributed import agree_or_raise, checks_ranks, torch_dist_initialized
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
@@ -109,31 +105,27 @@ class Loader:
         enable_checkpointing: bool = False,
         gpu_backend: Any = None,
     ) -> None:
-        if output not in ("dense", "csr"):
-            raise ConfigError(f"output={output!r}: use 'dense' or 'csr'.")
-        if output == "csr" and dataset.layout != "csr":
-            raise ConfigError(
-                f"output='csr' needs a sparse X, but {dataset.name} is dense; use output='dense'."
-            )
-        if dataset.n_obs < 1:
-            raise ConfigError(
-                f"{dataset.name} has no observations: there is nothing to load. Check the "
-                "store (or the ids of a subset, e.g. an empty split)."
-            )
-        self.device, self.device_reason = _choose_device(device, gpu_backend)
         self.dataset = dataset
-        self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.sampler = sampler
-        self._ranks_checked = bool(getattr(sampler, "ranks_checked", False))
+        # the flag travels with a pickled sampler; the exchange needs this process's world
+        self._ranks_checked = bool(getattr(sampler, "ranks_checked", False)) and checks_ranks(
+            sampler.rank,  # type: ignore[attr-defined]
+            sampler.world_size,  # type: ignore[attr-defined]
+        )
+        try:
+            self.dtype = _check_arguments(dataset, output, dtype)
+            self.device, self.device_reason = _choose_device(device, gpu_backend)
+        except ConfigError as exc:
+            if not self._ranks_checked:
+                raise
+            self._refuse_other_datasets(local_error=exc)  # always raises: exc here, or the
+            raise  # (unreachable) other ranks' error there
         if self._ranks_checked:
-            self._refuse_other_datasets()
+            self._refuse_other_datasets(local_error=None)
+        self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.output: Output = output
         self.obs = list(obs)
         self.return_index = return_index
-        try:
-            self.dtype = output_dtype_name(dtype)
-        except TypeError as exc:
-            raise ConfigError(str(exc)) from None
         if self.dtype == "float64" and output == "dense" and not _exact_in_float32(dataset.dtype):
             warnings.warn(
                 f"{dataset.name}: dense X is built in float32 (where `transform` runs) and "
@@ -310,16 +302,22 @@ class Loader:
                 "load_state_dict must be called on a fresh Loader, before it is iterated: "
                 "build a new Loader and load the state into it"
             )
-        point = resume_point(
-            state,
-            settings=PlanSettings.of(self.sampler),
-            dataset=dataset_fingerprint(self.dataset),
-            rank=self.sampler.rank,  # type: ignore[attr-defined]
-            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
-        )
-        plan = self._source.plan(point.epoch, point.history)  # fail here, not in DALI
+        try:
+            point = resume_point(
+                state,
+                settings=PlanSettings.of(self.sampler),
+                dataset=dataset_fingerprint(self.dataset),
+                rank=self.sampler.rank,  # type: ignore[attr-defined]
+                world_size=self.sampler.world_size,  # type: ignore[attr-defined]
+            )
+            plan = self._source.plan(point.epoch, point.history)  # fail here, not in DALI
+        except ConfigError as exc:
+            if not self._ranks_checked:
+                raise
+            self._refuse_other_positions(None, 0, local_error=exc)  # always raises
+            raise
         if self._ranks_checked:
-            self._refuse_other_positions(point, plan.n_batches)
+            self._refuse_other_positions(point, plan.n_batches, local_error=None)
         self._pending = point
         self._restore = None
         self.epoch = point.epoch
@@ -331,13 +329,15 @@ class Loader:
                 "dali_zarr: the state has a DALI checkpoint; ignored (enable_checkpointing=False)"
             )
 
-    def _refuse_other_datasets(self) -> None:
+    def _refuse_other_datasets(self, *, local_error: ConfigError | None) -> None:
         """One exchange at construction: the ranks' datasets must have the same size and
-        rows (paths may differ, e.g. a copy on each node's local disk)."""
+        rows (paths may differ, e.g. a copy on each node's local disk). A rank whose own
+        arguments were refused still takes part, so no rank waits for it."""
         mine = dataset_fingerprint(self.dataset)
         del mine["name"]
-        refuse_disagreement(
-            gather_across_ranks(mine),  # type: ignore[arg-type]
+        agree_or_raise(
+            mine,
+            local_error=local_error,
             what=f"Loader over {self.dataset.name}",
             hints={
                 "n_obs": "open the same store (or the same subset of it) on every rank; "
@@ -346,15 +346,20 @@ class Loader:
             },
         )
 
-    def _refuse_other_positions(self, point: ResumePoint, n_batches: int) -> None:
+    def _refuse_other_positions(
+        self, point: ResumePoint | None, n_batches: int, *, local_error: ConfigError | None
+    ) -> None:
         """One exchange in ``load_state_dict``: every rank must resume the same epoch after
         the same history, and (with equal batches) have as many batches left, which fails
         when the ranks loaded states saved at different steps."""
-        mine = {"epoch": point.epoch, "history": [seg.as_dict() for seg in point.history]}
-        if PlanSettings.of(self.sampler).enforce_equal_batches:
-            mine["batches left"] = n_batches - point.start
-        refuse_disagreement(
-            gather_across_ranks(mine),  # type: ignore[arg-type]
+        mine: dict[str, object] = {}
+        if point is not None:
+            mine = {"epoch": point.epoch, "history": [seg.as_dict() for seg in point.history]}
+            if PlanSettings.of(self.sampler).enforce_equal_batches:
+                mine["batches left"] = n_batches - point.start
+        agree_or_raise(
+            mine,
+            local_error=local_error,
             what=f"Loader.load_state_dict over {self.dataset.name}",
             hints={
                 "batches left": "load states saved at the same step on every rank "
@@ -597,6 +602,26 @@ def canonical_csr(
         size=(crow.numel() - 1, n_features),
         check_invariants=False,  # built by our gather op from validated column ids
     )
+
+
+def _check_arguments(dataset: Dataset, output: str, dtype: Any) -> str:
+    """The output dtype's name, after refusing arguments the dataset cannot take (checked
+    before the ranks exchange, which then reports a refusal on every rank)."""
+    if output not in ("dense", "csr"):
+        raise ConfigError(f"output={output!r}: use 'dense' or 'csr'.")
+    if output == "csr" and dataset.layout != "csr":
+        raise ConfigError(
+            f"output='csr' needs a sparse X, but {dataset.name} is dense; use output='dense'."
+        )
+    if dataset.n_obs < 1:
+        raise ConfigError(
+            f"{dataset.name} has no observations: there is nothing to load. Check the "
+            "store (or the ids of a subset, e.g. an empty split)."
+        )
+    try:
+        return output_dtype_name(dtype)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _exact_in_float32(dtype: np.dtype) -> bool:

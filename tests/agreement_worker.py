@@ -69,7 +69,27 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
 
         return run
 
+    def seed_per_rank_unshuffled():  # the seed orders nothing then
+        inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=32, seed=rank,
+                                shuffle=False)  # fmt: skip
+        return dz.DistributedSampler(inner).ranks_checked
+
+    def refused_on_one_rank():  # rank 1 alone asks what its store cannot give
+        dz.Loader(dz.open_dataset(big), sampler(), output="dense" if rank == 0 else "sideways")
+
+    def state_refused_on_one_rank():
+        s = sampler()
+        with loader(big, s) as first:
+            state = first.state_dict()
+        if rank == 1:
+            state = {**state, "sampler": {**state["sampler"], "batch_size": 64}}
+        with loader(big, s) as again:
+            again.load_state_dict(state)
+
     return {
+        "seed_per_rank_unshuffled": seed_per_rank_unshuffled,
+        "refused_on_one_rank": refused_on_one_rank,
+        "state_refused_on_one_rank": state_refused_on_one_rank,
         "seed_per_rank": seed_per_rank,
         "batch_per_rank": batch_per_rank,
         "mixed_drawn_seed": mixed_drawn_seed,

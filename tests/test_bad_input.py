@@ -334,3 +334,12 @@ def test_anndata_inside_a_plain_group_is_pointed_at(tmp_path: Path) -> None:
     with pytest.raises(dz.DatasetError, match=rf"has no array 'sample1/X'.*{hint}"):
         dz.open_dataset(root, element="sample1/X")
     assert dz.open_dataset(root / "sample1").n_obs == N_OBS
+
+
+def test_a_path_through_an_array_is_missing_not_corrupt(tmp_path: Path) -> None:
+    """In a consolidated store zarr answers a path through an array (``obs/score/x``, an
+    obs name with a slash) with a bare KeyError, which had been called corrupt metadata."""
+    path = write_store(tmp_path / "c.zarr", make_adata())
+    ds = dz.open_dataset(path)
+    with pytest.raises(dz.DatasetError, match="no column 'score/x'"):
+        ds.obs_column("score/x")

@@ -710,3 +710,20 @@ def test_dali_checkpointing_takes_unsigned_outputs(tmp_path: Path) -> None:
         assert checked.state_dict()["dali"] is not None
         plain.close()
         checked.close()
+
+
+def test_a_sampler_unpickled_where_torch_distributed_is_not_set_up_exchanges_nothing(
+    sc_store: Path,
+) -> None:
+    """A DistributedSampler whose ranks were checked (its flag travels with it when pickled,
+    e.g. into a worker process) builds a Loader where torch.distributed is not initialized:
+    the Loader asks this process's world, not the flag, and exchanges nothing."""
+    import pickle
+
+    from dali_zarr.planning.samplers import _restore_distributed
+
+    checked = _restore_distributed(sampler(), 1, 2, 0, True, "chunks", True)
+    again = pickle.loads(pickle.dumps(checked))
+    assert again.ranks_checked
+    with dz.Loader(dz.open_dataset(sc_store), again) as loader:
+        assert len(list(loader)) == len(loader) > 0

@@ -293,6 +293,14 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, nccl: boo
         # the same error on every rank (a loader names its own rank's store)
         assert kind1 == kind and text1.split(": the ")[1] == text.split(": the ")[1], name
         assert kind == "error" and all(w in text for w in words), (name, text)
+    # a rank refused on its own still takes part in the exchange: no rank is left waiting
+    for name in ("refused_on_one_rank", "state_refused_on_one_rank"):
+        (kind0, text0), (kind1, text1) = ranks[0][name], ranks[1][name]
+        assert kind0 == kind1 == "error", name
+        assert text0.split(": ", 1)[1].startswith("rank 1 could not go on"), text0
+        assert "rank 1" not in text1.split(": ", 1)[0], text1  # rank 1 raises its own
+    assert ranks[0]["refused_on_one_rank"][1].count("sideways") == 1
+    assert [r["seed_per_rank_unshuffled"] for r in ranks] == [["ok", True]] * 2
     seeds = [r["drawn_seed"] for r in ranks]
     assert seeds[0] == seeds[1] and seeds[0][0] == "ok"  # rank 0's draw, on both
     assert [r["own_world"] for r in ranks] == [["ok", False]] * 2  # not the world: unchecked

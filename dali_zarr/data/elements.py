@@ -83,7 +83,14 @@ def zarr_member(group: Any, key: str, *, where: str) -> Any:
     Metadata that cannot be parsed is named here: zarr raises JSONDecodeError, TypeError or
     a KeyError of a metadata field for it, naming no node (and ``in``/``get`` call it
     missing). zarr's own "not there" is a KeyError raised from FileNotFoundError (a store
-    read) or from KeyError (consolidated metadata)."""
+    read) or from KeyError (consolidated metadata). A path is walked one name at a time:
+    through an array there is nothing, where consolidated metadata raises a bare KeyError."""
+    head, _, rest = key.strip("/").partition("/")
+    if rest:
+        parent = zarr_member(group, head, where=where)
+        if parent is None or is_array(parent):
+            return None
+        return zarr_member(parent, rest, where=f"{where}/{head}")
     try:
         return group[key]
     except KeyError as exc:

@@ -18,11 +18,11 @@ import numpy as np
 from dali_zarr.distributed import (
     DistInfo,
     broadcast_seed,
+    checks_ranks,
     gather_across_ranks,
     refuse_disagreement,
     resolve_rank_world,
     torch_dist_initialized,
-    torch_world_is,
 )
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning.partition import (
@@ -331,7 +331,7 @@ class DistributedSampler:
         _check_flag("enforce_equal_batches", enforce_equal_batches)
         rank, world_size = resolve_rank_world(dist_info)
         seed: int = sampler.seed  # type: ignore[assignment]
-        checked = world_size > 1 and torch_world_is(rank, world_size)
+        checked = checks_ranks(rank, world_size)
         if checked:
             seed = _agreed_seed(sampler, enforce_equal_batches=enforce_equal_batches, shard=shard)
         elif sampler.seed_was_drawn and world_size > 1:
@@ -418,8 +418,12 @@ class DistributedSampler:
 def _agreed_seed(sampler: ChunkSampler, *, enforce_equal_batches: bool, shard: Shard) -> int:
     """Exchange the ranks' settings (one collective) and refuse any that differ; the seed
     all ranks use: rank 0's where the seeds were drawn (``seed=None``)."""
+    if not sampler.shuffle:  # the seed orders nothing: any per-rank seed is harmless
+        seed: object = "unused (shuffle=False)"
+    else:
+        seed = None if sampler.seed_was_drawn else sampler.seed
     mine = {
-        "seed": None if sampler.seed_was_drawn else sampler.seed,
+        "seed": seed,
         "drawn seed": sampler.seed if sampler.seed_was_drawn else None,
         "chunk_size": sampler.chunk_size,
         "preload_nchunks": sampler.preload_nchunks,
@@ -439,7 +443,8 @@ def _agreed_seed(sampler: ChunkSampler, *, enforce_equal_batches: bool, shard: S
             "come from one shared order), or seed=None on every rank to use rank 0's draw",
         },
     )
-    return int(rows[0]["drawn seed"] if sampler.seed_was_drawn else sampler.seed)
+    drawn = rows[0]["drawn seed"]  # None where rank 0 chose (possible with shuffle=False)
+    return int(drawn if sampler.seed_was_drawn and drawn is not None else sampler.seed)
 
 
 def _restore_distributed(
