@@ -102,25 +102,35 @@ def epoch(dataset: dz.Dataset, *, obs=(), output: str = "dense") -> dict[str, np
 # --- X/indptr and X's shape attribute -------------------------------------------------------
 
 
-def test_float_indptr_is_refused(tmp_path: Path) -> None:
-    """12 stored as 11.999999 was truncated to 11: every later row shifted silently."""
-    adata = make_adata()
-    path = write_store(tmp_path / "ip.zarr", adata, zarr_format=2)
-    indptr = adata.X.indptr.astype(np.float64)
-    indptr[1:-1] -= 1e-6
-    replace_array(path, "X/indptr", indptr)
-    with pytest.raises(dz.DatasetError, match=r"ip\.zarr/X/indptr: dtype float64 is not an int"):
-        dz.open_dataset(path)
+def _float_indptr(indptr: np.ndarray) -> np.ndarray:
+    out = indptr.astype(np.float64)
+    out[1:-1] -= 1e-6
+    return out
 
 
-def test_uint64_indptr_beyond_int64_is_refused(tmp_path: Path) -> None:
-    """2**63 + 5 wrapped negative in the int64 cast and passed the checks."""
+def _past_int64(indptr: np.ndarray) -> np.ndarray:
+    out = indptr.astype(np.uint64)
+    out[-1] = np.uint64(2**63 + 5)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "indptr_of", "match"),
+    [
+        # 12 stored as 11.999999 was truncated to 11: every later row shifted silently
+        (2, _float_indptr, r"X/indptr: dtype float64 is not an int"),
+        # 2**63 + 5 wrapped negative in the int64 cast and passed the checks
+        (3, _past_int64, r"X/indptr: offset 9223372036854775813 "),
+    ],
+    ids=["float", "uint64-past-int64"],
+)
+def test_an_indptr_the_int64_cast_would_change_is_refused(
+    tmp_path: Path, zarr_format: int, indptr_of, match: str
+) -> None:
     adata = make_adata()
-    path = write_store(tmp_path / "u64.zarr", adata)
-    indptr = adata.X.indptr.astype(np.uint64)
-    indptr[-1] = np.uint64(2**63 + 5)
-    replace_array(path, "X/indptr", indptr)
-    with pytest.raises(dz.DatasetError, match=r"u64\.zarr/X/indptr: offset 9223372036854775813 "):
+    path = write_store(tmp_path / "ip.zarr", adata, zarr_format=zarr_format)
+    replace_array(path, "X/indptr", indptr_of(adata.X.indptr))
+    with pytest.raises(dz.DatasetError, match=rf"ip\.zarr/{match}"):
         dz.open_dataset(path)
 
 

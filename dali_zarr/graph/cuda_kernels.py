@@ -516,50 +516,41 @@ def gather_dense_gpu(
     )
 
 
-def float32_bits_to_float16_bits_gpu(
-    x_bits, *, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS
-):
-    """GPU op: uint16 float16 bits of a 2-D float32 batch given as uint32."""
+def _elementwise_half_op(x, run_fn, in_type, *, blocks: int, threads: int):
+    """A half-conversion op: uint16 bits shaped like the 2-D input, one launch a batch."""
     return _gpu_op(
-        x_bits,
-        run_fn=float32_bits_to_float16_bits,
+        x,
+        run_fn=run_fn,
         setup_fn=_same_shape_2d,
         out_types=[types.UINT16],
-        in_types=[types.UINT32],
+        in_types=[in_type],
         outs_ndim=[2],
         ins_ndim=[2],
         blocks=blocks,
         threads=threads,
+    )
+
+
+def float32_bits_to_float16_bits_gpu(
+    x_bits, *, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS
+):
+    """GPU op: uint16 float16 bits of a 2-D float32 batch given as uint32."""
+    return _elementwise_half_op(
+        x_bits, float32_bits_to_float16_bits, types.UINT32, blocks=blocks, threads=threads
     )
 
 
 def to_float16_bits_gpu(x, *, dtype, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS):
     """GPU op: uint16 float16 bits of a 2-D batch of ``dtype`` values (rounded once)."""
-    return _gpu_op(
-        x,
-        run_fn=to_float16_bits,
-        setup_fn=_same_shape_2d,
-        out_types=[types.UINT16],
-        in_types=[dali_type(dtype)],
-        outs_ndim=[2],
-        ins_ndim=[2],
-        blocks=blocks,
-        threads=threads,
+    return _elementwise_half_op(
+        x, to_float16_bits, dali_type(dtype), blocks=blocks, threads=threads
     )
 
 
 def to_bfloat16_bits_gpu(x_bits, *, blocks: int = DEFAULT_BLOCKS, threads: int = DEFAULT_THREADS):
     """GPU op: uint16 bfloat16 bits of a 2-D float32 batch given as uint32 (``fn.reinterpret``)."""
-    return _gpu_op(
-        x_bits,
-        run_fn=float32_bits_to_bfloat16_bits,
-        setup_fn=_same_shape_2d,
-        out_types=[types.UINT16],
-        in_types=[types.UINT32],
-        outs_ndim=[2],
-        ins_ndim=[2],
-        blocks=blocks,
-        threads=threads,
+    return _elementwise_half_op(
+        x_bits, float32_bits_to_bfloat16_bits, types.UINT32, blocks=blocks, threads=threads
     )
 
 
