@@ -8,6 +8,7 @@ planning lives in :mod:`dali_zarr.planning`, reading in :mod:`dali_zarr.io` and
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -114,6 +115,7 @@ class Loader:
         )
         try:
             self.dtype = _check_arguments(dataset, output, dtype)
+            _check_batch_fits(dataset, sampler, output)
             self.device, self.device_reason = _choose_device(device, gpu_backend)
         except ConfigError as exc:
             if not self._ranks_checked:
@@ -622,6 +624,31 @@ def _check_arguments(dataset: Dataset, output: str, dtype: Any) -> str:
         return output_dtype_name(dtype)
     except TypeError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_batch_fits(dataset: Dataset, sampler: Planner, output: str) -> None:
+    """Refuse, up front and by name, a dense batch (or a dense store's window) larger than
+    this machine's memory: a store whose width is wrong (a sparse matrix's ``shape``
+    attribute off by orders of magnitude) otherwise fails deep in DALI with bad_alloc."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    width = int(np.prod(dataset.feature_shape))
+    rows = getattr(sampler, "batch_size", 0)
+    what = f"a dense batch of {rows} rows"
+    if dataset.layout == "dense":
+        rows, what = getattr(sampler, "window_rows", rows), f"a window of {rows} rows"
+    elif output == "csr":
+        return
+    need = rows * width * 4  # float32, what the graph computes in
+    if need > memory:
+        raise ConfigError(
+            f"{dataset.name}: {what} x {width:,} features is {need / 2**30:,.0f} GiB, more "
+            f"than this machine's {memory / 2**30:,.0f} GiB. Check the store's width (for a "
+            "sparse matrix, its 'shape' attribute), or load fewer features (features=), "
+            "output='csr', or a smaller batch_size / preload_nchunks."
+        )
 
 
 def _exact_in_float32(dtype: np.dtype) -> bool:

@@ -353,3 +353,14 @@ def test_a_path_through_an_array_is_missing_not_corrupt(tmp_path: Path) -> None:
     ds = dz.open_dataset(path)
     with pytest.raises(dz.DatasetError, match="no column 'score/x'"):
         ds.obs_column("score/x")
+
+
+def test_a_batch_larger_than_memory_is_refused_by_name(tmp_path: Path) -> None:
+    """An array whose rows are absurdly wide (here 2**36 float32 values, 256 GiB a row) had
+    failed with NumPy's MemoryError or DALI's bad_alloc; it is refused up front, by name.
+    Only metadata is written: the chunks are all missing (fill value)."""
+    path = tmp_path / "wide.zarr"
+    zarr.create_array(path, shape=(64, 2**36), dtype="f4", chunks=(8, 2**20), zarr_format=3)
+    ds = dz.open_dataset(path)
+    with pytest.raises(dz.ConfigError, match=r"wide\.zarr: a window of .* GiB, more than"):
+        dz.Loader(ds, sampler())
