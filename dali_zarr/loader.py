@@ -113,6 +113,7 @@ class Loader:
             sampler.rank,  # type: ignore[attr-defined]
             sampler.world_size,  # type: ignore[attr-defined]
         )
+        refused: ConfigError | None = None  # by this rank alone: the other ranks hear of it
         try:
             self.dtype = _check_arguments(dataset, output, dtype)
             _check_batch_fits(dataset, sampler, output)
@@ -120,10 +121,9 @@ class Loader:
         except ConfigError as exc:
             if not self._ranks_checked:
                 raise
-            self._refuse_other_datasets(local_error=exc)  # always raises: exc here, or the
-            raise  # (unreachable) other ranks' error there
-        if self._ranks_checked:
-            self._refuse_other_datasets(local_error=None)
+            refused = exc
+        if self._ranks_checked:  # raises `refused`, or the ranks' disagreement
+            self._refuse_other_datasets(local_error=refused)
         self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.output: Output = output
         self.obs = list(obs)
@@ -304,6 +304,8 @@ class Loader:
                 "load_state_dict must be called on a fresh Loader, before it is iterated: "
                 "build a new Loader and load the state into it"
             )
+        refused: ConfigError | None = None  # by this rank alone: the other ranks hear of it
+        position: dict[str, object] = {}
         try:
             point = resume_point(
                 state,
@@ -313,13 +315,15 @@ class Loader:
                 world_size=self.sampler.world_size,  # type: ignore[attr-defined]
             )
             plan = self._source.plan(point.epoch, point.history)  # fail here, not in DALI
+            position = {"epoch": point.epoch, "history": [s.as_dict() for s in point.history]}
+            if PlanSettings.of(self.sampler).enforce_equal_batches:
+                position["batches left"] = plan.n_batches - point.start
         except ConfigError as exc:
             if not self._ranks_checked:
                 raise
-            self._refuse_other_positions(None, 0, local_error=exc)  # always raises
-            raise
-        if self._ranks_checked:
-            self._refuse_other_positions(point, plan.n_batches, local_error=None)
+            refused = exc
+        if self._ranks_checked:  # raises `refused`, or the ranks' disagreement
+            self._refuse_other_positions(position, local_error=refused)
         self._pending = point
         self._restore = None
         self.epoch = point.epoch
@@ -349,18 +353,13 @@ class Loader:
         )
 
     def _refuse_other_positions(
-        self, point: ResumePoint | None, n_batches: int, *, local_error: ConfigError | None
+        self, position: dict[str, object], *, local_error: ConfigError | None
     ) -> None:
         """One exchange in ``load_state_dict``: every rank must resume the same epoch after
         the same history, and (with equal batches) have as many batches left, which fails
         when the ranks loaded states saved at different steps."""
-        mine: dict[str, object] = {}
-        if point is not None:
-            mine = {"epoch": point.epoch, "history": [seg.as_dict() for seg in point.history]}
-            if PlanSettings.of(self.sampler).enforce_equal_batches:
-                mine["batches left"] = n_batches - point.start
         agree_or_raise(
-            mine,
+            position,
             local_error=local_error,
             what=f"Loader.load_state_dict over {self.dataset.name}",
             hints={
@@ -635,13 +634,15 @@ def _check_batch_fits(dataset: Dataset, sampler: Planner, output: str) -> None:
     except (ValueError, OSError, AttributeError):
         return
     width = int(np.prod(dataset.feature_shape))
-    rows = getattr(sampler, "batch_size", 0)
-    what = f"a dense batch of {rows} rows"
-    if dataset.layout == "dense":
-        rows, what = getattr(sampler, "window_rows", rows), f"a window of {rows} rows"
-    elif output == "csr":
+    if dataset.layout == "dense":  # the window, as stored
+        rows = getattr(sampler, "window_rows", getattr(sampler, "batch_size", 0))
+        what, itemsize = f"a window of {rows} rows", np.dtype(dataset.dtype).itemsize
+    elif output == "dense":  # the batch, in the float32 the graph densifies into
+        rows = getattr(sampler, "batch_size", 0)
+        what, itemsize = f"a dense batch of {rows} rows", 4
+    else:
         return
-    need = rows * width * 4  # float32, what the graph computes in
+    need = rows * width * itemsize
     if need > memory:
         raise ConfigError(
             f"{dataset.name}: {what} x {width:,} features is {need / 2**30:,.0f} GiB, more "
