@@ -35,7 +35,14 @@ from typing import IO, Any, Literal
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import Picked, is_array, matrix_layout, pick_element, var_key
+from dali_zarr.data.elements import (
+    Picked,
+    is_array,
+    matrix_layout,
+    pick_element,
+    shape_attribute,
+    var_key,
+)
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.planning.partition import (
     concat_aranges,
@@ -257,10 +264,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
     for part in ("data", "indices", "indptr"):
         if part not in x or not is_array(x[part]):
             raise DatasetError(f"{where}: csr_matrix group has no array {part!r}; re-write it.")
-    shape = x.attrs.get("shape", x.attrs.get("h5sparse_shape"))  # anndata < 0.7: h5sparse
-    if shape is None or len(shape) != 2:
-        raise DatasetError(f"{where}: csr_matrix group has no valid 'shape' attribute.")
-    n_obs, n_features = (int(s) for s in shape)
+    n_obs, n_features = shape_attribute(x, where=where)
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
     if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
         raise DatasetError(

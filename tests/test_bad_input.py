@@ -369,3 +369,18 @@ def test_a_batch_larger_than_memory_is_refused_by_name(tmp_path: Path) -> None:
     ):
         dz.Loader(ds, sampler())
 
+
+def test_a_legacy_h5sparse_matrix_loads_as_it_converts(tmp_path: Path) -> None:
+    """anndata before 0.7 wrote sparse X with ``h5sparse_format`` / ``h5sparse_shape``. The
+    layout check took such a group as CSR, but only ``convert`` read its shape, so the
+    loader refused the store it recognised; one shape reader serves both now."""
+    adata = make_adata()
+    path = write_store(tmp_path / "legacy.zarr", adata, zarr_format=2)
+    attrs = zarr.open_group(path, mode="a")["X"].attrs
+    shape = list(attrs["shape"])
+    for key in list(attrs):
+        del attrs[key]
+    attrs.update({"h5sparse_format": "csr", "h5sparse_shape": shape})
+    zarr.consolidate_metadata(path)
+    got = epoch(dz.open_dataset(path))
+    np.testing.assert_array_equal(got["X"], adata.X.toarray()[got["index"]])

@@ -64,12 +64,18 @@ def _valid_shape(shape: Any) -> tuple[int, int] | None:
     return (rows, cols) if rows >= 0 and cols >= 0 else None
 
 
+def _shape_of(node: Any) -> Any:
+    """A sparse matrix group's recorded shape: ``shape``, or ``h5sparse_shape`` (anndata
+    before 0.7 wrote h5sparse groups, which :func:`matrix_layout` takes as CSR too)."""
+    return node.attrs.get("shape", node.attrs.get("h5sparse_shape"))
+
+
 def shape_attribute(node: Any, *, where: str) -> tuple[int, int]:
     """The ``shape`` attribute of a sparse matrix group (its only record of the width)."""
-    shape = _valid_shape(node.attrs.get("shape"))
+    shape = _valid_shape(_shape_of(node))
     if shape is None:
         raise DatasetError(
-            f"{where}: 'shape' attribute is {node.attrs.get('shape')!r}; a csr_matrix group "
+            f"{where}: 'shape' attribute is {_shape_of(node)!r}; a csr_matrix group "
             "needs two non-negative integers [n_obs, n_features]. Set it to the matrix's "
             "real shape, or re-write the matrix."
         )
@@ -109,7 +115,7 @@ def zarr_member(group: Any, key: str, *, where: str) -> Any:
 def _rows(node: Any) -> int | None:
     if is_array(node):
         return int(node.shape[0]) if len(node.shape) else None
-    shape = _valid_shape(node.attrs.get("shape"))
+    shape = _valid_shape(_shape_of(node))
     return None if shape is None else shape[0]
 
 
