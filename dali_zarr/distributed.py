@@ -167,12 +167,14 @@ def broadcast_seed(seed: int) -> int:
 CHECK_RANKS_ENV = "DALI_ZARR_CHECK_RANKS"
 
 
+def _checks_off() -> bool:
+    return os.environ.get(CHECK_RANKS_ENV, "1") == "0"
+
+
 def checks_ranks(rank: int, world_size: int) -> bool:
     """Whether the ranks exchange and compare their inputs: several ranks that are
     torch.distributed's own world (:func:`torch_world_is`), unless turned off."""
-    if world_size <= 1 or os.environ.get(CHECK_RANKS_ENV, "1") == "0":
-        return False
-    return torch_world_is(rank, world_size)
+    return world_size > 1 and not _checks_off() and torch_world_is(rank, world_size)
 
 
 def torch_world_is(rank: int, world_size: int) -> bool:
@@ -200,7 +202,7 @@ def _cpu_group() -> object | None:
     reaches in the same order (a sampler's construction)."""
     import torch.distributed as dist
 
-    if "gloo" in _backend_name() or os.environ.get(CHECK_RANKS_ENV, "1") == "0":
+    if "gloo" in _backend_name() or _checks_off():
         return None
     world = dist.group.WORLD
     if not _CPU_GROUP or _CPU_GROUP[0][0] is not world:

@@ -418,21 +418,14 @@ class DistributedSampler:
 def _agreed_seed(sampler: ChunkSampler, *, enforce_equal_batches: bool, shard: Shard) -> int:
     """Exchange the ranks' settings (one collective) and refuse any that differ; the seed
     all ranks use: rank 0's where the seeds were drawn (``seed=None``)."""
+    settings = dataclasses.replace(
+        sampler.settings, enforce_equal_batches=enforce_equal_batches, shard=shard
+    ).as_dict()  # what a plan depends on: every field compared
     if not sampler.shuffle:  # the seed orders nothing: any per-rank seed is harmless
-        seed: object = "unused (shuffle=False)"
-    else:
-        seed = None if sampler.seed_was_drawn else sampler.seed
-    mine = {
-        "seed": seed,
-        "drawn seed": sampler.seed if sampler.seed_was_drawn else None,
-        "chunk_size": sampler.chunk_size,
-        "preload_nchunks": sampler.preload_nchunks,
-        "batch_size": sampler.batch_size,
-        "shuffle": sampler.shuffle,
-        "drop_last": sampler.drop_last,
-        "enforce_equal_batches": enforce_equal_batches,
-        "shard": shard,
-    }
+        settings["seed"] = "unused (shuffle=False)"
+    elif sampler.seed_was_drawn:  # differs by design; rank 0's is taken
+        settings["seed"] = None
+    mine = {**settings, "drawn seed": sampler.seed if sampler.seed_was_drawn else None}
     rows: list[dict[str, Any]] = gather_across_ranks(mine)  # type: ignore[assignment]
     compared = [{k: v for k, v in row.items() if k != "drawn seed"} for row in rows]
     refuse_disagreement(
