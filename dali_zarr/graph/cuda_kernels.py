@@ -56,11 +56,12 @@ window, also once per window, and the graph gathers the panel-wide rows. For bot
 one mechanism serves one panel and panels that differ per store.
 
 Half outputs: DALI's numba plugin refuses float16 and DALI 2.4 has no bfloat16 type.
-:func:`to_float16_bits_gpu` and :func:`to_bfloat16_bits_gpu` round to nearest even and
-write the bits as uint16: float16 is then ``fn.reinterpret``-ed (no copy), bfloat16 viewed by
-the framework (no copy). Each is one extra launch per minibatch. float16 is ours rather
-than DALI's ``fn.cast`` so that the CPU path, whose cast rounds otherwise, gives the same
-values (the CPU twin is the same arithmetic).
+:func:`float32_bits_to_float16_bits_gpu` (float32 batches, integer arithmetic),
+:func:`to_float16_bits_gpu` (other dtypes, through float64) and :func:`to_bfloat16_bits_gpu`
+round to nearest even and write the bits as uint16: float16 is then ``fn.reinterpret``-ed
+(no copy), bfloat16 viewed by the framework (no copy). Each is one extra launch per
+minibatch. float16 is ours rather than DALI's ``fn.cast`` so that the CPU path, whose cast
+rounds otherwise, gives the same values (the CPU twins are the same arithmetic).
 
 Nothing here needs a GPU at import time: ``numba.cuda`` imports without a driver; kernels
 are compiled when a pipeline is built on a device. The same functions run under the numba

@@ -56,8 +56,7 @@ def convert_x(
         rows, shape = fn.reshape(x, shape=[-1, int(np.prod(feature_shape))]), [-1, *feature_shape]
     else:
         rows, shape = x, None
-    bits = fn.reinterpret(rows, dtype=types.UINT32)
-    out = ops.float32_to_float16(bits) if dtype == "float16" else ops.to_bfloat16_bits(bits)
+    out = ops.float32_to_half(rows, dtype)
     return out if shape is None else fn.reshape(out, shape=shape)
 
 
@@ -81,9 +80,7 @@ def convert_csr_values(
         return fn.reshape(ops.to_float16(column, dtype=wire), shape=[-1])
     if wire != np.float32:
         column = fn.cast(column, dtype=types.FLOAT)
-    bits = fn.reinterpret(column, dtype=types.UINT32)
-    out = ops.float32_to_float16(bits) if dtype == "float16" else ops.to_bfloat16_bits(bits)
-    return fn.reshape(out, shape=[-1])
+    return fn.reshape(ops.float32_to_half(column, dtype), shape=[-1])
 
 
 def dense_to_float32(x, stored: np.dtype):
@@ -183,8 +180,12 @@ class GraphOps:
         )  # fmt: skip
         return dense_to_float32(x, stored) if bits else x
 
-    def float32_to_float16(self, bits):
-        """2-D float32 ``bits`` (as uint32) as float16, rounded to nearest even."""
+    def float32_to_half(self, x, dtype: str):
+        """2-D float32 ``x`` as ``dtype`` ("float16", or "bfloat16" as its uint16 bits for the
+        framework to view), rounded to nearest even: our ops take the float32 bits."""
+        bits = fn.reinterpret(x, dtype=types.UINT32)
+        if dtype == "bfloat16":
+            return self.to_bfloat16_bits(bits)
         if self.on_gpu:
             K, launch = self._cuda()
             out = K.float32_bits_to_float16_bits_gpu(bits, **launch)
