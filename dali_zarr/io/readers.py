@@ -278,41 +278,40 @@ _tls = threading.local()
 
 def open_stored(path: str) -> int | None:
     """A read-only descriptor of a chunk or shard file; None where none is stored (it reads
-    as the fill value). A dangling symbolic link is not "not stored" (a store assembled
-    from links to a volume that is not mounted would read as zeros), and a named pipe or
-    device would block or stream forever: both raise DecodeError. O_NONBLOCK makes the
-    open of a pipe return at once; regular files ignore it."""
+    as the fill value), refused as :func:`_refuse_odd` says. O_NONBLOCK makes the open of a
+    pipe return at once; regular files ignore it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        if os.path.islink(path):
-            raise DecodeError(_dangling(path)) from None
-        return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return _refuse_odd(path, None)
+    try:
+        _refuse_odd(path, os.fstat(fd).st_mode)
+    except DecodeError:
         os.close(fd)
-        raise DecodeError(_NOT_A_FILE)
+        raise
     return fd
 
 
-_NOT_A_FILE = "it is not a regular file (a named pipe, socket or device?)"
-
-
-def _dangling(path: str) -> str:
-    return f"it is a symbolic link to {os.readlink(path)!r}, which does not exist"
-
-
 def stored_size(path: str) -> int | None:
-    """The size of a chunk file, or None where none is stored; as :func:`open_stored`
+    """The size of a chunk file, or None where none is stored; refused as :func:`open_stored`
     refuses, without opening it."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        if os.path.islink(path):
-            raise DecodeError(_dangling(path)) from None
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        raise DecodeError(_NOT_A_FILE)
+        return _refuse_odd(path, None)
+    _refuse_odd(path, st.st_mode)
     return st.st_size
+
+
+def _refuse_odd(path: str, mode: int | None) -> None:
+    """DecodeError for what is not a stored chunk yet not "none stored" either (``mode``:
+    the file's, or None where it was not found): a dangling symbolic link (a store assembled
+    from links to a volume that is not mounted would read as zeros), or a named pipe,
+    socket or device, which would block or stream forever."""
+    if mode is None and os.path.islink(path):
+        raise DecodeError(f"it is a symbolic link to {os.readlink(path)!r}, which does not exist")
+    if mode is not None and not stat.S_ISREG(mode):
+        raise DecodeError("it is not a regular file (a named pipe, socket or device?)")
 
 
 def _scratch(nbytes: int) -> np.ndarray:
