@@ -284,19 +284,24 @@ def _check_plan_invariants(plan, reader) -> None:
     for (a, n), (b, _) in itertools.pairwise(r for r in regions if r[0] >= 0):
         assert a + n <= b
     # the extents cover the reads once, in order; inside one, chunks follow each other in
-    # their file and in the buffer read into, and an extent starts on a 256-byte boundary
+    # their file and in the buffer read into; a staging extent starts on a 4 KiB page of its
+    # file and of the staging buffer, reading its lead (< 4 KiB) before its first chunk
     assert ext["first"].tolist() == np.cumsum([0, *ext["count"][:-1]]).tolist()
     assert int(ext["count"].sum()) == len(reads)
     dest = reads["decoded_offset"] if plan.kind == "none" else reads["staging_offset"]
     for e in ext.tolist():
-        file, offset, nbytes, dest_offset, first, count = e
+        file, offset, nbytes, dest_offset, lead, first, count = e
         run = reads[first : first + count]
         assert (run["file"] == file).all()
-        assert dest_offset % 256 == 0 or plan.kind == "none"  # "none": into its slot
-        starts = np.cumsum([0, *run["nbytes"][:-1]])
+        if plan.kind == "none":  # straight into its slot
+            assert lead == 0
+        else:
+            assert offset % 4096 == 0 and dest_offset % 4096 == 0 and 0 <= lead < 4096
+        starts = lead + np.cumsum([0, *run["nbytes"][:-1]])
         assert (run["file_offset"] == offset + starts).all()
         assert (dest[first : first + count] == dest_offset + starts).all()
-        assert nbytes == int(run["nbytes"].sum())
+        assert nbytes == lead + int(run["nbytes"].sum())
+        assert offset + nbytes <= sizes[file]
     # segments stay inside both buffers and cover the window exactly once
     seg = plan.segments
     if len(seg):
@@ -360,7 +365,8 @@ def test_adjacent_chunks_of_a_shard_are_one_read(tmp_path, monkeypatch, codec):
     monkeypatch.setattr(gpu, "MAX_EXTENT", 3 * largest)
     small = plan_rows(reader, np.array([[0, 640]]))
     assert len(small.extents) > len(plan.extents)
-    assert (small.extents["nbytes"] < 4 * largest).all()  # reads start within MAX_EXTENT
+    chunk_bytes = small.extents["nbytes"] - small.extents["lead"]
+    assert (chunk_bytes < 4 * largest).all()  # reads start within MAX_EXTENT
     np.testing.assert_array_equal(execute_plan_cpu(small, reader), data)
     _check_plan_invariants(small, reader)
     # a shuffled window of 3-chunk ranges: reads still follow in sorted chunk order
@@ -371,15 +377,18 @@ def test_adjacent_chunks_of_a_shard_are_one_read(tmp_path, monkeypatch, codec):
     _check_plan_invariants(window, reader)
 
 
-def test_short_read_names_the_chunk_where_the_file_ends(tmp_path):
-    """A shard that shrinks after planning: the error names the first chunk not read."""
+@pytest.mark.parametrize("first_row", [0, 20])
+def test_short_read_names_the_chunk_where_the_file_ends(tmp_path, first_row):
+    """A shard that shrinks after planning: the error names the first chunk not read (also
+    when the read starts a page before its first chunk, ``first_row`` 20)."""
     data = np.arange(64 * 40, dtype=np.float32).reshape(640, 4)
     arr = write(tmp_path / "a.zarr", data, chunks=(10, 4), shards=(160, 4),
                 compressors=compressors("zstd", 3))  # fmt: skip
     reader = open_reader(arr, name="a")
-    plan = plan_rows(reader, np.array([[0, 160]]))  # shard 0: one extent of 16 chunks
+    plan = plan_rows(reader, np.array([[first_row, 160]]))  # shard 0: one extent of chunks
     assert len(plan.extents) == 1
-    cut = int(plan.reads["file_offset"][5]) + 3  # inside chunk 5
+    assert plan.extents["lead"][0] == plan.reads["file_offset"][0]  # the shard's first page
+    cut = int(plan.reads["file_offset"][plan.reads["chunk"] == 5][0]) + 3  # inside chunk 5
     with open(plan.files[0], "r+b") as f:
         f.truncate(cut)
     with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*file shrank"):
@@ -737,6 +746,10 @@ class _Dev(np.ndarray):
     def set(self, arr, stream=None):
         self[...] = arr
 
+    @property
+    def __cuda_array_interface__(self):
+        return {"data": (self.ctypes.data, False)}
+
 
 def _fake_cuda_modules(monkeypatch, log, reads: str):
     """cupy, kvikio and nvidia.nvcomp stand-ins backed by NumPy, os.pread and numcodecs; the
@@ -784,6 +797,7 @@ def _fake_cuda_modules(monkeypatch, log, reads: str):
             assert isinstance(buf, _Dev) and buf.size == size
             got = os.preadv(self.fd, [buf], offset)
             log.append(("pread", size))
+            log.append(("pages", buf.ctypes.data % 4096, offset % 4096))
             return types.SimpleNamespace(get=lambda: got)
 
         def close(self):
@@ -856,6 +870,8 @@ def test_gpu_executor_control_flow_with_faked_cuda(
         if path == "device":
             preads = [("pread", n) for n in plan.extents["nbytes"].tolist()]  # one per extent
             assert [e for e in log if e[0] == "pread"] == (preads if reads == "kvikio" else [])
+            if codec != "none":  # staging reads start on a page of the device buffer and file
+                assert {e[1:] for e in log if e[0] == "pages"} <= {(0, 0)}
             decodes = [e for e in log if e[0] == "decode"]
             assert decodes == ([("decode", {"zstd": "Zstd", "lz4": "LZ4"}[codec], len(plan.reads))]
                                if codec != "none" and len(plan.reads) else [])  # fmt: skip

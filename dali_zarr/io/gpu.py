@@ -80,6 +80,10 @@ FRAMED_KINDS = ("zstd", "lz4")
 #: ``lengths`` rows to rows ``starts`` (axis-0 units: elements for CSR data and indices)
 Pieces = tuple[np.ndarray, np.ndarray]
 ALIGN = 256  # staging and chunk-buffer slots start on 256-byte boundaries (nvCOMP, kvikio)
+#: a staging read starts on a page of its file and of the buffer: GPUDirect Storage moves
+#: whole 4 KiB pages by DMA and takes an unaligned head through a bounce buffer (the cuFile
+#: best-practices guide); reading up to a page more per extent costs next to nothing
+PAGE = 4096
 _LZ4_HEADER = 4
 
 
@@ -142,6 +146,7 @@ EXTENT_FIELDS = np.dtype(
         ("file_offset", "<i8"),
         ("nbytes", "<i8"),
         ("dest_offset", "<i8"),  # in the staging buffer (chunk buffer when uncompressed)
+        ("lead", "<i8"),  # bytes read before its first chunk, to start on a PAGE boundary
         ("first", "<i8"),  # first read (index into ReadPlan.reads) of the run
         ("count", "<i8"),
     ]
@@ -218,6 +223,7 @@ class ReadPlan:
         """The chunk holding byte ``byte`` of extent ``extent`` (to name it in errors)."""
         e = self.extents[extent]
         run = self.reads["nbytes"][e["first"] : e["first"] + e["count"]]
+        byte = max(byte - int(e["lead"]), 0)
         i = min(int(np.searchsorted(np.cumsum(run), byte, side="right")), len(run) - 1)
         return int(self.reads["chunk"][e["first"] + i])
 
@@ -497,9 +503,10 @@ def _refuse_chunks(
 def _coalesce(reads: np.ndarray, *, into_chunk_buffer: bool) -> tuple[np.ndarray, int]:
     """Group ``reads`` into extents (runs adjacent in their file and in the buffer they land
     in, cut near :data:`MAX_EXTENT`); fills ``reads["staging_offset"]``. Returns the extents
-    and the staging bytes. Each extent starts on an :data:`ALIGN` boundary; the chunks inside
-    one follow each other unpadded (nvCOMP's zstd and LZ4 decoders take inputs at any byte:
-    :func:`nvcomp_batched.required_alignments`, held to that by a CI test)."""
+    and the staging bytes. A staging extent starts on a :data:`PAGE` of its file and of the
+    staging buffer (its ``lead`` bytes before the first chunk are read and ignored); the
+    chunks inside one follow each other unpadded (nvCOMP's zstd and LZ4 decoders take inputs
+    at any byte: :func:`nvcomp_batched.required_alignments`, held to that by a CI test)."""
     nb = reads["nbytes"]
     n = len(nb)
     before = run_offsets(nb)  # where each read would start with all of them end to end
@@ -524,13 +531,18 @@ def _coalesce(reads: np.ndarray, *, into_chunk_buffer: bool) -> tuple[np.ndarray
     ext["nbytes"] = np.diff(before[bounds])
     ext["first"] = heads
     ext["count"] = np.diff(bounds)
-    if into_chunk_buffer:
+    if into_chunk_buffer:  # straight into the slots: no room for a lead
+        ext["lead"] = 0
         ext["dest_offset"] = reads["decoded_offset"][heads]
         reads["staging_offset"] = -1
         return ext, 0
-    starts = run_offsets(round_up(np.maximum(ext["nbytes"], 1)))
+    lead = ext["file_offset"] % PAGE
+    ext["lead"] = lead
+    ext["file_offset"] -= lead
+    ext["nbytes"] += lead
+    starts = run_offsets(round_up(np.maximum(ext["nbytes"], 1), PAGE))
     ext["dest_offset"] = starts[:-1]
-    reads["staging_offset"] = starts[:-1][of] + before[:-1] - before[heads][of]
+    reads["staging_offset"] = (starts[:-1] + lead)[of] + before[:-1] - before[heads][of]
     return ext, int(starts[-1])
 
 
@@ -899,10 +911,15 @@ class GpuPlanExecutor:
     # -- resources ----------------------------------------------------------------------------
 
     def _device_buffer(self, key: str, nbytes: int):
+        """A reused device buffer of at least ``nbytes`` that starts on a :data:`PAGE` (cupy's
+        pool aligns to 512 bytes only; the staging extents are laid out in pages)."""
         buf = self._buffers.get(key)
         if buf is None or buf.size < nbytes:
             self.stream.synchronize()  # the old buffer may still be read by queued work
-            buf = self.cp.empty(max(nbytes, 1 << 20, 0 if buf is None else 2 * buf.size), "u1")
+            size = max(nbytes, 1 << 20, 0 if buf is None else 2 * buf.size)
+            raw = self.cp.empty(size + PAGE, "u1")
+            skip = -raw.__cuda_array_interface__["data"][0] % PAGE
+            buf = raw[skip : skip + size]
             self._buffers[key] = buf
         return buf[:nbytes]
 
