@@ -321,14 +321,14 @@ def test_truncated_chunk_raises(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "gpu-path-on-host"])
 @pytest.mark.parametrize("shard_chunks", [None, 2], ids=["chunk-files", "shards"])
-@pytest.mark.parametrize("kind", ["dangling-link", "named-pipe"])
+@pytest.mark.parametrize("kind", ["dangling-link", "dangling-folder", "named-pipe"])
 def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
     tmp_path: Path, kind: str, shard_chunks, device: str
 ) -> None:
     """A chunk or shard that is a dangling symbolic link (links to a volume not mounted)
     had read as the fill value, zeros, with no error; a named pipe blocked the read
-    forever. Both are refused, naming the chunk, on the CPU path and the GPU path's
-    planning alike."""
+    forever; a folder of chunks (``c/1``) that is a dangling link read as zeros too. All
+    are refused, naming the chunk, on the CPU path and the GPU path's planning alike."""
     from dali_zarr.graph.window_backends import HostBackend
 
     path = Path(
@@ -341,11 +341,18 @@ def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
     target.unlink()
     if kind == "dangling-link":
         target.symlink_to(tmp_path / "not-mounted" / "0")
+    elif kind == "dangling-folder":
+        target.parent.rmdir()
+        target.parent.symlink_to(tmp_path / "not-mounted")
     else:
         os.mkfifo(target)
     where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
     loader = dz.Loader(dz.open_dataset(path), sampler(chunk_size=20, shuffle=False), **where)
-    problem = "symbolic link to" if kind == "dangling-link" else "not a regular file"
+    problem = {
+        "dangling-link": "is a symbolic link to",
+        "dangling-folder": r"folder '[^']*c/1' is a symbolic link to",
+        "named-pipe": "not a regular file",
+    }[kind]
     with pytest.raises(dz.ChunkReadError, match=rf"c/1/0.*{problem}"):
         for _ in loader:
             pass

@@ -307,10 +307,23 @@ def _refuse_odd(path: str, mode: int | None) -> None:
     """DecodeError for what is not a stored chunk yet not "none stored" either (``mode``:
     the file's, or None where it was not found): a dangling symbolic link (a store assembled
     from links to a volume that is not mounted would read as zeros), or a named pipe,
-    socket or device, which would block or stream forever."""
-    if mode is None and os.path.islink(path):
-        raise DecodeError(f"it is a symbolic link to {os.readlink(path)!r}, which does not exist")
-    if mode is not None and not stat.S_ISREG(mode):
+    socket or device, which would block or stream forever. A missing file is looked at up to
+    its first directory that exists, so a dangling link to a whole folder of chunks (``c/3``
+    of a v3 array) is refused too."""
+    if mode is None:
+        at = path
+        while at and not os.path.exists(at):
+            if os.path.islink(at):
+                where = "it" if at == path else f"its folder {at!r}"
+                raise DecodeError(
+                    f"{where} is a symbolic link to {os.readlink(at)!r}, which does not exist"
+                )
+            parent = os.path.dirname(at)
+            if parent == at:
+                break
+            at = parent
+        return
+    if not stat.S_ISREG(mode):
         raise DecodeError("it is not a regular file (a named pipe, socket or device?)")
 
 
