@@ -31,7 +31,7 @@ case "$step" in
     # Wheels beyond stage_gpu.sh's own list: zstandard (prefix decode) and annbatch with what
     # the image lacks of its dependencies (the image has pandas, h5py, scipy, pyyaml, ...;
     # KINDS.md lists it), so the benchmark measures annbatch's GPU mode in-process.
-    echo zstandard annbatch anndata zarrs array-api-compat dask humanfriendly \
+    echo zstandard annbatch==0.3.1 anndata==0.13.* zarrs array-api-compat dask humanfriendly \
       importlib-metadata lazy-importer legacy-api-wrap locket natsort partd pydantic \
       pydantic-core pydantic-settings python-dotenv scverse-misc session-info2 \
       typing-inspection annotated-types tzdata
@@ -39,7 +39,7 @@ case "$step" in
   tests)
     {
       nvidia-smi -L
-      python3 -m pip list 2>/dev/null | grep -iE '^(numpy|numba|numba-cuda|cupy|torch|zarr|numcodecs) '
+      python3 -m pip list 2>/dev/null | grep -iE '^(numpy|numba|numba-cuda|cupy|cupy-cuda13x|torch|zarr|numcodecs) '
       python3 -c "import nvidia.dali as d, kvikio, nvidia.nvcomp as n; print('DALI', d.__version__, 'kvikio', kvikio.__version__, 'nvcomp', getattr(n, '__version__', '?'))"
       python3 -c "from dali_zarr.graph.gpu_pipeline import gpu_status; print(gpu_status()[1])"
       # only the modules with gpu tests: the others import CPU-test extras (jax, lightning);

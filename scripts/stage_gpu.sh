@@ -15,8 +15,11 @@
 set -euo pipefail
 
 dali=${DZ_DALI:-nvidia-dali-cuda120==2.4.0}
-wheels="astunparse gast makefun optree nvtx libcst~=1.8.0 zarr numcodecs donfig crc32c
-  google-crc32c typing_extensions msgspec rapids-logger==0.3.* kvikio-cu13 libkvikio-cu13
+# pinned where a new release could break the install (--no-deps) or change what is measured:
+# the versions of the 2026-11-22 H100 run (benchmarks/results/h100-2026-11-22/)
+wheels="astunparse gast makefun optree nvtx libcst~=1.8.0 zarr==3.4.2 numcodecs==0.17.1 donfig
+  crc32c google-crc32c typing_extensions msgspec rapids-logger==0.3.* kvikio-cu13==26.10.*
+  libkvikio-cu13==26.10.*
   nvidia-nvcomp-cu12==5.3.0.16 nvidia-libnvcomp-cu12==5.3.0.16 ${DZ_GPU_EXTRA:-}"
 cache=${TMPDIR:-/tmp}/dz-gpu
 part_mib=${DZ_PART_MIB:-61}

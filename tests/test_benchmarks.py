@@ -124,3 +124,25 @@ def test_feature_selection_benchmark_runs(tmp_path: Path) -> None:
     rates = json.loads(out.read_text())["rows_per_s"]
     assert set(rates) == {"every gene, then x[:, panel] in torch", "features=panel"}
     assert all(len(v) == 1 and v[0] > 0 for v in rates.values())
+
+
+def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> None:
+    """The profile's stage timers (a device sync after each stage) must not stay on the
+    reader for its loader runs and later configs: they had, so the ring-sync comparison was
+    timed with a device-wide sync per array and window."""
+    import argparse
+
+    import dali_zarr.graph.device_window as device_window
+    from dali_zarr.graph.window_backends import HostBackend
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_profile = importlib.import_module("gpu_profile")
+    backend = HostBackend()
+    names = ("run_into", "remap_columns", "keep_panel_rows", "select_columns", "run_plan")
+    before = {name: getattr(backend, name) for name in names}
+    plans = device_window.window_plans
+    with gpu_profile.stage_timers(argparse.Namespace(smoke=True), backend):
+        assert device_window.window_plans is not plans
+        assert all(getattr(backend, name) != before[name] for name in names)
+    assert device_window.window_plans is plans
+    assert {name: getattr(backend, name) for name in names} == before

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import types
 import zlib
 
 import numcodecs
@@ -882,6 +883,43 @@ def test_gpu_executor_control_flow_with_faked_cuda(
         assert [e for e in log if e[0] == "copy"] == ([("copy", cut)] if len(plan.segments) else [])
         assert cut > len(plan.segments) or not len(plan.segments)
     assert len(executor._files) <= 2
+    executor.close()
+
+
+def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(tmp_path, monkeypatch):
+    """kvikio raises at end of file ("POSIX error on pread: EOF") instead of reading short;
+    the error named the extent's first chunk, not the one where the shrunken file ends."""
+    import sys
+
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    _fake_cuda_modules(monkeypatch, [], "kvikio")
+    cufile = sys.modules["kvikio"].CuFile
+    short_read = cufile.pread
+
+    def pread(self, buf, size, offset):  # the future raises, as kvikio's does
+        got = short_read(self, buf, size, offset).get()
+
+        def get():
+            if got < size:
+                raise RuntimeError("POSIX error on pread: EOF")
+            return got
+
+        return types.SimpleNamespace(get=get)
+
+    monkeypatch.setattr(cufile, "pread", pread)
+    data = np.arange(64 * 40, dtype=np.float32).reshape(640, 4)
+    arr = write(tmp_path / "a.zarr", data, chunks=(10, 4), shards=(160, 4),
+                compressors=compressors("zstd", 3))  # fmt: skip
+    reader = open_reader(arr, name="a")
+    plan = plan_rows(reader, np.array([[20, 160]]))  # one extent, chunks 2..15
+    cut = int(plan.reads["file_offset"][plan.reads["chunk"] == 5][0]) + 3
+    with open(plan.files[0], "r+b") as f:
+        f.truncate(cut)
+    executor = GpuPlanExecutor(0, max_open_files=2)
+    out = np.empty(plan.out_shape, plan.dtype).view(_Dev)
+    with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*kvikio read failed.*EOF"):
+        executor.run(plan, reader, out)
     executor.close()
 
 

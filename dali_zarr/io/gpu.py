@@ -620,6 +620,17 @@ def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -
     _run_parallel(reader.executor, plan.extent_jobs(), read)
 
 
+def _bytes_left(plan: ReadPlan, extent: int) -> int:
+    """How many bytes of ``extent`` its file still holds (to name the chunk where it ends
+    when a read raised instead of reading short)."""
+    e = plan.extents[extent]
+    try:
+        size = os.path.getsize(plan.files[int(e["file"])])
+    except OSError:
+        return 0
+    return min(max(size - int(e["file_offset"]), 0), int(e["nbytes"]))
+
+
 def _extent_error(reader: DirectReader, plan: ReadPlan, extent: int, byte: int, why: str):
     """The reader's chunk error for a failed read, naming the chunk at ``byte`` of it."""
     return reader.chunk_error(_coords(reader, plan.chunk_at(extent, byte)), why)
@@ -1071,8 +1082,9 @@ class GpuPlanExecutor:
             for i, size, future in pending:
                 try:
                     got = future.get()
-                except Exception as e:
-                    error = error or _extent_error(reader, plan, i, 0, f"kvikio read failed ({e})")
+                except Exception as e:  # kvikio raises at end of file rather than read short
+                    at = _bytes_left(plan, i)
+                    error = error or _extent_error(reader, plan, i, at, f"kvikio read failed ({e})")
                     continue
                 if got != size and error is None:
                     error = _extent_error(
