@@ -1007,3 +1007,20 @@ def test_kvikio_pool_is_raised_but_never_lowered_or_overridden(monkeypatch):
     monkeypatch.delitem(sys.modules, "kvikio.defaults")
     monkeypatch.setitem(sys.modules, "kvikio", None)  # not installed
     assert kvikio_threads(8) == 0
+
+
+def test_kvikio_readers_raise_the_soft_limit_of_open_files():
+    """Reader threads' kvikio files of an unsharded store outgrow a soft limit of 1,024; the
+    executor raises it (to at most the hard limit) before its first read."""
+    import resource
+
+    from dali_zarr.io.gpu import OPEN_FILES_WANTED, room_for_open_files
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        now = room_for_open_files.__wrapped__()
+        want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(OPEN_FILES_WANTED, hard)
+        assert now == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

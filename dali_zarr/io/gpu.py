@@ -37,9 +37,11 @@ reads those with ``read_rows`` on the host and copies the window once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import os
+import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -858,6 +860,28 @@ def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
 _KVIKIO_POOL_LOCK = threading.Lock()
 
 
+#: the soft limit of open files :func:`room_for_open_files` asks for (at most the hard one)
+OPEN_FILES_WANTED = 1 << 16
+
+
+@functools.cache
+def room_for_open_files() -> int:
+    """Raise this process's soft limit of open files towards :data:`OPEN_FILES_WANTED` (never
+    past the hard limit, which any process may do); returns the soft limit now.
+
+    Every reader thread's executor keeps up to 256 kvikio files open, and a window of an
+    unsharded store has all of its chunk files in flight at once; a kvikio file may hold two
+    descriptors (with and without O_DIRECT). 4 threads on such a store pass the usual soft
+    limit of 1,024, and the reads would fail with "Too many open files".
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(OPEN_FILES_WANTED, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def kvikio_threads(want: int | None = None) -> int:
     """kvikio's thread pool size (0 when unknown), first raised to ``want`` threads if it is
     smaller and the user did not set ``KVIKIO_NTHREADS`` (or ``KVIKIO_NUM_THREADS``).
@@ -908,6 +932,7 @@ class GpuPlanExecutor:
         self._kvikio = importlib.import_module("kvikio") if self.reads == "kvikio" else None
         if self._kvikio is not None:
             kvikio_threads(kvikio_pool_size())
+            room_for_open_files()
         self._nvcomp = importlib.import_module("nvidia.nvcomp") if self.support.nvcomp else None
         self._codecs: dict[str, Any] = {}
         # experimental: nvCOMP's C API instead of its Python codecs (see nvcomp_batched)
