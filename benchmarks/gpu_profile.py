@@ -247,7 +247,7 @@ def _endless(loader):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not args.smoke:
-        require_gpu()
+        require_gpu("gpu_profile.py")
     sys.path.insert(0, ROOT)
     from dali_zarr.io.gpu import kvikio_threads
 

@@ -110,7 +110,7 @@ def synchronize(args: argparse.Namespace) -> None:
         torch.cuda.synchronize(args.device_id)
 
 
-def require_gpu() -> None:
+def require_gpu(script: str = "gpu_throughput.py") -> None:
     try:
         import torch
 
@@ -121,8 +121,8 @@ def require_gpu() -> None:
         why = "torch.cuda.is_available() is False"
     if not ok:
         sys.exit(
-            f"gpu_throughput.py needs a CUDA GPU ({why}). Run it on a GPU machine: "
-            "python benchmarks/gpu_throughput.py [--cells N]"
+            f"{script} needs a CUDA GPU ({why}). Run it on a GPU machine (or with --smoke "
+            f"here, on the host backend): python benchmarks/{script} [--cells N]"
         )
 
 

@@ -16,8 +16,7 @@ Contenders (each a script in ``benchmarks/contenders/``, run in a subprocess tha
 ``RESULT {json}`` line; see their docstrings for exactly what they do):
 
 * ``dali_zarr``: ``dz.Loader`` over ``dz.ChunkSampler``, ``output="csr"`` and ``"dense"``,
-  CPU path (the GPU path too when CUDA is present; skipped with a note while it is not
-  implemented);
+  CPU path (the GPU path too when CUDA is present);
 * ``annbatch``: ``annbatch.Loader`` with the same chunk_size, preload_nchunks and batch_size,
   zarrs codec pipeline on, CSR as it comes and densified with ``.toarray()``; it runs in
   ``benchmarks/.venv-annbatch`` (Python 3.12, created here on first use);

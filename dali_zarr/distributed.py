@@ -293,6 +293,19 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"ranks {shown}" + (f", ... ({len(ranks)} ranks)" if len(ranks) > 6 else "")
 
 
+#: where launchers put a process's rank on its node: torchrun, then srun
+LOCAL_RANK_VARS = ("LOCAL_RANK", "SLURM_LOCALID")
+
+
+def local_rank() -> tuple[str, int] | None:
+    """``(variable, value)`` of this process's rank on its node from its launcher (torchrun's
+    ``LOCAL_RANK``, else srun's ``SLURM_LOCALID``); None when neither is set."""
+    for name in LOCAL_RANK_VARS:
+        if name in os.environ:
+            return name, _env_int(name)
+    return None
+
+
 def _local_ranks() -> int:
     """Processes of this job on this node, from the launcher's variables (1 when unknown)."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):

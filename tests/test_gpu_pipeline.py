@@ -367,12 +367,25 @@ def test_closing_the_source_ends_a_read_blocked_on_the_ring(csr_store):
 
 
 def test_default_device_is_the_local_rank(monkeypatch):
+    """torchrun's LOCAL_RANK, else srun's SLURM_LOCALID (srun had put every rank of a node on
+    GPU 0); a process that sees one GPU takes it; a rank past the visible GPUs is refused."""
     from dali_zarr.graph.gpu_pipeline import default_device_id
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert default_device_id() == 0
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    assert default_device_id() == 3
+    monkeypatch.delenv("SLURM_LOCALID", raising=False)
+    assert default_device_id(visible=4) == 0
+    monkeypatch.setenv("SLURM_LOCALID", "2")
+    assert default_device_id(visible=4) == 2
+    monkeypatch.setenv("LOCAL_RANK", "3")  # torchrun's wins
+    assert default_device_id(visible=4) == 3
+    assert default_device_id(visible=0) == 3  # no count to hold it to (the path says why)
+    assert default_device_id(visible=1) == 0  # CUDA_VISIBLE_DEVICES set per rank
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=3 .* sees 2 GPU.*=0,1.*device_id="):
+        default_device_id(visible=2)
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK='x' is not an integer"):
+        default_device_id(visible=2)
 
 
 def test_gpu_status_says_why():

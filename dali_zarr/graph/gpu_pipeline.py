@@ -62,6 +62,7 @@ import numpy as np
 from nvidia.dali.pipeline import Pipeline
 
 from dali_zarr.data.dataset import Dataset, sub_indptr
+from dali_zarr.distributed import local_rank
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import cuda_kernels
 from dali_zarr.graph.device_window import DeviceWindowReader
@@ -416,9 +417,37 @@ def build_gpu_pipeline(
     )
 
 
-def default_device_id() -> int:
-    """This process's GPU: torchrun's ``LOCAL_RANK`` (0 when not launched by torchrun)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+def default_device_id(visible: int | None = None) -> int:
+    """This process's GPU: its rank on the node (torchrun's ``LOCAL_RANK``, else srun's
+    ``SLURM_LOCALID``, else 0) among the ``visible`` GPUs (counted when None). A process
+    that sees one GPU takes it: launchers that give each rank its own GPU (``srun
+    --gpus-per-task=1``) leave local rank 3 with one visible device, device 0.
+    """
+    found = local_rank()
+    if found is None:
+        return 0
+    name, rank = found
+    if visible is None:
+        visible = visible_gpus()
+    if visible == 1:
+        return 0
+    if rank < 0 or (visible and rank >= visible):
+        raise ConfigError(
+            f"{name}={rank} picks this process's GPU, but it sees {visible} GPU(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): launch "
+            "at most one process per visible GPU, or pass Loader(..., device_id=...)"
+        )
+    return rank
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (0 when that cannot be asked)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no cupy, no driver: the GPU path will say why it is unusable
+        return 0
 
 
 def gpu_status() -> tuple[bool, str]:
