@@ -7,16 +7,18 @@ and testable without either framework being initialised.
 Disjoint shards need every rank to plan from the same inputs. A rank seeded with
 ``seed + rank``, opening another store, or resuming from another step's state would plan
 alone: rows delivered twice or never, or batch counts that differ and leave DDP waiting
-forever. Where the sampler's ranks are torch.distributed's own, :func:`gather_across_ranks`
-exchanges those inputs once (at a sampler's and a loader's construction and on
-``load_state_dict``, never per batch or epoch) and :func:`refuse_disagreement` raises the same
-error on every rank, so no rank is left waiting.
+forever. Where the sampler's ranks are torch.distributed's own, or JAX's processes under
+``jax.distributed``, :func:`gather_across_ranks` exchanges those inputs once (at a sampler's
+and a loader's construction and on ``load_state_dict``, never per batch or epoch) and
+:func:`refuse_disagreement` raises the same error on every rank, so no rank is left waiting.
 """
 
 from __future__ import annotations
 
 import operator
 import os
+import pickle
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal, TypeAlias
 
@@ -25,12 +27,14 @@ from dali_zarr.errors import ConfigError
 __all__ = [
     "CHECK_RANKS_ENV",
     "DistInfo",
+    "Exchange",
     "agree_or_raise",
     "broadcast_seed",
     "cgroup_cpus",
-    "checks_ranks",
     "cpu_share",
+    "exchange_over",
     "gather_across_ranks",
+    "jax_world_is",
     "refuse_disagreement",
     "resolve_rank_world",
     "torch_dist_initialized",
@@ -171,10 +175,31 @@ def _checks_off() -> bool:
     return os.environ.get(CHECK_RANKS_ENV, "1") == "0"
 
 
-def checks_ranks(rank: int, world_size: int) -> bool:
-    """Whether the ranks exchange and compare their inputs: several ranks that are
-    torch.distributed's own world (:func:`torch_world_is`), unless turned off."""
-    return world_size > 1 and not _checks_off() and torch_world_is(rank, world_size)
+#: whose processes the ranks' exchanges run over
+Exchange: TypeAlias = Literal["torch", "jax"]
+
+
+def exchange_over(rank: int, world_size: int) -> Exchange | None:
+    """Over whose processes these ranks exchange their inputs: ``"torch"`` where they are
+    torch.distributed's world (:func:`torch_world_is`), ``"jax"`` where they are JAX's
+    processes (:func:`jax_world_is`); None for one rank, for ranks that are neither's
+    (nobody to ask), and with the checks turned off."""
+    if world_size < 2 or _checks_off():
+        return None
+    if torch_world_is(rank, world_size):
+        return "torch"
+    if jax_world_is(rank, world_size):
+        return "jax"
+    return None
+
+
+def jax_world_is(rank: int, world_size: int) -> bool:
+    """True when ``jax.distributed`` is initialized with exactly this process index and
+    count (only asked where the program imported jax: importing it costs seconds)."""
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return False
+    return jax.process_index() == rank and jax.process_count() == world_size
 
 
 def torch_world_is(rank: int, world_size: int) -> bool:
@@ -217,11 +242,14 @@ def _backend_name() -> str:
     return str(dist.get_backend()).lower()
 
 
-def gather_across_ranks(payload: object) -> list[object]:
+def gather_across_ranks(payload: object, *, over: Exchange = "torch") -> list[object]:
     """Every rank's ``payload`` (small and picklable), in rank order, on every rank.
 
-    A collective over torch.distributed's world: every rank must call it at the same point.
+    A collective over torch.distributed's world or JAX's processes (``over``): every rank
+    must call it at the same point.
     """
+    if over == "jax":
+        return _jax_gather(payload)
     import torch.distributed as dist
 
     rows: list[object] = [None] * dist.get_world_size()
@@ -229,9 +257,26 @@ def gather_across_ranks(payload: object) -> list[object]:
     return rows
 
 
+def _jax_gather(payload: object) -> list[object]:
+    """:func:`gather_across_ranks` over ``jax.distributed``'s processes: the pickled payloads
+    as uint8 arrays through ``process_allgather`` (sizes first, then the bytes padded to the
+    longest), which runs on whatever devices JAX has, the CPU included."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    blob = np.frombuffer(pickle.dumps(payload), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([blob.size], np.int32)))
+    sizes = sizes.reshape(-1).tolist()
+    padded = np.zeros(max(sizes), np.uint8)
+    padded[: blob.size] = blob
+    rows = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
+    return [pickle.loads(rows[r, :n].tobytes()) for r, n in enumerate(sizes)]
+
+
 def agree_or_raise(
     mine: Mapping[str, object],
     *,
+    over: Exchange,
     local_error: Exception | None,
     what: str,
     hints: Mapping[str, str] | None = None,
@@ -241,7 +286,7 @@ def agree_or_raise(
     instead of the others waiting in the exchange for a rank that left: that rank raises
     its own error, the others one that names it."""
     error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
-    rows: list[dict[str, object]] = gather_across_ranks({"error": error, **mine})  # type: ignore[assignment]
+    rows: list[dict[str, object]] = gather_across_ranks({"error": error, **mine}, over=over)  # type: ignore[assignment]
     if local_error is not None:
         raise local_error
     failed = [(rank, row["error"]) for rank, row in enumerate(rows) if row["error"]]

@@ -18,7 +18,7 @@ import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
 from dali_zarr.data.dataset import Dataset
-from dali_zarr.distributed import agree_or_raise, checks_ranks, torch_dist_initialized
+from dali_zarr.distributed import agree_or_raise, exchange_over, torch_dist_initialized
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
@@ -109,10 +109,12 @@ class Loader:
         self.dataset = dataset
         self.sampler = sampler
         # the flag travels with a pickled sampler; the exchange needs this process's world
-        self._ranks_checked = bool(getattr(sampler, "ranks_checked", False)) and checks_ranks(
-            sampler.rank,  # type: ignore[attr-defined]
-            sampler.world_size,  # type: ignore[attr-defined]
+        self._exchange = (
+            exchange_over(sampler.rank, sampler.world_size)  # type: ignore[attr-defined]
+            if getattr(sampler, "ranks_checked", False)
+            else None
         )
+        self._ranks_checked = self._exchange is not None
         refused: ConfigError | None = None  # by this rank alone: the other ranks hear of it
         try:
             self.dtype = _check_arguments(dataset, output, dtype)
@@ -343,6 +345,7 @@ class Loader:
         del mine["name"]
         agree_or_raise(
             mine,
+            over=self._exchange,  # type: ignore[arg-type]
             local_error=local_error,
             what=f"Loader over {self.dataset.name}",
             hints={
@@ -360,6 +363,7 @@ class Loader:
         when the ranks loaded states saved at different steps."""
         agree_or_raise(
             position,
+            over=self._exchange,  # type: ignore[arg-type]
             local_error=local_error,
             what=f"Loader.load_state_dict over {self.dataset.name}",
             hints={

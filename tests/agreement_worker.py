@@ -1,6 +1,7 @@
-"""One rank of the torchrun test of ranks that disagree (``test_multinode.py``).
+"""One rank of the test of ranks that disagree (``test_multinode.py``): under torchrun, or
+with ``--jax`` one of the JAX processes the test starts (``jax.distributed``, JaxLoader).
 
-Runs every scenario in turn over one gloo process group and writes
+Runs every scenario in turn over one gloo process group (or JAX's processes) and writes
 ``--out/rank{R}.json``: per scenario, the ConfigError text this rank raised, or ``"ok"``
 (plus what the scenario reports). Each scenario builds what a user would: a
 DistributedSampler and a Loader, in which one rank differs from the others (its seed, its
@@ -15,19 +16,27 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
+import numpy as np
 
 import dali_zarr as dz
 from dali_zarr import distributed
 
-
-def sampler(*, seed: int | None = 0, batch_size: int = 32, dist_info="torch"):
-    inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=batch_size, seed=seed)
-    return dz.DistributedSampler(inner, dist_info=dist_info)
+#: "torch" or "jax": whose processes the ranks are (set by main)
+FRAMEWORK = ["torch"]
 
 
-def loader(path: str, s: dz.DistributedSampler) -> dz.Loader:
-    return dz.Loader(dz.open_dataset(path), s, num_threads=1, return_index=True)
+def sampler(*, seed: int | None = 0, batch_size: int = 32, dist_info=None, shuffle=True):
+    inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=batch_size, seed=seed,
+                            shuffle=shuffle)  # fmt: skip
+    return dz.DistributedSampler(inner, dist_info=dist_info or FRAMEWORK[0])
+
+
+def loader(path: str, s: dz.DistributedSampler, **kwargs) -> dz.Loader:
+    if FRAMEWORK[0] == "jax":
+        from dali_zarr.jax_loader import JaxLoader
+
+        return JaxLoader(dz.open_dataset(path), s, num_threads=1, return_index=True, **kwargs)
+    return dz.Loader(dz.open_dataset(path), s, num_threads=1, return_index=True, **kwargs)
 
 
 def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[[], object]]:
@@ -65,17 +74,15 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
                 state = first.state_dict()
             with loader(big, s) as again:
                 again.load_state_dict(state)
-                return [int(b["index"].numel()) for b in again]
+                return [int(np.asarray(b["index"]).size) for b in again]
 
         return run
 
     def seed_per_rank_unshuffled():  # the seed orders nothing then
-        inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=32, seed=rank,
-                                shuffle=False)  # fmt: skip
-        return dz.DistributedSampler(inner).ranks_checked
+        return sampler(seed=rank, shuffle=False).ranks_checked
 
     def refused_on_one_rank():  # rank 1 alone asks what its store cannot give
-        dz.Loader(dz.open_dataset(big), sampler(), output="dense" if rank == 0 else "sideways")
+        loader(big, sampler(), output="dense" if rank == 0 else "sideways")
 
     def state_refused_on_one_rank():
         s = sampler()
@@ -107,11 +114,27 @@ def main() -> None:
     p.add_argument("--stores", nargs=3, required=True, help="a store, a smaller one, a link")
     p.add_argument("--out", required=True)
     p.add_argument("--nccl", action="store_true", help="take the default group for NCCL's")
+    jax_help = "one of 2 JAX processes (coordinator on 127.0.0.1:PORT), not torchrun"
+    p.add_argument("--jax", nargs=2, type=int, metavar=("PORT", "PROCESS_ID"), help=jax_help)
     args = p.parse_args()
-    dist.init_process_group("gloo")
-    if args.nccl:  # the checks must then make and use a gloo group of their own
-        distributed.__dict__["_backend_name"] = lambda: "nccl"
-    rank = dist.get_rank()
+    if args.jax:
+        import jax
+
+        FRAMEWORK[0] = "jax"
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{args.jax[0]}",
+            num_processes=2,
+            process_id=args.jax[1],
+            initialization_timeout=60,
+        )
+        rank = jax.process_index()
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if args.nccl:  # the checks must then make and use a gloo group of their own
+            distributed.__dict__["_backend_name"] = lambda: "nccl"
+        rank = dist.get_rank()
     results: dict[str, object] = {}
     for name, run in scenarios(rank, *args.stores).items():
         try:
@@ -120,8 +143,11 @@ def main() -> None:
             results[name] = ["error", str(e)]
     results["cpu_group_made"] = bool(distributed._CPU_GROUP)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    if args.jax:
+        jax.distributed.shutdown()
+    else:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -263,11 +263,13 @@ def test_one_node_drawn_seed_disjoint_equal_complete(tmp_path: Path, shard: str)
         assert ranks[0]["epoch0"].max() < n_obs // 2 <= ranks[1]["epoch0"].min()
 
 
-@pytest.mark.parametrize("nccl", [False, True], ids=["gloo", "nccl-default-group"])
-def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, nccl: bool) -> None:
+@pytest.mark.parametrize("world", ["gloo", "nccl-default-group", "jax"])
+def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: str) -> None:
     """A rank with its own seed, batch size, store or resume step would plan alone (rows
     twice or never, DDP waiting forever); every rank raises the same error instead. With
-    an NCCL default group the checks run on a gloo group of their own."""
+    an NCCL default group the checks run on a gloo group of their own; JAX's processes
+    (jax.distributed, JaxLoader) exchange through JAX."""
+    nccl = world == "nccl-default-group"
     big = synthetic.make_single_cell(
         tmp_path / "big.zarr", n_obs=1_000, n_features=16, chunk_elements=256
     )
@@ -276,11 +278,17 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, nccl: boo
     )
     link = tmp_path / "node-local-copy.zarr"
     link.symlink_to(big)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += [str(AGREEMENT_WORKER), "--stores", str(big), str(small), str(link)]
-    cmd += ["--out", str(tmp_path), *(["--nccl"] if nccl else [])]
-    ((code, stdout, stderr),) = wait_all([start(cmd, env=_env())], TIMEOUT)
-    assert code == 0, stdout[-2000:] + stderr[-2000:]
+    worker = [str(AGREEMENT_WORKER), "--stores", str(big), str(small), str(link)]
+    worker += ["--out", str(tmp_path), *(["--nccl"] if nccl else [])]
+    if world == "jax":
+        port = str(free_port())
+        env = child_env(JAX_PLATFORMS="cpu")
+        procs = [start([sys.executable, *worker, "--jax", port, str(i)], env=env) for i in (0, 1)]
+    else:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        procs = [start([*torchrun, "--nproc_per_node=2", *worker], env=_env())]
+    for code, stdout, stderr in wait_all(procs, TIMEOUT):
+        assert code == 0, stdout[-2000:] + stderr[-2000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, words in {
         "seed_per_rank": ["DistributedSampler", "seed (rank 0: 0; rank 1: 1)", "seed + rank"],

@@ -17,8 +17,9 @@ import numpy as np
 
 from dali_zarr.distributed import (
     DistInfo,
+    Exchange,
     broadcast_seed,
-    checks_ranks,
+    exchange_over,
     gather_across_ranks,
     refuse_disagreement,
     resolve_rank_world,
@@ -331,17 +332,21 @@ class DistributedSampler:
         _check_flag("enforce_equal_batches", enforce_equal_batches)
         rank, world_size = resolve_rank_world(dist_info)
         seed: int = sampler.seed  # type: ignore[assignment]
-        checked = checks_ranks(rank, world_size)
-        if checked:
-            seed = _agreed_seed(sampler, enforce_equal_batches=enforce_equal_batches, shard=shard)
+        over = exchange_over(rank, world_size)
+        checked = over is not None
+        if over is not None:
+            seed = _agreed_seed(
+                sampler, over=over, enforce_equal_batches=enforce_equal_batches, shard=shard
+            )
         elif sampler.seed_was_drawn and world_size > 1:
             if not torch_dist_initialized():
                 raise ConfigError(
                     f"seed=None with world_size={world_size} and no initialized "
-                    "torch.distributed: the ranks would each draw a different seed and "
-                    "disagree on the chunk order; pass an explicit seed to ChunkSampler (the "
-                    "same on every rank) or call torch.distributed.init_process_group(...) "
-                    "first so that rank 0's seed is broadcast"
+                    "torch.distributed or jax.distributed: the ranks would each draw a "
+                    "different seed and disagree on the chunk order; pass an explicit seed to "
+                    "ChunkSampler (the same on every rank) or call "
+                    "torch.distributed.init_process_group(...) (jax.distributed.initialize() "
+                    "with dist_info='jax') first so that rank 0's seed is taken"
                 )
             seed = broadcast_seed(seed)
         object.__setattr__(self, "_sampler", sampler)
@@ -415,7 +420,9 @@ class DistributedSampler:
         return int(counts[self._rank])
 
 
-def _agreed_seed(sampler: ChunkSampler, *, enforce_equal_batches: bool, shard: Shard) -> int:
+def _agreed_seed(
+    sampler: ChunkSampler, *, over: Exchange, enforce_equal_batches: bool, shard: Shard
+) -> int:
     """Exchange the ranks' settings (one collective) and refuse any that differ; the seed
     all ranks use: rank 0's where the seeds were drawn (``seed=None``)."""
     settings = dataclasses.replace(
@@ -426,7 +433,7 @@ def _agreed_seed(sampler: ChunkSampler, *, enforce_equal_batches: bool, shard: S
     elif sampler.seed_was_drawn:  # differs by design; rank 0's is taken
         settings["seed"] = None
     mine = {**settings, "drawn seed": sampler.seed if sampler.seed_was_drawn else None}
-    rows: list[dict[str, Any]] = gather_across_ranks(mine)  # type: ignore[assignment]
+    rows: list[dict[str, Any]] = gather_across_ranks(mine, over=over)  # type: ignore[assignment]
     compared = [{k: v for k, v in row.items() if k != "drawn seed"} for row in rows]
     refuse_disagreement(
         compared,
