@@ -31,6 +31,7 @@ __all__ = [
     "agree_or_raise",
     "broadcast_seed",
     "cgroup_cpus",
+    "collectives_may_hang",
     "cpu_share",
     "exchange_over",
     "gather_across_ranks",
@@ -191,6 +192,13 @@ def exchange_over(rank: int, world_size: int) -> Exchange | None:
     if jax_world_is(rank, world_size):
         return "jax"
     return None
+
+
+def collectives_may_hang() -> bool:
+    """True where the ranks train with collectives that wait for every rank (an initialized
+    torch.distributed or jax.distributed): there, uneven batch counts would hang the job."""
+    jax = sys.modules.get("jax")
+    return torch_dist_initialized() or (jax is not None and jax.distributed.is_initialized())
 
 
 def jax_world_is(rank: int, world_size: int) -> bool:

@@ -18,7 +18,11 @@ import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
 from dali_zarr.data.dataset import Dataset
-from dali_zarr.distributed import agree_or_raise, exchange_over, torch_dist_initialized
+from dali_zarr.distributed import (
+    agree_or_raise,
+    collectives_may_hang,
+    exchange_over,
+)
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
@@ -394,9 +398,10 @@ class Loader:
 
     def _check_even(self, history: tuple[Segment, ...]) -> None:
         """Refuse, on every rank alike, an epoch whose ranks would run different step counts
-        under torch.distributed (DDP would wait forever on the rank that ran out)."""
+        under torch.distributed or jax.distributed (DDP, or a JAX collective, would wait
+        forever on the rank that ran out)."""
         world = getattr(self.sampler, "world_size", 1)
-        if self.allow_uneven_batches or world <= 1 or not torch_dist_initialized():
+        if self.allow_uneven_batches or world <= 1 or not collectives_may_hang():
             return
         try:
             settings = PlanSettings.of(self.sampler)
@@ -415,10 +420,11 @@ class Loader:
             raise ConfigError(
                 f"epoch {self.epoch}: with enforce_equal_batches=False the {world} ranks yield "
                 f"different numbers of batches {counts.tolist()}; under torch.distributed "
-                "(DDP) the ranks with more batches would wait forever in a collective on the "
-                "ranks that ran out. Use enforce_equal_batches=True (the default: equal "
-                "counts, fewer than world_size x batch_size rows left out per epoch), or pass "
-                "Loader(..., allow_uneven_batches=True) and handle the uneven ends yourself, "
+                "(DDP) or jax.distributed the ranks with more batches would wait forever in a "
+                "collective on the ranks that ran out. Use enforce_equal_batches=True (the "
+                "default: equal counts, fewer than world_size x batch_size rows left out per "
+                "epoch), or pass Loader(..., allow_uneven_batches=True) and handle the uneven "
+                "ends yourself, "
                 "e.g. by wrapping the loop in torch.distributed.algorithms.Join([model])"
             )
 

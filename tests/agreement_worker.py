@@ -25,18 +25,23 @@ from dali_zarr import distributed
 FRAMEWORK = ["torch"]
 
 
-def sampler(*, seed: int | None = 0, batch_size: int = 32, dist_info=None, shuffle=True):
+def sampler(*, seed: int | None = 0, batch_size: int = 32, dist_info=None, shuffle=True,
+            enforce_equal_batches=True, drop_last=True):  # fmt: skip
     inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=batch_size, seed=seed,
-                            shuffle=shuffle)  # fmt: skip
-    return dz.DistributedSampler(inner, dist_info=dist_info or FRAMEWORK[0])
+                            shuffle=shuffle, drop_last=drop_last)  # fmt: skip
+    return dz.DistributedSampler(
+        inner, dist_info=dist_info or FRAMEWORK[0], enforce_equal_batches=enforce_equal_batches
+    )
 
 
-def loader(path: str, s: dz.DistributedSampler, **kwargs) -> dz.Loader:
+def loader(data, s: dz.DistributedSampler, **kwargs) -> dz.Loader:
+    """A Loader (JaxLoader under JAX) over ``data``, a store's path or a dataset."""
+    ds = dz.open_dataset(data) if isinstance(data, str) else data
     if FRAMEWORK[0] == "jax":
         from dali_zarr.jax_loader import JaxLoader
 
-        return JaxLoader(dz.open_dataset(path), s, num_threads=1, return_index=True, **kwargs)
-    return dz.Loader(dz.open_dataset(path), s, num_threads=1, return_index=True, **kwargs)
+        return JaxLoader(ds, s, num_threads=1, return_index=True, **kwargs)
+    return dz.Loader(ds, s, num_threads=1, return_index=True, **kwargs)
 
 
 def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[[], object]]:
@@ -84,6 +89,11 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
     def refused_on_one_rank():  # rank 1 alone asks what its store cannot give
         loader(big, sampler(), output="dense" if rank == 0 else "sideways")
 
+    def uneven_counts():  # 961 rows: 480 and 481 a rank, 15 and 16 batches of 32
+        ds = dz.Subset(dz.open_dataset(big), np.arange(961))
+        with loader(ds, sampler(enforce_equal_batches=False, drop_last=False)) as ld:
+            return sum(1 for _ in ld)
+
     def state_refused_on_one_rank():
         s = sampler()
         with loader(big, s) as first:
@@ -97,6 +107,7 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "seed_per_rank_unshuffled": seed_per_rank_unshuffled,
         "refused_on_one_rank": refused_on_one_rank,
         "state_refused_on_one_rank": state_refused_on_one_rank,
+        "uneven_counts": uneven_counts,
         "seed_per_rank": seed_per_rank,
         "batch_per_rank": batch_per_rank,
         "mixed_drawn_seed": mixed_drawn_seed,

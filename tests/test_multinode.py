@@ -308,6 +308,10 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         assert text0.split(": ", 1)[1].startswith("rank 1 could not go on"), text0
         assert "rank 1" not in text1.split(": ", 1)[0], text1  # rank 1 raises its own
     assert ranks[0]["refused_on_one_rank"][1].count("sideways") == 1
+    # uneven counts are refused on every rank before a batch (DDP or JAX would wait forever)
+    uneven = [r["uneven_counts"] for r in ranks]
+    assert uneven[0] == uneven[1] and uneven[0][0] == "error", uneven
+    assert "batches [15, 16]" in uneven[0][1] and "wait forever" in uneven[0][1], uneven
     assert [r["seed_per_rank_unshuffled"] for r in ranks] == [["ok", True]] * 2
     seeds = [r["drawn_seed"] for r in ranks]
     assert seeds[0] == seeds[1] and seeds[0][0] == "ok"  # rank 0's draw, on both
