@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zarr
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -332,7 +333,11 @@ def test_refuses_other_dataset_or_settings(store, tmp_path: Path) -> None:
         _point(state, sampler(2, 0, batch_size=31))
     with pytest.raises(ConfigError, match=r"sampler seed: saved 3, now 4.*seed=state"):
         _point(state, sampler(2, 0, seed=4))
-    with pytest.raises(ConfigError, match=r"enforce_equal_batches: saved True, now False"):
+    with pytest.raises(
+        ConfigError,
+        match=r"enforce_equal_batches: saved True, now False.*wrap it: DistributedSampler\("
+        r"sampler, dist_info=lambda: \(0, 1\), enforce_equal_batches=True, shard='chunks'\)",
+    ):
         _point(state, sampler(2, 0, enforce=False))
     with pytest.raises(ConfigError, match="not a dali_zarr loader state"):
         _point({"epoch": 1}, s)
@@ -434,10 +439,12 @@ def test_remainder_plans_deliver_every_owed_row_exactly_once(case: dict) -> None
     only rows the first plan owed, rows_done + delivered + rows_skipped == n_obs, and each
     hop leaves out fewer than world x batch_size rows (none without enforce/drop_last)."""
     s, n_obs, epoch, worlds = case["settings"], case["n_obs"], case["epoch"], case["worlds"]
-    try:
+    try:  # every world must be one whose epochs can be planned (else refused on resume)
         first = [
             s.plan(n_obs=n_obs, epoch=epoch, rank=r, world_size=worlds[0]) for r in range(worlds[0])
         ]
+        for world in worlds[1:]:
+            s.plan(n_obs=n_obs, epoch=epoch, rank=0, world_size=world)
     except ConfigError:
         assume(False)
     owed = cat(cat(plan_ids(p)) for p in first)
@@ -496,3 +503,19 @@ def test_resume_same_world_is_the_plan_tail() -> None:
         PlanSettings.of(s), n_obs=N_OBS, epoch=4, history=(), rank=1, world_size=3
     )
     assert again == plan == plan_epoch(n_obs=N_OBS, epoch=4, rank=1, world_size=3, seed=3, **CFG)
+
+
+def test_a_restart_on_a_world_its_epochs_cannot_use_is_refused_at_load(tmp_path: Path) -> None:
+    """A restart on more ranks than the dataset has chunks was accepted: the rest of the
+    epoch ran, and the job failed at the next epoch. It is refused in load_state_dict."""
+    data = tmp_path / "five.zarr"
+    arr = zarr.create_array(data, shape=(5, 2), dtype="float32", chunks=(5, 2))
+    arr[...] = np.arange(10, dtype=np.float32).reshape(5, 2)
+    ds = dz.open_dataset(data)
+    settings = {"chunk_size": 16, "preload_nchunks": 1, "batch_size": 1, "seed": 0}
+    with dz.Loader(ds, dz.ChunkSampler(**settings)) as first:
+        next(iter(first))
+        state = first.state_dict()
+    three = dz.DistributedSampler(dz.ChunkSampler(**settings), dist_info=lambda: (0, 3))
+    with dz.Loader(ds, three) as again, pytest.raises(ConfigError, match="more ranks than chunks"):
+        again.load_state_dict(state)

@@ -53,6 +53,7 @@ from dali_zarr.planning.partition import (
     slice_ranges,
     validate_count,
     validate_int,
+    validate_plan_inputs,
     validate_seed,
     validate_sizes,
     window_rows_of,
@@ -294,6 +295,17 @@ def plan_resumed_epoch(
     normal plan). Pure: every new rank gets its part without communication."""
     if not history:
         return settings.plan(n_obs=n_obs, epoch=epoch, rank=rank, world_size=world_size)
+    # the remainder alone would spread over more ranks than the dataset has chunks, but the
+    # next epoch could not: refuse such a world now, not an epoch into the restarted job
+    validate_plan_inputs(
+        n_obs=n_obs,
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        chunk_size=settings.chunk_size,
+        batch_size=settings.batch_size,
+        enforce_equal_batches=settings.enforce_equal_batches,
+    )
     ranges, rows_done = remainder_ranges(settings, n_obs=n_obs, epoch=epoch, history=history)
     return plan_remainder(
         ranges,
@@ -436,6 +448,14 @@ def _check_state(
             if any(d.startswith("sampler seed") for d in diffs)
             else ""
         )
+        if any(d.startswith(("sampler enforce_equal_batches", "sampler shard")) for d in diffs):
+            hint += (  # a plain ChunkSampler holds the defaults of these two
+                ". A plain ChunkSampler (one rank) has enforce_equal_batches=True and "
+                "shard='chunks'; to resume across it and ranks with other values, wrap it: "
+                "DistributedSampler(sampler, dist_info=lambda: (0, 1), "
+                f"enforce_equal_batches={saved_s.get('enforce_equal_batches')!r}, "
+                f"shard={saved_s.get('shard')!r})"
+            )
         raise ConfigError(
             "cannot resume from this loader state, it was saved for another dataset or other "
             "sampler settings: " + "; ".join(diffs) + ". Resume with the same dataset and "
