@@ -53,7 +53,6 @@ from dali_zarr.planning.partition import (
     slice_ranges,
     validate_count,
     validate_int,
-    validate_plan_inputs,
     validate_seed,
     validate_sizes,
     window_rows_of,
@@ -297,15 +296,7 @@ def plan_resumed_epoch(
         return settings.plan(n_obs=n_obs, epoch=epoch, rank=rank, world_size=world_size)
     # the remainder alone would spread over more ranks than the dataset has chunks, but the
     # next epoch could not: refuse such a world now, not an epoch into the restarted job
-    validate_plan_inputs(
-        n_obs=n_obs,
-        epoch=epoch,
-        rank=rank,
-        world_size=world_size,
-        chunk_size=settings.chunk_size,
-        batch_size=settings.batch_size,
-        enforce_equal_batches=settings.enforce_equal_batches,
-    )
+    settings.check_world(n_obs=n_obs, world_size=world_size)
     ranges, rows_done = remainder_ranges(settings, n_obs=n_obs, epoch=epoch, history=history)
     return plan_remainder(
         ranges,

@@ -187,6 +187,12 @@ class PlanSettings:
     def batches_per_rank(self, *, n_obs: int, world_size: int) -> np.ndarray:
         """``(world_size,)`` batches each rank yields per epoch (the same every epoch),
         without planning one."""
+        self.check_world(n_obs=n_obs, world_size=world_size)
+        return self.batches(n_obs, world_size)
+
+    def check_world(self, *, n_obs: int, world_size: int) -> None:
+        """Refuse ``world_size`` ranks where this dataset cannot give each a chunk (and,
+        with equal batches, a batch), as planning an epoch would."""
         validate_plan_inputs(
             n_obs=n_obs,
             epoch=0,
@@ -196,7 +202,6 @@ class PlanSettings:
             batch_size=self.batch_size,
             enforce_equal_batches=self.enforce_equal_batches,
         )
-        return self.batches(n_obs, world_size)
 
     def rows_delivered(self, n_rows: int, world_size: int) -> np.ndarray:
         """``(world_size,)`` rows each rank delivers out of ``n_rows`` (not validated)."""
