@@ -35,6 +35,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 from gpu_throughput import (
     ROOT,
@@ -101,7 +102,7 @@ def use_config(reads: str, api: str, sync: str) -> None:
 
 
 @contextlib.contextmanager
-def stage_timers(args: argparse.Namespace, backend):
+def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]]:
     """Wrap the reader's stages so that each adds its own time (device synchronised after
     it) to the yielded dict, keyed by stage name; every wrapper is removed on exit, so the
     loader runs after part 1 (and the next config) are timed without these syncs."""
@@ -109,9 +110,10 @@ def stage_timers(args: argparse.Namespace, backend):
 
     totals: dict[str, float] = defaultdict(float)
     undo: list[tuple[object, str, object]] = []
+    missing = object()  # an instance attribute that was not there (a method of its class)
 
     def patch(owner, name: str, value) -> None:
-        undo.append((owner, name, getattr(owner, name)))
+        undo.append((owner, name, vars(owner).get(name, missing)))
         setattr(owner, name, value)
 
     def timed(owner, name: str, label: str) -> None:
@@ -161,7 +163,10 @@ def stage_timers(args: argparse.Namespace, backend):
         yield totals
     finally:
         for owner, name, original in reversed(undo):
-            setattr(owner, name, original)
+            if original is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def profile_reader(args: argparse.Namespace, dataset) -> None:

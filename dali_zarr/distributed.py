@@ -40,6 +40,7 @@ __all__ = [
     "resolve_rank_world",
     "torch_dist_initialized",
     "torch_world_is",
+    "world_is",
 ]
 
 DistInfo: TypeAlias = Literal["torch", "jax", "env"] | Callable[[], tuple[int, int]]
@@ -180,33 +181,54 @@ def _checks_off() -> bool:
 Exchange: TypeAlias = Literal["torch", "jax"]
 
 
-def exchange_over(rank: int, world_size: int) -> Exchange | None:
+def exchange_over(rank: int, world_size: int, *, dist_info: object = None) -> Exchange | None:
     """Over whose processes these ranks exchange their inputs: ``"torch"`` where they are
     torch.distributed's world (:func:`torch_world_is`), ``"jax"`` where they are JAX's
     processes (:func:`jax_world_is`); None for one rank, for ranks that are neither's
-    (nobody to ask), and with the checks turned off."""
+    (nobody to ask), and with the checks turned off. ``dist_info="jax"`` asks JAX first:
+    the sampler's ranks are JAX's by construction, whatever torch's numbering."""
     if world_size < 2 or _checks_off():
         return None
-    if torch_world_is(rank, world_size):
-        return "torch"
-    if jax_world_is(rank, world_size):
-        return "jax"
-    return None
+    order: tuple[Exchange, ...] = ("jax", "torch") if dist_info == "jax" else ("torch", "jax")
+    return next((over for over in order if world_is(over, rank, world_size)), None)
+
+
+def world_is(over: Exchange, rank: int, world_size: int) -> bool:
+    """Whether ``rank`` of ``world_size`` is this process in torch's or JAX's world."""
+    if over == "jax":
+        return jax_world_is(rank, world_size)
+    return torch_world_is(rank, world_size)
 
 
 def collectives_may_hang() -> bool:
     """True where the ranks train with collectives that wait for every rank (an initialized
     torch.distributed or jax.distributed): there, uneven batch counts would hang the job."""
+    return torch_dist_initialized() or _jax_distributed_up()
+
+
+def _jax_distributed_up() -> bool:
+    """Whether the program imported jax and initialized ``jax.distributed`` (only asked
+    where jax is imported already: importing it costs seconds). JAX before 0.5.1 has no
+    ``jax.distributed.is_initialized``: its distributed client says it instead."""
     jax = sys.modules.get("jax")
-    return torch_dist_initialized() or (jax is not None and jax.distributed.is_initialized())
+    if jax is None:
+        return False
+    is_initialized = getattr(jax.distributed, "is_initialized", None)
+    if is_initialized is not None:
+        return bool(is_initialized())
+    try:
+        from jax._src import distributed as jax_distributed
+    except ImportError:
+        return False
+    return getattr(jax_distributed.global_state, "client", None) is not None
 
 
 def jax_world_is(rank: int, world_size: int) -> bool:
     """True when ``jax.distributed`` is initialized with exactly this process index and
-    count (only asked where the program imported jax: importing it costs seconds)."""
-    jax = sys.modules.get("jax")
-    if jax is None or not jax.distributed.is_initialized():
+    count."""
+    if not _jax_distributed_up():
         return False
+    jax = sys.modules["jax"]
     return jax.process_index() == rank and jax.process_count() == world_size
 
 
@@ -359,7 +381,7 @@ def local_rank() -> tuple[str, int] | None:
     return None
 
 
-def _local_ranks() -> int:
+def local_world_size() -> int:
     """Processes of this job on this node, from the launcher's variables (1 when unknown)."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         raw = os.environ.get(name, "")
@@ -456,7 +478,7 @@ def cpu_share() -> int:
         mine = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         mine = node
-    ranks = _local_ranks()
+    ranks = local_world_size()
     shared_by_all = cgroup_cpuset() or node  # what every rank of a container or job may use
     share = mine if mine < shared_by_all else mine // ranks
     quota = cgroup_cpus()

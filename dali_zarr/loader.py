@@ -18,11 +18,7 @@ import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
 from dali_zarr.data.dataset import Dataset
-from dali_zarr.distributed import (
-    agree_or_raise,
-    collectives_may_hang,
-    exchange_over,
-)
+from dali_zarr.distributed import Exchange, agree_or_raise, collectives_may_hang, world_is
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
@@ -53,9 +49,10 @@ class Loader:
     to reshuffle, as with torch's ``DistributedSampler``.
 
     **Device.** ``device="cpu"`` runs a DALI CPU pipeline; ``"gpu"`` reads, decodes, shuffles
-    and densifies on GPU ``device_id`` (default: torchrun's ``LOCAL_RANK``) and yields CUDA
-    tensors there (see :mod:`dali_zarr.graph.gpu_pipeline`); ``"auto"`` takes the GPU when
-    it is usable. :attr:`device` and :attr:`device_reason` say which path runs and why.
+    and densifies on GPU ``device_id`` (default: the rank on its node, torchrun's
+    ``LOCAL_RANK`` or srun's ``SLURM_LOCALID``, see ``gpu_pipeline.default_device_id``) and
+    yields CUDA tensors there (see :mod:`dali_zarr.graph.gpu_pipeline`); ``"auto"`` takes the
+    GPU when it is usable. :attr:`device` and :attr:`device_reason` say which path runs and why.
     ``gpu_backend=HostBackend()`` (:mod:`dali_zarr.graph.window_backends`) runs the GPU
     path's source and graph on the host (for debugging and CI; no GPU needed).
     ``dtype``: float32, float16, float64 or bfloat16.
@@ -63,18 +60,18 @@ class Loader:
     parallel inside a window already, and 4 on the GPU path, where one window's file reads
     overlap another's nvCOMP decode; the GPU path reads at least that many windows ahead).
 
-    **Uneven batch counts.** Under an initialized ``torch.distributed`` with several ranks,
-    iterating an epoch in which the ranks would yield different numbers of batches (only
-    possible with ``enforce_equal_batches=False``) raises a ConfigError on every rank at the
-    start of the epoch, since DDP would hang at the step one rank no longer takes. Pass
-    ``allow_uneven_batches=True`` to take that on yourself (e.g. with
-    ``torch.distributed.algorithms.Join``).
+    **Uneven batch counts.** Under an initialized ``torch.distributed`` or
+    ``jax.distributed`` with several ranks, iterating an epoch in which the ranks would yield
+    different numbers of batches (only possible with ``enforce_equal_batches=False``) raises
+    a ConfigError on every rank at the start of the epoch, since DDP (or a JAX collective)
+    would hang at the step one rank no longer takes. Pass ``allow_uneven_batches=True`` to
+    take that on yourself (e.g. with ``torch.distributed.algorithms.Join``).
 
     **Ranks that disagree.** With a DistributedSampler whose ranks are torch.distributed's
-    (``ranks_checked``), construction exchanges the dataset's size, row shape, dtype and
-    layout, and :meth:`load_state_dict` the resumed position, refusing on every rank alike
-    ranks that differ (another store; states saved at other steps); every rank must then
-    build the loader and load its state at the same point.
+    or JAX's processes (its ``exchange``), construction exchanges the dataset's size, row
+    shape, dtype and layout, and :meth:`load_state_dict` the resumed position, refusing on
+    every rank alike ranks that differ (another store; states saved at other steps); every
+    rank must then build the loader and load its state at the same point.
 
     **Resuming.** :meth:`state_dict` / :meth:`load_state_dict` save and restore the position
     in the epoch (see :mod:`dali_zarr.planning.resume`), on the same or on another number of
@@ -112,24 +109,26 @@ class Loader:
     ) -> None:
         self.dataset = dataset
         self.sampler = sampler
-        # the flag travels with a pickled sampler; the exchange needs this process's world
-        self._exchange = (
-            exchange_over(sampler.rank, sampler.world_size)  # type: ignore[attr-defined]
-            if getattr(sampler, "ranks_checked", False)
-            else None
-        )
-        self._ranks_checked = self._exchange is not None
+        # the sampler's exchange travels with it when pickled; it needs this process's world
+        over: Exchange | None = getattr(sampler, "exchange", None)
+        rank, world = getattr(sampler, "rank", 0), getattr(sampler, "world_size", 1)
+        self._exchange = over if over is not None and world_is(over, rank, world) else None
+        self.device_id: int | None = None
         refused: ConfigError | None = None  # by this rank alone: the other ranks hear of it
         try:
             self.dtype = _check_arguments(dataset, output, dtype)
             _check_batch_fits(dataset, sampler, output)
             self.device, self.device_reason = _choose_device(device, gpu_backend)
+            if self.device == "gpu":  # a rank past its node's GPUs is refused on every rank
+                from dali_zarr.graph.gpu_pipeline import default_device_id
+
+                self.device_id = default_device_id() if device_id is None else int(device_id)
         except ConfigError as exc:
-            if not self._ranks_checked:
+            if self._exchange is None:
                 raise
             refused = exc
-        if self._ranks_checked:  # raises `refused`, or the ranks' disagreement
-            self._refuse_other_datasets(local_error=refused)
+        if self._exchange is not None:  # raises `refused`, or the ranks' disagreement
+            self._refuse_other_datasets(self._exchange, local_error=refused)
         self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.output: Output = output
         self.obs = list(obs)
@@ -157,12 +156,10 @@ class Loader:
         }
         if read_threads is not None:
             source_args["read_threads"] = read_threads
-        self.device_id: int | None = None
         self._source: BatchSource
         if self.device == "gpu":
-            from dali_zarr.graph.gpu_pipeline import GpuBatchSource, default_device_id
+            from dali_zarr.graph.gpu_pipeline import GpuBatchSource
 
-            self.device_id = default_device_id() if device_id is None else int(device_id)
             self._source = GpuBatchSource(
                 dataset,
                 sampler,
@@ -325,11 +322,11 @@ class Loader:
             if PlanSettings.of(self.sampler).enforce_equal_batches:
                 position["batches left"] = plan.n_batches - point.start
         except ConfigError as exc:
-            if not self._ranks_checked:
+            if self._exchange is None:
                 raise
             refused = exc
-        if self._ranks_checked:  # raises `refused`, or the ranks' disagreement
-            self._refuse_other_positions(position, local_error=refused)
+        if self._exchange is not None:  # raises `refused`, or the ranks' disagreement
+            self._refuse_other_positions(self._exchange, position, local_error=refused)
         self._pending = point
         self._restore = None
         self.epoch = point.epoch
@@ -341,7 +338,7 @@ class Loader:
                 "dali_zarr: the state has a DALI checkpoint; ignored (enable_checkpointing=False)"
             )
 
-    def _refuse_other_datasets(self, *, local_error: ConfigError | None) -> None:
+    def _refuse_other_datasets(self, over: Exchange, *, local_error: ConfigError | None) -> None:
         """One exchange at construction: the ranks' datasets must have the same size and
         rows (paths may differ, e.g. a copy on each node's local disk). A rank whose own
         arguments were refused still takes part, so no rank waits for it."""
@@ -349,7 +346,7 @@ class Loader:
         del mine["name"]
         agree_or_raise(
             mine,
-            over=self._exchange,  # type: ignore[arg-type]
+            over=over,
             local_error=local_error,
             what=f"Loader over {self.dataset.name}",
             hints={
@@ -360,14 +357,14 @@ class Loader:
         )
 
     def _refuse_other_positions(
-        self, position: dict[str, object], *, local_error: ConfigError | None
+        self, over: Exchange, position: dict[str, object], *, local_error: ConfigError | None
     ) -> None:
         """One exchange in ``load_state_dict``: every rank must resume the same epoch after
         the same history, and (with equal batches) have as many batches left, which fails
         when the ranks loaded states saved at different steps."""
         agree_or_raise(
             position,
-            over=self._exchange,  # type: ignore[arg-type]
+            over=over,
             local_error=local_error,
             what=f"Loader.load_state_dict over {self.dataset.name}",
             hints={
@@ -424,8 +421,8 @@ class Loader:
                 "collective on the ranks that ran out. Use enforce_equal_batches=True (the "
                 "default: equal counts, fewer than world_size x batch_size rows left out per "
                 "epoch), or pass Loader(..., allow_uneven_batches=True) and handle the uneven "
-                "ends yourself, "
-                "e.g. by wrapping the loop in torch.distributed.algorithms.Join([model])"
+                "ends yourself (with DDP, e.g. by wrapping the loop in "
+                "torch.distributed.algorithms.Join([model]))"
             )
 
     # -- internals ------------------------------------------------------------------------------

@@ -383,6 +383,18 @@ def test_default_device_is_the_local_rank(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(ConfigError, match=r"LOCAL_RANK=3 .* sees 2 GPU.*=0,1.*device_id="):
         default_device_id(visible=2)
+    # srun --ntasks-per-node=4 --gpus-per-task=2: every task sees its own 2 GPUs
+    monkeypatch.delenv("LOCAL_RANK")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    assert default_device_id(visible=2) == 0
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")  # two tasks sharing two GPUs: refused
+    with pytest.raises(ConfigError, match=r"SLURM_LOCALID=3 .* sees 2 GPU"):
+        default_device_id(visible=2)
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "2")
+    assert default_device_id(visible=2) == 0
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ConfigError, match=r"LOCAL_RANK='x' is not an integer"):
         default_device_id(visible=2)

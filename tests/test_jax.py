@@ -139,3 +139,17 @@ def test_two_jax_processes_disjoint_equal_complete(tmp_path: Path) -> None:
             # in the order the plan yields them
             np.testing.assert_array_equal(got, np.concatenate(list(iter_batches(planned))))
     assert set(ranks[0]["epoch0"].tolist()) != set(ranks[0]["epoch1"].tolist())
+
+
+def test_a_jax_without_distributed_is_initialized_is_asked_another_way(monkeypatch) -> None:
+    """JAX before 0.5.1 has no ``jax.distributed.is_initialized``: with jax imported, a
+    multi-rank job that is not JAX's (``dist_info="env"``) crashed in the rank checks."""
+    from dali_zarr import distributed
+
+    monkeypatch.delattr(jax.distributed, "is_initialized")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not distributed.collectives_may_hang()
+    assert not distributed.jax_world_is(1, 2)
+    s = dz.DistributedSampler(sampler(), dist_info="env")
+    assert (s.rank, s.world_size, s.exchange) == (1, 2, None)

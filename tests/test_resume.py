@@ -335,10 +335,16 @@ def test_refuses_other_dataset_or_settings(store, tmp_path: Path) -> None:
         _point(state, sampler(2, 0, seed=4))
     with pytest.raises(
         ConfigError,
-        match=r"enforce_equal_batches: saved True, now False.*wrap it: DistributedSampler\("
-        r"sampler, dist_info=lambda: \(0, 1\), enforce_equal_batches=True, shard='chunks'\)",
+        match=r"enforce_equal_batches: saved True, now False.*Build the DistributedSampler "
+        r"with enforce_equal_batches=True, shard='chunks'$",
     ):
         _point(state, sampler(2, 0, enforce=False))
+    with pytest.raises(  # onto one rank: wrap the plain ChunkSampler (never on several)
+        ConfigError,
+        match=r"shard: saved 'contiguous', now 'chunks'.*wrap it: DistributedSampler\("
+        r"sampler, dist_info=lambda: \(0, 1\), enforce_equal_batches=True, shard='contiguous'\)",
+    ):
+        _point(_state(sampler(2, 0, shard="contiguous")), sampler())
     with pytest.raises(ConfigError, match="not a dali_zarr loader state"):
         _point({"epoch": 1}, s)
     with pytest.raises(ConfigError, match="version 99"):
@@ -517,5 +523,6 @@ def test_a_restart_on_a_world_its_epochs_cannot_use_is_refused_at_load(tmp_path:
         next(iter(first))
         state = first.state_dict()
     three = dz.DistributedSampler(dz.ChunkSampler(**settings), dist_info=lambda: (0, 3))
-    with dz.Loader(ds, three) as again, pytest.raises(ConfigError, match="more ranks than chunks"):
+    refused = r"cannot resume epoch 0 on 3 ranks: .*more ranks than chunks.*Resume on fewer"
+    with dz.Loader(ds, three) as again, pytest.raises(ConfigError, match=refused):
         again.load_state_dict(state)

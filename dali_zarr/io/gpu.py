@@ -623,14 +623,16 @@ def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -
 
 
 def _bytes_left(plan: ReadPlan, extent: int) -> int:
-    """How many bytes of ``extent`` its file still holds (to name the chunk where it ends
-    when a read raised instead of reading short)."""
+    """Where in ``extent`` its file ends, to name the chunk there when a read raised instead
+    of reading short; 0 (its first chunk) where the file holds all of it, so the read
+    failed for another reason."""
     e = plan.extents[extent]
     try:
         size = os.path.getsize(plan.files[int(e["file"])])
     except OSError:
         return 0
-    return min(max(size - int(e["file_offset"]), 0), int(e["nbytes"]))
+    left = max(size - int(e["file_offset"]), 0)
+    return left if left < int(e["nbytes"]) else 0
 
 
 def _extent_error(reader: DirectReader, plan: ReadPlan, extent: int, byte: int, why: str):

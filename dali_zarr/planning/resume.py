@@ -296,7 +296,14 @@ def plan_resumed_epoch(
         return settings.plan(n_obs=n_obs, epoch=epoch, rank=rank, world_size=world_size)
     # the remainder alone would spread over more ranks than the dataset has chunks, but the
     # next epoch could not: refuse such a world now, not an epoch into the restarted job
-    settings.check_world(n_obs=n_obs, world_size=world_size)
+    try:
+        settings.check_world(n_obs=n_obs, world_size=world_size)
+    except ConfigError as e:
+        raise ConfigError(
+            f"cannot resume epoch {epoch} on {world_size} ranks: the epochs after it could not "
+            f"be planned on that many ({e}). Resume on fewer ranks, with the same sampler "
+            "settings (a resume may change only the number of ranks)"
+        ) from None
     ranges, rows_done = remainder_ranges(settings, n_obs=n_obs, epoch=epoch, history=history)
     return plan_remainder(
         ranges,
@@ -405,7 +412,7 @@ _REQUIRED = ("epoch", "consumed", "rank", "world_size", "history", "sampler", "d
 
 
 def _check_state(
-    state: object, *, settings: PlanSettings, dataset: Mapping[str, Any]
+    state: object, *, settings: PlanSettings, dataset: Mapping[str, Any], world_size: int
 ) -> Mapping[str, Any]:
     if not isinstance(state, Mapping):
         raise ConfigError(
@@ -440,12 +447,16 @@ def _check_state(
             else ""
         )
         if any(d.startswith(("sampler enforce_equal_batches", "sampler shard")) for d in diffs):
+            saved = (
+                f"enforce_equal_batches={saved_s.get('enforce_equal_batches')!r}, "
+                f"shard={saved_s.get('shard')!r}"
+            )
             hint += (  # a plain ChunkSampler holds the defaults of these two
                 ". A plain ChunkSampler (one rank) has enforce_equal_batches=True and "
-                "shard='chunks'; to resume across it and ranks with other values, wrap it: "
-                "DistributedSampler(sampler, dist_info=lambda: (0, 1), "
-                f"enforce_equal_batches={saved_s.get('enforce_equal_batches')!r}, "
-                f"shard={saved_s.get('shard')!r})"
+                "shard='chunks'; to resume on one rank a state of other values, wrap it: "
+                f"DistributedSampler(sampler, dist_info=lambda: (0, 1), {saved})"
+                if world_size == 1
+                else f". Build the DistributedSampler with {saved}"
             )
         raise ConfigError(
             "cannot resume from this loader state, it was saved for another dataset or other "
@@ -492,7 +503,9 @@ def resume_point(
     group = list(states) if many else [states]  # type: ignore[list-item]
     if not group:
         raise ConfigError("load_state_dict got an empty list of states")
-    group = [_check_state(s, settings=settings, dataset=dataset) for s in group]
+    group = [
+        _check_state(s, settings=settings, dataset=dataset, world_size=world_size) for s in group
+    ]
     first = group[0]
     try:
         epoch = _non_negative("epoch", first["epoch"])

@@ -304,21 +304,22 @@ class DistributedSampler:
     Rank and world size are resolved once, here (``dist_info``: "torch", "jax", "env" or a
     callable returning ``(rank, world_size)``). All ranks derive the same global chunk order
     from the shared seed. If the wrapped sampler drew its seed (``seed=None``), rank 0's seed
-    is broadcast through torch.distributed; without an initialized torch.distributed and with
-    more than one rank that is impossible (ranks could not agree), so it is refused: pass an
-    explicit seed.
+    is taken by every rank, through torch.distributed or jax.distributed; without either and
+    with more than one rank that is impossible (ranks could not agree), so it is refused:
+    pass an explicit seed.
 
     ``enforce_equal_batches`` (default) makes every rank yield the same number of full
     batches, so DDP's collectives never wait on a rank that has run out of data.
 
-    Where the ranks are torch.distributed's own (it is initialized, with this rank and
-    world size), construction exchanges the settings once and refuses, on every rank, ranks
-    that disagree (``seed=rank``, another batch size): they would not split one plan.
-    ``ranks_checked`` says whether that ran; a :class:`~dali_zarr.Loader` then checks its
-    dataset and resumed position the same way. Every rank must construct it then.
+    Where the ranks are torch.distributed's own or JAX's processes (initialized, with this
+    rank and world size), construction exchanges the settings once and refuses, on every
+    rank, ranks that disagree (``seed=rank``, another batch size): they would not split one
+    plan. ``exchange`` says over whose processes that ran ("torch", "jax"; None: not
+    checked); a :class:`~dali_zarr.Loader` then checks its dataset and resumed position the
+    same way. Every rank must construct it then.
     """
 
-    __slots__ = ("_checked", "_enforce", "_rank", "_sampler", "_seed", "_shard", "_world_size")
+    __slots__ = ("_enforce", "_exchange", "_rank", "_sampler", "_seed", "_shard", "_world_size")
 
     def __init__(
         self,
@@ -337,8 +338,7 @@ class DistributedSampler:
         _check_flag("enforce_equal_batches", enforce_equal_batches)
         rank, world_size = resolve_rank_world(dist_info)
         seed: int = sampler.seed  # type: ignore[assignment]
-        over = exchange_over(rank, world_size)
-        checked = over is not None
+        over = exchange_over(rank, world_size, dist_info=dist_info)
         if over is not None:
             seed = _agreed_seed(
                 sampler, over=over, enforce_equal_batches=enforce_equal_batches, shard=shard
@@ -346,10 +346,10 @@ class DistributedSampler:
         elif sampler.seed_was_drawn and world_size > 1:
             if not torch_dist_initialized():
                 raise ConfigError(
-                    f"seed=None with world_size={world_size} and no initialized "
-                    "torch.distributed or jax.distributed: the ranks would each draw a "
-                    "different seed and disagree on the chunk order; pass an explicit seed to "
-                    "ChunkSampler (the same on every rank) or call "
+                    f"seed=None with world_size={world_size}, and these ranks are not an "
+                    "initialized torch.distributed's (or, with the rank checks on, JAX's): the "
+                    "ranks would each draw a different seed and disagree on the chunk order; "
+                    "pass an explicit seed to ChunkSampler (the same on every rank), or call "
                     "torch.distributed.init_process_group(...) (jax.distributed.initialize() "
                     "with dist_info='jax') first so that rank 0's seed is taken"
                 )
@@ -360,7 +360,7 @@ class DistributedSampler:
         object.__setattr__(self, "_seed", validate_seed(seed))
         object.__setattr__(self, "_enforce", enforce_equal_batches)
         object.__setattr__(self, "_shard", shard)
-        object.__setattr__(self, "_checked", checked)
+        object.__setattr__(self, "_exchange", over)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"DistributedSampler is immutable; build a new one to change {name}")
@@ -377,7 +377,7 @@ class DistributedSampler:
                 self._seed,
                 self._enforce,
                 self._shard,
-                self._checked,
+                self._exchange,
             ),
         )
 
@@ -394,8 +394,13 @@ class DistributedSampler:
     seed = property(lambda self: self._seed, doc="The seed all ranks share (resolved int).")
     enforce_equal_batches = property(lambda self: self._enforce, doc="Equal batches per rank.")
     shard = property(lambda self: self._shard, doc='"chunks" or "contiguous".')
+    exchange = property(
+        lambda self: self._exchange,
+        doc='Whose processes the ranks\' settings were exchanged over ("torch", "jax"), and '
+        "agreed; None where they were not checked.",
+    )
     ranks_checked = property(
-        lambda self: self._checked, doc="The ranks' settings were exchanged and agree."
+        lambda self: self._exchange is not None, doc="The ranks' settings were exchanged and agree."
     )
     batch_size = property(lambda self: self._sampler.batch_size, doc="Rows per batch.")
     chunk_size = property(lambda self: self._sampler.chunk_size, doc="Rows per chunk.")
@@ -459,7 +464,7 @@ def _restore_distributed(
     seed: int,
     enforce: bool,
     shard: Shard,
-    checked: bool = False,
+    exchange: Exchange | None = None,
 ) -> DistributedSampler:
     obj = object.__new__(DistributedSampler)
     for name, value in (
@@ -469,7 +474,7 @@ def _restore_distributed(
         ("_seed", seed),
         ("_enforce", enforce),
         ("_shard", shard),
-        ("_checked", checked),
+        ("_exchange", exchange),
     ):
         object.__setattr__(obj, name, value)
     return obj
