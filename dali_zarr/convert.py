@@ -21,6 +21,7 @@ the stale ``DST.partial``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import math
@@ -566,10 +567,50 @@ def written_whole(dest: str, *, sources: Sequence[str] = (), overwrite: bool) ->
         yield partial
         _publish(partial, dest, overwrite)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        _discard(partial)
         raise
     finally:
         lock.close()
+
+
+def _discard(partial: str) -> None:
+    """Remove a failed writer's ``partial``. zarr writes from its own event loop, which goes
+    on after our thread stops (Ctrl-C, or one write's error while others are in flight):
+    removing the folder under it let late writes make a ``partial`` without our marker,
+    which the next run then refused. So the writes are waited for first; where that cannot
+    be done, the marker stays (the next run removes the folder)."""
+    drained = _wait_for_zarr_writes()
+    for entry in os.scandir(partial) if os.path.isdir(partial) else ():
+        if entry.name != _MARKER:
+            with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.remove(entry.path)
+    if drained:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def _wait_for_zarr_writes(timeout: float = 60.0) -> bool:
+    """Wait until zarr's event loop has no task in flight; False where that cannot be known
+    (zarr's loop is internal: ``zarr.core.sync``) or it took longer than ``timeout``."""
+    try:
+        from zarr.core.sync import loop as zarr_loop
+    except ImportError:
+        return False
+    running = zarr_loop[0] if isinstance(zarr_loop, list) and zarr_loop else None
+    if running is None or not running.is_running():
+        return True  # no loop, no writes
+
+    async def drain() -> bool:
+        tasks = asyncio.all_tasks() - {asyncio.current_task()}
+        _, pending = await asyncio.wait(tasks, timeout=timeout) if tasks else (set(), set())
+        return not pending
+
+    try:
+        return asyncio.run_coroutine_threadsafe(drain(), running).result(timeout + 5)
+    except Exception:  # a loop closed meanwhile, a timeout: keep the marker
+        return False
 
 
 def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> tuple[str, IO[str]]:

@@ -273,6 +273,43 @@ def test_interrupted_convert_leaves_no_store_and_reruns(tmp_path, sc_store, monk
     np.testing.assert_array_equal(csr_reference(dst).toarray(), csr_reference(sc_store).toarray())
 
 
+def test_ctrl_c_while_zarr_writes_leaves_a_partial_the_rerun_removes(tmp_path):
+    """Ctrl-C while zarr's event loop still had chunk writes in flight: the partial was
+    removed under them, the late writes made a ``DST.partial`` without our marker, and the
+    rerun refused it ("not left by an interrupted dali-zarr writer"). The writes are now
+    waited for, so nothing is left (or, where they cannot be, the marker stays)."""
+    src = tmp_path / "in.zarr"
+    arr = zarr.create_array(src, shape=(6000, 50), chunks=(500, 50), dtype="float32")
+    arr[...] = np.arange(6000 * 50, dtype=np.float32).reshape(6000, 50)
+    dst = tmp_path / "out.zarr"
+    code = textwrap.dedent(
+        f"""
+        import os, signal, sys, threading, time
+        from dali_zarr.cli import main
+
+        def interrupt_once_writing():  # 1-row chunks: a block is 100 writes at once
+            chunks = {str(dst)!r} + ".partial/c"
+            while not (os.path.isdir(chunks) and len(os.listdir(chunks)) > 300):
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Thread(target=interrupt_once_writing, daemon=True).start()
+        sys.exit(main(["convert", {str(src)!r}, {str(dst)!r}, "--chunk-rows", "1",
+                       "--block-rows", "100", "--shard-size", "0", "-q"]))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(),
+                          capture_output=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 130, proc.stderr.decode()[-2000:]
+    assert "Task was destroyed" not in proc.stderr.decode()  # no writes cut off
+    partial = Path(f"{dst}.partial")
+    assert not partial.exists() or (partial / ".dali-zarr-partial").exists()
+    assert not dst.exists()
+    assert run("convert", src, dst, "-q") == 0
+    assert not partial.exists()
+    np.testing.assert_array_equal(zarr.open_array(dst)[...], arr[...])
+
+
 def test_killed_convert_is_cleaned_up_by_a_rerun(tmp_path, sc_store):
     dst = tmp_path / "out.zarr"
     code = textwrap.dedent(
