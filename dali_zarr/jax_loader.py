@@ -100,6 +100,12 @@ class JaxLoader(Loader):
                     f"{self.dataset.name}: observation ids reach {last}, beyond int32, and JAX "
                     f"runs in 32-bit mode, which would wrap batch['index']; {hint}"
                 )
+        if self.output == "csr" and self.dataset.n_features - 1 > _INT32_MAX:
+            raise ConfigError(
+                f"{self.dataset.name}: {self.dataset.n_features} features, so column ids reach "
+                f"{self.dataset.n_features - 1}, beyond int32, and JAX runs in 32-bit mode, "
+                f"which would wrap the BCSR's indices; {hint}"
+            )
         for name in self.obs:
             values = self.dataset.obs_column(name).values
             if values.dtype.kind in "iu" and values.dtype.itemsize == 8 and len(values):

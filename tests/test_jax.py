@@ -99,6 +99,32 @@ def test_refuses_ids_jax_would_wrap(tmp_path: Path) -> None:
     JaxLoader(dataset, sampler(), obs=["cell_type"], return_index=True).close()
 
 
+def test_refuses_column_ids_jax_would_wrap(tmp_path: Path) -> None:
+    """A CSR X wider than int32 (ids up to 3e9): JAX's 32-bit mode wrapped the BCSR's
+    column ids (2**31 + 7 came as -2147483641) with no error."""
+    if jax.config.read("jax_enable_x64"):
+        pytest.skip("JAX runs with 64-bit integers here")
+    width = 3_000_000_000
+    root = zarr.open_group(tmp_path / "wide.zarr", mode="w")
+    root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+    x = root.create_group("X")
+    x.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0",
+                    "shape": [4, width]})  # fmt: skip
+    x.create_array("data", data=np.arange(1, 5, dtype=np.float32))
+    x.create_array("indices", data=np.array([5, 2**31 + 7, width - 1, 0], dtype=np.int64))
+    x.create_array("indptr", data=np.arange(5, dtype=np.int64))
+    for name, n in (("obs", 4), ("var", width)):
+        frame = root.create_group(name)
+        frame.attrs.update({"encoding-type": "dataframe", "encoding-version": "0.2.0",
+                            "_index": "_index", "column-order": []})  # fmt: skip
+        index = frame.create_array("_index", shape=(n,), chunks=(min(n, 10**6),), dtype="i8")
+        index.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+    dataset = dz.open_dataset(tmp_path / "wide.zarr")
+    settings = dict(chunk_size=4, preload_nchunks=1, batch_size=4, shuffle=False)
+    with pytest.raises(dz.ConfigError, match=r"column ids reach 2999999999.*jax_enable_x64"):
+        JaxLoader(dataset, sampler(**settings), output="csr")
+
+
 @pytest.mark.slow
 def test_two_jax_processes_disjoint_equal_complete(tmp_path: Path) -> None:
     n_obs, batch = 1_001, 64
