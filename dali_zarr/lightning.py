@@ -94,7 +94,8 @@ class ZarrDataModule(LightningDataModule):
     ``split_labels`` maps each split to the value(s) that select it (default
     ``{"train": "train", "val": "val", "test": "test"}``); or ``splits`` maps split names
     ("train", "val", "test") to boolean masks or arrays of row ids. Without ``splits`` the
-    column defaults to ``"split"``. Explicit splits may not overlap.
+    column defaults to ``"split"``. A label selects a category by its text (``0`` the
+    category ``0`` of an integer categorical). Splits may not overlap, from either source.
 
     Sampling: ``chunk_size``, ``preload_nchunks`` (unset: what ``dali-zarr inspect``
     suggests for the split's rows, from the store's chunking), ``batch_size``
@@ -224,25 +225,37 @@ class ZarrDataModule(LightningDataModule):
     # -- internals ------------------------------------------------------------------------------
 
     def _find_split_rows(self, dataset: Dataset) -> dict[str, np.ndarray]:
+        """Each split's rows, from ``splits`` or from ``split_column``'s labels; splits that
+        share rows are refused (a row in train and val would leak)."""
         if self.splits is not None:
             rows = {name: Subset(dataset, value).parent_rows for name, value in self.splits.items()}
-            names = list(rows)
-            for i, a in enumerate(names):
-                for b in names[i + 1 :]:
-                    shared = np.intersect1d(rows[a], rows[b], assume_unique=True)
-                    if len(shared):
-                        raise ConfigError(
-                            f"splits {a!r} and {b!r} share {len(shared)} observations (e.g. row "
-                            f"{int(shared[0])}); splits must be disjoint."
-                        )
-            return rows
+            what = "splits"
+        else:
+            rows = self._rows_by_label(dataset)
+            what = f"split_labels of {self.split_column!r}"
+        names = list(rows)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                shared = np.intersect1d(rows[a], rows[b], assume_unique=True)
+                if len(shared):
+                    raise ConfigError(
+                        f"{what}: {a!r} and {b!r} share {len(shared)} observations (e.g. row "
+                        f"{int(shared[0])}); splits must be disjoint."
+                    )
+        return rows
+
+    def _rows_by_label(self, dataset: Dataset) -> dict[str, np.ndarray]:
+        """Rows whose ``split_column`` holds one of each split's labels. Categories are
+        text (``ObsColumn.categories``), so a label matches a category by its text: the
+        label 0 selects the category 0 of an integer categorical."""
         assert self.split_column is not None
         column = dataset.obs_column(self.split_column)
         rows = {}
         for name, wanted in self.split_labels.items():
             values = [wanted] if isinstance(wanted, str | int) else list(wanted)
             if column.categories is not None:
-                codes = [column.categories.index(v) for v in values if v in column.categories]
+                texts = {str(v) for v in values}
+                codes = [i for i, c in enumerate(column.categories) if c in texts]
                 rows[name] = np.flatnonzero(np.isin(column.values, codes))
             else:
                 rows[name] = np.flatnonzero(np.isin(column.values, values))

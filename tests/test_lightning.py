@@ -69,10 +69,39 @@ def test_splits_from_column_masks_and_ids(split_store: str) -> None:
     assert len(labels.split_rows["train"]) == 1_200 - 151
     with pytest.raises(dz.ConfigError, match="share 1 observations"):
         ZarrDataModule(data=split_store, splits={"train": [1, 2], "val": [2]}).setup()
+    with pytest.raises(dz.ConfigError, match=r"'train' and 'val' share 151 observations"):
+        ZarrDataModule(  # labels that overlap gave overlapping splits, a leak
+            data=split_store, split_labels={"train": ["train", "val"], "val": "val"}
+        ).setup()
     with pytest.raises(dz.ConfigError, match="not both"):
         ZarrDataModule(data=split_store, split_column="split", splits={"train": [1]})
     with pytest.raises(dz.ConfigError, match="unknown split"):
         ZarrDataModule(data=split_store, splits={"valid": [1]})
+
+
+def test_integer_labels_select_an_integer_categorical(tmp_path) -> None:
+    """obs categories are text, so split_labels={"train": 0, ...} on an integer categorical
+    matched nothing and said "no observation has fold=0" of a column a third of which is 0."""
+    import anndata
+    import pandas as pd
+    import scipy.sparse as sp
+
+    n = 90
+    adata = anndata.AnnData(
+        X=sp.random(n, 8, density=0.3, format="csr", dtype=np.float32, random_state=0),
+        obs=pd.DataFrame(
+            {"fold": pd.Categorical(np.arange(n) % 3)}, index=[str(i) for i in range(n)]
+        ),
+    )
+    adata.write_zarr(tmp_path / "folds.zarr")
+    dm = ZarrDataModule(
+        data=str(tmp_path / "folds.zarr"),
+        split_column="fold",
+        split_labels={"train": 0, "val": [1], "test": 2},
+    )
+    dm.setup()
+    for fold, name in enumerate(("train", "val", "test")):
+        np.testing.assert_array_equal(dm.split_rows[name], np.arange(fold, n, 3))
 
 
 def test_too_small_eval_split_is_refused(split_store: str) -> None:
