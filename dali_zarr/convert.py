@@ -744,6 +744,11 @@ def convert(
         raise ConfigError(f"shard_bytes={shard_bytes!r}: must be >= 0 (0: no sharding).")
     if not isinstance(seed, int | np.integer) or seed < 0:
         raise ConfigError(f"seed={seed!r}: must be a non-negative integer.")
+    if piece_rows is not None and not shuffle:
+        raise ConfigError(
+            f"piece_rows={piece_rows}: pieces are what shuffle puts in random order; pass "
+            "shuffle=True (--shuffle) with it, or leave it out."
+        )
 
     inputs: list[_Input] = []
     try:

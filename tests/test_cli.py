@@ -368,6 +368,7 @@ def test_convert_summary_and_json(tmp_path, sc_store, capsys):
         (["--chunk-rows", "0"], "must be at least 1"),
         (["--shard-size", "12XB"], "invalid size '12XB'"),
         (["--seed", "-1"], "must be 0 or more"),
+        (["--piece-rows", "10"], "piece_rows=10: pieces are what shuffle puts in random order"),
     ],
 )
 def test_convert_bad_options(tmp_path, sc_store, capsys, argv, message):
