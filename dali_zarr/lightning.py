@@ -39,7 +39,7 @@ from dali_zarr.distributed import DistInfo, resolve_rank_world, torch_dist_initi
 from dali_zarr.errors import ConfigError
 from dali_zarr.inspection import suggested_settings
 from dali_zarr.loader import Loader, check_device
-from dali_zarr.planning import ChunkSampler, DistributedSampler
+from dali_zarr.planning import ChunkSampler, DistributedSampler, PlanSettings
 from dali_zarr.planning.partition import Shard, validate_count, validate_sizes
 
 __all__ = ["EvalLoader", "TrainLoader", "ZarrDataModule"]
@@ -330,6 +330,16 @@ class ZarrDataModule(LightningDataModule):
             enforce_equal_batches=train,
             shard=self.shard if train else "chunks",
         )
+        if train:  # refused here, with what this module lets you change
+            try:
+                PlanSettings.of(sampler).check_world(n_obs=subset.n_obs, world_size=world)
+            except ConfigError as e:
+                raise ConfigError(
+                    f"split 'train' ({subset.n_obs} observations, {world} ranks): {e}. The "
+                    "train loader keeps batch counts equal across ranks (DDP steps must "
+                    "match), so pass a smaller batch_size or chunk_size, use fewer devices, "
+                    "or give the train split more rows."
+                ) from None
         loader = (TrainLoader if train else EvalLoader)(
             subset,
             sampler,

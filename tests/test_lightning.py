@@ -110,6 +110,20 @@ def test_too_small_eval_split_is_refused(split_store: str) -> None:
         dm.val_dataloader()
 
 
+def test_too_small_train_split_says_what_the_module_lets_you_change(split_store: str) -> None:
+    """The refusal came from the sampler at the first len() or batch and advised
+    enforce_equal_batches=False, which the module does not take; it comes when the train
+    loader is built and names what may change."""
+    dm = ZarrDataModule(
+        data=split_store, splits={"train": np.arange(100)}, batch_size=64, dist_info=lambda: (0, 4)
+    )
+    with pytest.raises(
+        dz.ConfigError,
+        match=r"split 'train' \(100 observations, 4 ranks\): .*smaller batch_size or chunk_size",
+    ):
+        dm.train_dataloader()
+
+
 def test_eval_splits_smaller_than_a_batch_are_served(split_store: str) -> None:
     """An eval split of fewer rows than a batch (settings suggested, or chunks cut down so
     each rank gets one) still has a window of a batch: every row once, one partial batch."""
