@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import math
 import os
 import shutil
@@ -78,6 +79,8 @@ SHUFFLE_METHOD = (
 )
 
 Progress = Callable[[int, int], None]  # (rows written so far, total rows)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -591,16 +594,23 @@ def _discard(partial: str) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _wait_for_zarr_writes(timeout: float = 60.0) -> bool:
+def _wait_for_zarr_writes(timeout: float = 30.0) -> bool:
     """Wait until zarr's event loop has no task in flight; False where that cannot be known
-    (zarr's loop is internal: ``zarr.core.sync``) or it took longer than ``timeout``."""
+    (zarr's loop is internal: ``zarr.core.sync``, a one-item list from zarr 3.0 to 3.3),
+    from inside that loop, or after ``timeout``."""
     try:
         from zarr.core.sync import loop as zarr_loop
     except ImportError:
         return False
-    running = zarr_loop[0] if isinstance(zarr_loop, list) and zarr_loop else None
+    if not (isinstance(zarr_loop, list) and len(zarr_loop) == 1):
+        return False
+    running = zarr_loop[0]
     if running is None or not running.is_running():
         return True  # no loop, no writes
+    with contextlib.suppress(RuntimeError):  # RuntimeError: no loop runs in this thread
+        if asyncio.get_running_loop() is running:
+            return False  # called from a task of that loop: it cannot wait for itself
+    log.info("dali_zarr: waiting for zarr's writes in flight before removing the partial store")
 
     async def drain() -> bool:
         tasks = asyncio.all_tasks() - {asyncio.current_task()}
@@ -716,9 +726,9 @@ def convert(
     ``original_index`` always gives each output row's row number in the concatenated input.
     ``block_rows``: input rows read at once (default: about 64 MiB of decoded X); with
     ``shuffle`` it is rounded down to whole pieces of ``piece_rows`` rows (default
-    ``chunk_rows``). Each piece is one read of the input, so pieces much smaller than the
-    input's own chunks decode those chunks several times: larger pieces convert faster,
-    smaller pieces mix rows better.
+    ``chunk_rows``; only with ``shuffle``). Each piece is one read of the input, so pieces
+    much smaller than the input's own chunks decode those chunks several times: larger
+    pieces convert faster, smaller pieces mix rows better.
     ``progress(done, total)`` is called before the first block and after each block (it may
     raise to abort: nothing is left at ``dest``).
     """

@@ -27,6 +27,7 @@ Splits come from a categorical obs column (``split_column="split"`` with values 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -252,9 +253,9 @@ class ZarrDataModule(LightningDataModule):
         column = dataset.obs_column(self.split_column)
         rows = {}
         for name, wanted in self.split_labels.items():
-            values = [wanted] if isinstance(wanted, str | int) else list(wanted)
+            values = [wanted] if np.ndim(wanted) == 0 else list(wanted)  # np.int64(0) too
             if column.categories is not None:
-                texts = {str(v) for v in values}
+                texts = {str(v) for v in values} | {str(float(v)) for v in values if _real(v)}
                 codes = [i for i, c in enumerate(column.categories) if c in texts]
                 rows[name] = np.flatnonzero(np.isin(column.values, codes))
             else:
@@ -330,16 +331,16 @@ class ZarrDataModule(LightningDataModule):
             enforce_equal_batches=train,
             shard=self.shard if train else "chunks",
         )
-        if train:  # refused here, with what this module lets you change
-            try:
-                PlanSettings.of(sampler).check_world(n_obs=subset.n_obs, world_size=world)
-            except ConfigError as e:
-                raise ConfigError(
-                    f"split 'train' ({subset.n_obs} observations, {world} ranks): {e}. The "
-                    "train loader keeps batch counts equal across ranks (DDP steps must "
-                    "match), so pass a smaller batch_size or chunk_size, use fewer devices, "
-                    "or give the train split more rows."
-                ) from None
+        most = PlanSettings.of(sampler).max_world(n_obs=subset.n_obs)
+        if train and world > most:  # refused here, with what this module lets you change
+            each = max(1, subset.n_obs // world)
+            raise ConfigError(
+                f"split 'train' has {subset.n_obs} observations for {world} ranks: with "
+                f"chunk_size={chunk_size} and batch_size={batch_size} at most {most} ranks get "
+                "a chunk and a full batch each (the train loader keeps batch counts equal, as "
+                f"DDP steps must match). Pass batch_size and chunk_size of at most {each}, use "
+                f"at most {most} devices, or give the train split more rows."
+            )
         loader = (TrainLoader if train else EvalLoader)(
             subset,
             sampler,
@@ -359,3 +360,8 @@ class ZarrDataModule(LightningDataModule):
     def __repr__(self) -> str:
         sizes = {name: len(rows) for name, rows in self.split_rows.items()}
         return f"{type(self).__name__}(data={self.data!r}, splits={sizes or 'not set up'})"
+
+
+def _real(value: object) -> bool:
+    """A number a float category could hold (its text is ``1.0`` for the label 1)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

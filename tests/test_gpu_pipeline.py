@@ -385,16 +385,14 @@ def test_default_device_is_the_local_rank(monkeypatch):
         default_device_id(visible=2)
     # srun --ntasks-per-node=4 --gpus-per-task=2: every task sees its own 2 GPUs
     monkeypatch.delenv("LOCAL_RANK")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("SLURM_GPUS_PER_TASK", raising=False)
     monkeypatch.setenv("SLURM_LOCALID", "3")
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "a100:2")
     assert default_device_id(visible=2) == 0
-    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")  # two tasks sharing two GPUs: refused
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")  # inherited, GPUs not bound: all 4 seen
+    assert default_device_id(visible=4) == 3
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK")  # 4 tasks sharing 2 GPUs: refused, not doubled
     with pytest.raises(ConfigError, match=r"SLURM_LOCALID=3 .* sees 2 GPU"):
         default_device_id(visible=2)
-    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "2")
-    assert default_device_id(visible=2) == 0
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ConfigError, match=r"LOCAL_RANK='x' is not an integer"):
         default_device_id(visible=2)

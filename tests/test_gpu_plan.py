@@ -926,7 +926,16 @@ def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(tmp_path
     out = np.empty(plan.out_shape, plan.dtype).view(_Dev)
     with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*kvikio read failed.*EOF"):
         executor.run(plan, reader, out)
+    # a read failing on an intact file (EIO) names the extent's first chunk, not its last
+    intact = plan_rows(reader, np.array([[20, 40]]))  # chunks 2, 3 of shard 0: still there
+    monkeypatch.setattr(cufile, "pread", lambda *a: types.SimpleNamespace(get=_eio))
+    with pytest.raises(ChunkReadError, match=r"array chunk \(2, 0\).*kvikio read failed.*EIO"):
+        executor.run(intact, reader, np.empty(intact.out_shape, intact.dtype).view(_Dev))
     executor.close()
+
+
+def _eio():
+    raise OSError(5, "EIO")
 
 
 @pytest.mark.parametrize("reads", ["kvikio", "pinned"])

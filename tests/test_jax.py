@@ -179,3 +179,7 @@ def test_a_jax_without_distributed_is_initialized_is_asked_another_way(monkeypat
     assert not distributed.jax_world_is(1, 2)
     s = dz.DistributedSampler(sampler(), dist_info="env")
     assert (s.rank, s.world_size, s.exchange) == (1, 2, None)
+    from jax._src import distributed as jax_distributed  # what such a JAX says instead
+
+    monkeypatch.setattr(jax_distributed.global_state, "client", object())
+    assert distributed.collectives_may_hang()

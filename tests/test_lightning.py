@@ -94,14 +94,12 @@ def test_integer_labels_select_an_integer_categorical(tmp_path) -> None:
         ),
     )
     adata.write_zarr(tmp_path / "folds.zarr")
-    dm = ZarrDataModule(
-        data=str(tmp_path / "folds.zarr"),
-        split_column="fold",
-        split_labels={"train": 0, "val": [1], "test": 2},
-    )
-    dm.setup()
-    for fold, name in enumerate(("train", "val", "test")):
-        np.testing.assert_array_equal(dm.split_rows[name], np.arange(fold, n, 3))
+    for labels in ({"train": 0, "val": [1], "test": 2}, {"train": np.int64(0), "val": 1}):
+        dm = ZarrDataModule(data=str(tmp_path / "folds.zarr"), split_column="fold",
+                            split_labels=labels)  # fmt: skip
+        dm.setup()
+        for fold, name in enumerate(labels):
+            np.testing.assert_array_equal(dm.split_rows[name], np.arange(fold, n, 3))
 
 
 def test_too_small_eval_split_is_refused(split_store: str) -> None:
@@ -119,9 +117,11 @@ def test_too_small_train_split_says_what_the_module_lets_you_change(split_store:
     )
     with pytest.raises(
         dz.ConfigError,
-        match=r"split 'train' \(100 observations, 4 ranks\): .*smaller batch_size or chunk_size",
-    ):
+        match=r"split 'train' has 100 observations for 4 ranks: .* at most 1 ranks .*"
+        r"batch_size and chunk_size of at most 25, use at most 1 devices",
+    ) as refused:
         dm.train_dataloader()
+    assert "enforce_equal_batches=False" not in str(refused.value)
 
 
 def test_eval_splits_smaller_than_a_batch_are_served(split_store: str) -> None:

@@ -729,8 +729,11 @@ def test_a_sampler_unpickled_where_torch_distributed_is_not_set_up_exchanges_not
 
     from dali_zarr.planning.samplers import _restore_distributed
 
-    checked = _restore_distributed(sampler(), 1, 2, 0, True, "chunks", True)
+    checked = _restore_distributed(sampler(), 1, 2, 0, True, "chunks", "torch")
     again = pickle.loads(pickle.dumps(checked))
-    assert again.ranks_checked
+    assert again.ranks_checked and again.exchange == "torch"
     with dz.Loader(dz.open_dataset(sc_store), again) as loader:
         assert len(list(loader)) == len(loader) > 0
+    # pickled before the exchange was named: a flag, read as torch's (or none)
+    old = [_restore_distributed(sampler(), 1, 2, 0, True, "chunks", f) for f in (True, False)]
+    assert [(s.exchange, s.ranks_checked) for s in old] == [("torch", True), (None, False)]

@@ -62,7 +62,7 @@ import numpy as np
 from nvidia.dali.pipeline import Pipeline
 
 from dali_zarr.data.dataset import Dataset, sub_indptr
-from dali_zarr.distributed import local_rank, local_world_size
+from dali_zarr.distributed import local_rank
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import cuda_kernels
 from dali_zarr.graph.device_window import DeviceWindowReader
@@ -420,8 +420,9 @@ def build_gpu_pipeline(
 def default_device_id(visible: int | None = None) -> int:
     """This process's GPU: its rank on the node (torchrun's ``LOCAL_RANK``, else srun's
     ``SLURM_LOCALID``, else 0) among the ``visible`` GPUs (counted when None). A process
-    that sees one GPU takes it, and so does a srun task that sees GPUs of its own (``srun
-    --gpus-per-task=N`` gives local task 3 devices 0..N-1): its first.
+    that sees one GPU takes it, and so does a srun task that sees only GPUs of its own
+    (``srun --gpus-per-task=N`` gives local task 3 devices 0..N-1): its first. Anything
+    else past the visible GPUs is refused rather than put beside another rank.
     """
     found = local_rank()
     if found is None:
@@ -429,7 +430,7 @@ def default_device_id(visible: int | None = None) -> int:
     name, rank = found
     if visible is None:
         visible = visible_gpus()
-    if visible == 1 or (name == "SLURM_LOCALID" and _gpus_bound_per_task(visible)):
+    if visible == 1 or (name == "SLURM_LOCALID" and 0 < visible <= _slurm_gpus_per_task()):
         return 0
     if rank < 0 or (visible and rank >= visible):
         raise ConfigError(
@@ -440,10 +441,14 @@ def default_device_id(visible: int | None = None) -> int:
     return rank
 
 
-def _gpus_bound_per_task(visible: int) -> bool:
-    """Whether srun gave this task GPUs of its own: it asked for GPUs per task, or the task
-    sees fewer GPUs than the node has tasks (so they cannot be one shared set)."""
-    return "SLURM_GPUS_PER_TASK" in os.environ or 0 < visible < local_world_size()
+def _slurm_gpus_per_task() -> int:
+    """GPUs srun gives each task (``SLURM_GPUS_PER_TASK``, e.g. ``2`` or ``a100:2``); 0
+    where not set or not a count. A task that sees no more than that sees its own."""
+    raw = os.environ.get("SLURM_GPUS_PER_TASK", "")
+    try:
+        return int(raw.rsplit(":", 1)[-1])
+    except ValueError:
+        return 0
 
 
 def visible_gpus() -> int:

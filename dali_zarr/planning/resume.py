@@ -296,14 +296,16 @@ def plan_resumed_epoch(
         return settings.plan(n_obs=n_obs, epoch=epoch, rank=rank, world_size=world_size)
     # the remainder alone would spread over more ranks than the dataset has chunks, but the
     # next epoch could not: refuse such a world now, not an epoch into the restarted job
-    try:
-        settings.check_world(n_obs=n_obs, world_size=world_size)
-    except ConfigError as e:
+    most = settings.max_world(n_obs=n_obs)
+    if world_size > most:
         raise ConfigError(
-            f"cannot resume epoch {epoch} on {world_size} ranks: the epochs after it could not "
-            f"be planned on that many ({e}). Resume on fewer ranks, with the same sampler "
-            "settings (a resume may change only the number of ranks)"
-        ) from None
+            f"cannot resume epoch {epoch} on {world_size} ranks: {n_obs} observations in "
+            f"chunks of {settings.chunk_size} rows"
+            + (f" and batches of {settings.batch_size}" if settings.enforce_equal_batches else "")
+            + f" give a chunk{' and a full batch' if settings.enforce_equal_batches else ''} "
+            f"to at most {most} ranks, so the epochs after this one could not be planned. "
+            f"Resume on at most {most} ranks (a resume may change only the number of ranks)."
+        )
     ranges, rows_done = remainder_ranges(settings, n_obs=n_obs, epoch=epoch, history=history)
     return plan_remainder(
         ranges,

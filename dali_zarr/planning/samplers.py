@@ -203,6 +203,14 @@ class PlanSettings:
             enforce_equal_batches=self.enforce_equal_batches,
         )
 
+    def max_world(self, *, n_obs: int) -> int:
+        """The most ranks an epoch of ``n_obs`` rows can be planned on (:meth:`check_world`):
+        a chunk each and, with equal batches, a full batch each."""
+        most = n_chunks_of(n_obs, self.chunk_size)
+        if self.enforce_equal_batches:
+            most = min(most, n_obs // self.batch_size)
+        return max(1, most)
+
     def rows_delivered(self, n_rows: int, world_size: int) -> np.ndarray:
         """``(world_size,)`` rows each rank delivers out of ``n_rows`` (not validated)."""
         return rows_delivered(
@@ -464,8 +472,10 @@ def _restore_distributed(
     seed: int,
     enforce: bool,
     shard: Shard,
-    exchange: Exchange | None = None,
+    exchange: Exchange | bool | None = None,
 ) -> DistributedSampler:
+    if isinstance(exchange, bool):  # pickled before 2026-11-25 (d): a flag, torch's if set
+        exchange = "torch" if exchange else None
     obj = object.__new__(DistributedSampler)
     for name, value in (
         ("_sampler", sampler),
