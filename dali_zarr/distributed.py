@@ -85,14 +85,15 @@ def _from_jax() -> tuple[int, int]:
     return int(jax.process_index()), int(jax.process_count())
 
 
-def _env_int(name: str) -> int:
+def _env_int(
+    name: str, way_out: str = "pass dist_info as a callable returning (rank, world_size)"
+) -> int:
     raw = os.environ[name]
     try:
         return int(raw)
     except ValueError:
         raise ConfigError(
-            f"environment variable {name}={raw!r} is not an integer: fix or unset it, or pass "
-            "dist_info as a callable returning (rank, world_size)"
+            f"environment variable {name}={raw!r} is not an integer: fix or unset it, or {way_out}"
         ) from None
 
 
@@ -377,7 +378,7 @@ def local_rank() -> tuple[str, int] | None:
     ``LOCAL_RANK``, else srun's ``SLURM_LOCALID``); None when neither is set."""
     for name in LOCAL_RANK_VARS:
         if name in os.environ:
-            return name, _env_int(name)
+            return name, _env_int(name, "pass the GPU as Loader(..., device_id=...)")
     return None
 
 
