@@ -224,7 +224,8 @@ def _obs_info(obs: zarr.Group) -> tuple[ObsInfo, ...]:
             n_cat = int(node["categories"].shape[0])
             batchable = True
         elif encoding in ("nullable-integer", "nullable-boolean"):
-            batchable = True
+            # the loader refuses missing values (batches cannot carry them)
+            batchable = "mask" in node and not bool(np.asarray(node["mask"][...]).any())
         else:
             batchable = isinstance(node, zarr.Array) and np.dtype(node.dtype).kind in "biuf"
         out.append(ObsInfo(name, encoding, batchable, n_cat))

@@ -384,3 +384,53 @@ def test_a_legacy_h5sparse_matrix_loads_as_it_converts(tmp_path: Path) -> None:
     zarr.consolidate_metadata(path)
     got = epoch(dz.open_dataset(path))
     np.testing.assert_array_equal(got["X"], adata.X.toarray()[got["index"]])
+
+
+def test_a_collection_whose_obs_dtypes_would_round_values_is_refused(tmp_path: Path) -> None:
+    """int64 beside uint64 (or a float) in one column of a collection joined as float64:
+    2**60 + 1 arrived as 2**60, with no error. It is refused naming the stores and dtypes;
+    a mix that keeps every value (int8 beside int16) still loads, exactly."""
+    big = np.full(N_OBS, 2**60 + 1, dtype=np.int64)
+    a = write_store(tmp_path / "a.zarr", make_adata(obs_extra={"v": big, "w": np.int8(-3)}))
+    b = write_store(
+        tmp_path / "b.zarr",
+        make_adata(obs_extra={"v": np.full(N_OBS, 2**63 + 5, np.uint64), "w": np.int16(300)}),
+    )
+    ds = dz.open_dataset([a, b])
+    with pytest.raises(
+        dz.DatasetError,
+        match=r"obs column 'v': joining its dtypes \(a.zarr.* \(int64\), b.zarr.* \(uint64\)\) "
+        r"gives float64, which changes values of a.zarr.*, b.zarr",
+    ):
+        dz.Loader(ds, dz.ChunkSampler(chunk_size=40, preload_nchunks=3, batch_size=40), obs=["v"])
+    w = ds.obs_column("w").values
+    assert w.dtype == np.int16 and w[:N_OBS].tolist() == [-3] * N_OBS and w[N_OBS:].min() == 300
+
+
+def test_inspect_calls_a_nullable_column_with_missing_values_not_batchable(
+    tmp_path: Path,
+) -> None:
+    """inspect said a nullable column with missing values was batchable; the Loader refuses
+    it. A nullable column without missing values stays batchable."""
+    from dali_zarr.inspection import inspect_store
+
+    gaps = pd.array([1, None] + [3] * (N_OBS - 2), dtype="Int64")
+    full = pd.array([True] * N_OBS, dtype="boolean")
+    path = write_store(tmp_path / "n.zarr", make_adata(obs_extra={"gaps": gaps, "full": full}))
+    info = {o.name: o.batchable for o in inspect_store(path).obs}
+    assert (info["gaps"], info["full"]) == (False, True)
+    with pytest.raises(dz.DatasetError, match=r"obs/gaps: 1 missing values"):
+        dz.Loader(dz.open_dataset(path), dz.ChunkSampler(chunk_size=40, preload_nchunks=3,
+                                                         batch_size=40), obs=["gaps"])  # fmt: skip
+
+
+def test_a_column_categorical_in_one_store_and_numeric_in_another_names_both(
+    tmp_path: Path,
+) -> None:
+    a = write_store(tmp_path / "a.zarr", make_adata(obs_extra={"k": pd.Categorical(["x"] * N_OBS)}))
+    b = write_store(tmp_path / "b.zarr", make_adata(obs_extra={"k": np.arange(N_OBS)}))
+    with pytest.raises(
+        dz.DatasetError,
+        match=r"'k' is categorical .*: a.zarr.* \(categorical\), b.zarr.* \(numeric\)",
+    ):
+        dz.open_dataset([a, b]).obs_column("k")

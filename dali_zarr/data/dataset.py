@@ -477,7 +477,9 @@ class Collection(Dataset):
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:
-            self._columns[name] = concat_obs_columns([p.obs_column(name) for p in self.parts])
+            self._columns[name] = concat_obs_columns(
+                [p.obs_column(name) for p in self.parts], [p.name for p in self.parts]
+            )
         return self._columns[name]
 
     @property

@@ -123,20 +123,45 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     )
 
 
-def concat_obs_columns(parts: list[ObsColumn]) -> ObsColumn:
-    """Join one column across the stores of a collection.
+def concat_obs_columns(parts: list[ObsColumn], stores: list[str]) -> ObsColumn:
+    """Join one column across the stores of a collection (``stores``: their names).
 
     Categories are merged in first-seen order and every part's codes are remapped onto
-    the merged list, so a code means the same label in every batch.
+    the merged list, so a code means the same label in every batch. Numeric parts take
+    NumPy's common dtype, where every value must survive: int64 beside uint64 or a float
+    becomes float64, which rounds integers past 2**53, so such a mix is refused.
     """
     name = parts[0].name
-    if any(p.is_categorical != parts[0].is_categorical for p in parts):
+    kinds = ["categorical" if p.is_categorical else "numeric" for p in parts]
+    if len(set(kinds)) > 1:
+        held = ", ".join(f"{s} ({k})" for s, k in zip(stores, kinds, strict=True))
         raise DatasetError(
             f"obs column {name!r} is categorical in some stores of the collection and numeric "
-            "in others; make it the same type everywhere."
+            f"in others: {held}; make it the same type everywhere."
         )
     if not parts[0].is_categorical:
-        return ObsColumn(name, np.concatenate([p.values for p in parts]))
+        values = np.concatenate([p.values for p in parts])
+        ends = np.cumsum([len(p.values) for p in parts])[:-1]
+        with np.errstate(invalid="ignore", over="ignore"):  # a changed value is the finding
+            changed = [
+                store
+                for store, part, back in zip(stores, parts, np.split(values, ends), strict=True)
+                if not np.array_equal(
+                    back.astype(part.values.dtype),
+                    part.values,
+                    equal_nan=part.values.dtype.kind == "f",
+                )
+            ]
+        if changed:
+            dtypes = ", ".join(
+                f"{s} ({p.values.dtype})" for s, p in zip(stores, parts, strict=True)
+            )
+            raise DatasetError(
+                f"obs column {name!r}: joining its dtypes ({dtypes}) gives {values.dtype}, "
+                f"which changes values of {', '.join(changed)}; store the column with one "
+                "dtype in every store of the collection (or as a categorical)."
+            )
+        return ObsColumn(name, values)
     merged: dict[str, int] = {}
     remapped = []
     for part in parts:
