@@ -1083,6 +1083,20 @@ def _write_indptr(x: zarr.Group, lengths: np.ndarray, plan: _Plan, codec: str) -
     )
 
 
+def _plain_strings(frame, pd):
+    """``frame`` with pandas' string arrays (anndata 0.13 reads and writes text as them, with
+    pandas 3) as the object strings every anndata writes and reads; a text column with
+    missing values becomes categorical (its missing values stay missing)."""
+    frame = frame.copy()
+    if isinstance(frame.index.dtype, pd.StringDtype):
+        frame.index = frame.index.astype(object)
+    for name in frame.columns:
+        if isinstance(frame[name].dtype, pd.StringDtype):
+            text = frame[name]
+            frame[name] = text.astype("category") if text.isna().any() else text.astype(object)
+    return frame
+
+
 def _write_obs_var(root, inputs, obs, var, original: np.ndarray) -> tuple[str, ...]:
     """obs (in output row order, plus original_index/original_source), var, empty groups."""
     aio, pd = _anndata_io()
@@ -1095,8 +1109,8 @@ def _write_obs_var(root, inputs, obs, var, original: np.ndarray) -> tuple[str, .
             names = [f"{k}:{p}" for k, p in enumerate(names)]
         which = np.searchsorted(np.cumsum([i.n_obs for i in inputs]), original, side="right")
         obs[ORIGINAL_SOURCE] = pd.Categorical.from_codes(which, categories=names)
-    aio.write_elem(root, "obs", obs)
-    aio.write_elem(root, "var", var)
+    aio.write_elem(root, "obs", _plain_strings(obs, pd))
+    aio.write_elem(root, "var", _plain_strings(var, pd))
     for key in ("obsm", "varm", "obsp", "varp", "layers", "uns"):
         aio.write_elem(root, key, {})
     return tuple(str(c) for c in obs.columns)

@@ -20,6 +20,7 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.elements import (
+    frame_index,
     matrix_layout,
     pick_element,
     shape_attribute,
@@ -196,10 +197,10 @@ class _StoreDataset(Dataset):
         if self._var is None:
             return None
         if self._var_names is None:
-            index = self._var.attrs.get("_index")
-            if index is None or index not in self._var:
+            index = frame_index(self._var, where=f"{self.name}: var")
+            if index is None:
                 return None
-            names = tuple(str(v) for v in np.asarray(self._var[index][...]).tolist())
+            names = tuple(str(v) for v in np.asarray(index[...]).tolist())
             if len(names) != self.n_features:
                 raise DatasetError(
                     f"{self.name}: var has {len(names)} names for {self.n_features} "
@@ -626,13 +627,12 @@ def _check_var_width(
     """Refuse X as wide as var's index is not (anndata refuses it too): by position, columns
     past the names (or names past the columns) would be some other gene's. Reads only the
     index's metadata, not its names."""
-    index = var.attrs.get("_index")
-    node = zarr_member(var, index, where=var_name) if isinstance(index, str) else None
-    if not isinstance(node, zarr.Array) or not node.shape or len(feature_shape) != 1:
+    node = frame_index(var, where=var_name)
+    if node is None or not node.shape or len(feature_shape) != 1:
         return
     if node.shape[0] != feature_shape[0]:
         raise DatasetError(
-            f"{var_name}/{index}: var has {node.shape[0]} names but {x_name} is "
+            f"{var_name}/{var.attrs.get('_index')}: var has {node.shape[0]} names but {x_name} is "
             f"{feature_shape[0]} features wide; the store is inconsistent (anndata refuses "
             "it too). Re-write it with one var row per column (for a sparse matrix, check "
             "its 'shape' attribute first)."

@@ -112,6 +112,19 @@ def zarr_member(group: Any, key: str, *, where: str) -> Any:
     ) from error
 
 
+def frame_index(frame: Any, *, where: str) -> Any:
+    """The array of a dataframe group's index (``_index`` attribute): a plain array (anndata
+    0.12, or 0.13 with object strings) or, where anndata 0.13 wrote pandas 3's strings, the
+    ``values`` array of a ``nullable-string-array`` group. None where there is none."""
+    key = attribute(frame, "_index")
+    node = zarr_member(frame, key, where=where) if isinstance(key, str) else None
+    if node is not None and not is_array(node):
+        if attribute(node, "encoding-type") != "nullable-string-array":
+            return None
+        node = zarr_member(node, "values", where=f"{where}/{key}")
+    return node if is_array(node) else None
+
+
 def _rows(node: Any) -> int | None:
     if is_array(node):
         return int(node.shape[0]) if len(node.shape) else None
