@@ -22,8 +22,9 @@ from dali_zarr.distributed import Exchange, agree_or_raise, collectives_may_hang
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
-from dali_zarr.graph.source import BatchSource, Output, Planner
+from dali_zarr.graph.source import BatchSource, Output, Planner, obs_list
 from dali_zarr.planning import EpochPlan
+from dali_zarr.planning.partition import validate_count
 from dali_zarr.planning.resume import (
     PlanSettings,
     ResumePoint,
@@ -117,6 +118,8 @@ class Loader:
         refused: ConfigError | None = None  # by this rank alone: the other ranks hear of it
         try:
             self.dtype = _check_arguments(dataset, output, dtype)
+            validate_count("num_threads", num_threads)
+            obs = obs_list(obs)
             _check_batch_fits(dataset, sampler, output)
             self.device, self.device_reason = _choose_device(device, gpu_backend)
             if self.device == "gpu":  # a rank past its node's GPUs is refused on every rank

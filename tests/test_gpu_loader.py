@@ -275,13 +275,14 @@ def test_float16_is_rounded_once_to_nearest_even_on_both_paths(tmp_path, where, 
 
 
 @pytest.mark.parametrize("where", WHERE)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_half_outputs_take_what_a_transform_made(tmp_path, where, dtype):
     """The half conversions run after ``transform``, so they take X as the transform left
     it: another dtype (float64, or log1p of int32 CSR values), another shape (an N-D cube
     flattened, or cropped to fewer dimensions). They had assumed the store's float32 and
     feature shape: a crash, or rows silently regrouped (a (2, 3, 4) cube cropped to (3, 4)
-    came back as half as many (2, 3, 4) rows)."""
+    came back as half as many (2, 3, 4) rows). float32, the default, holds too: a transform
+    that made X float64 had passed it through as float64."""
     from nvidia.dali import fn, types
     from nvidia.dali import math as dmath
 

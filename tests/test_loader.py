@@ -737,3 +737,47 @@ def test_a_sampler_unpickled_where_torch_distributed_is_not_set_up_exchanges_not
     # pickled before the exchange was named: a flag, read as torch's (or none)
     old = [_restore_distributed(sampler(), 1, 2, 0, True, "chunks", f) for f in (True, False)]
     assert [(s.exchange, s.ranks_checked) for s in old] == [("torch", True), (None, False)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_threads": 0}, "num_threads must be a positive integer, got 0"),
+        ({"prefetch_queue_depth": 0}, "prefetch_queue_depth must be a positive integer"),
+        ({"prefetch_windows": 1.5}, "prefetch_windows must be a non-negative integer"),
+        ({"prefetch_windows": -1}, "prefetch_windows must be a non-negative integer, got -1"),
+        ({"dtype": None}, "dtype=None is not offered"),
+        ({"obs": "cell_type"}, r"obs='cell_type': pass a list of column names"),
+    ],
+)
+def test_loader_options_out_of_range_are_refused_by_name(sc_store: Path, kwargs, message):
+    """These failed inside DALI at the first batch, in the callback (prefetch_windows=1.5),
+    were clamped (-1) or taken as float64 (dtype=None), or read obs='ct' as columns 'c' and
+    't'."""
+    with pytest.raises(dz.ConfigError, match=message):
+        dz.Loader(dz.open_dataset(sc_store), sampler(), **kwargs)
+
+
+@pytest.mark.parametrize("how", ["returns-nothing", "drops-an-output"])
+def test_a_transform_that_loses_outputs_is_named(sc_store: Path, how: str) -> None:
+    def forgets_return(o):
+        o["X"] = o["X"] * 2.0
+
+    def drops_indptr(o):
+        del o["X_indptr"]
+        return o
+
+    transform = forgets_return if how == "returns-nothing" else drops_indptr
+    output = "dense" if how == "returns-nothing" else "csr"
+    message = "transform returned NoneType" if how == "returns-nothing" else "dropped .*X_indptr"
+    with (
+        dz.Loader(dz.open_dataset(sc_store), sampler(), transform=transform, output=output) as ld,
+        pytest.raises(dz.ConfigError, match=message),
+    ):
+        next(iter(ld))
+
+
+def test_open_dataset_points_datasets_to_collection(sc_store: Path) -> None:
+    panel = dz.open_dataset(sc_store, features=[0, 1])
+    with pytest.raises(dz.ConfigError, match=r"not datasets .*dz.Collection"):
+        dz.open_dataset([panel, panel])

@@ -28,7 +28,7 @@ from dali_zarr.data.elements import (
     zarr_member,
 )
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
-from dali_zarr.errors import DatasetError
+from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import ArrayReader, check_ranges, open_reader
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
@@ -593,6 +593,11 @@ def open_dataset(
 def _open_one(
     source: Source, *, element: str | None, executor: Executor | None, force_zarr: bool
 ) -> Dataset:
+    if isinstance(source, Dataset):
+        raise ConfigError(
+            f"open_dataset opens stores and Zarr nodes, not datasets ({source!r}): join "
+            "datasets with dz.Collection([...])."
+        )
     node, name = _open_node(source)
     picked = pick_element(node, element, store=name)
     if not picked.anndata:  # a plain array, or one array of a plain group

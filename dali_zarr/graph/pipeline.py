@@ -16,6 +16,7 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline
 
+from dali_zarr.errors import ConfigError
 from dali_zarr.graph import kernels
 from dali_zarr.graph.source import BatchSource, obs_source_name, window_dtype
 
@@ -29,6 +30,8 @@ OUTPUT_DTYPES = ("float32", "float16", "float64", "bfloat16")
 
 def output_dtype_name(dtype: Any) -> str:
     """``dtype`` (NumPy, torch or a name) as one of :data:`OUTPUT_DTYPES`; TypeError if none."""
+    if dtype is None:  # np.dtype(None) is float64
+        raise TypeError(f"dtype=None is not offered; use one of {', '.join(OUTPUT_DTYPES)}.")
     name = str(dtype).removeprefix("torch.") if type(dtype).__module__ == "torch" else dtype
     if name != "bfloat16":
         with contextlib.suppress(TypeError):  # "f4", np.float32 → "float32"
@@ -38,15 +41,35 @@ def output_dtype_name(dtype: Any) -> str:
     return name
 
 
+def _transformed(transform: Callable, outputs: dict) -> dict:
+    """The user's ``transform`` of our output nodes, held to returning them all: a missing
+    one failed later with a TypeError or KeyError from deep inside."""
+    result = transform(dict(outputs))
+    if not isinstance(result, dict):
+        raise ConfigError(
+            f"transform returned {type(result).__name__}, not the dict of output nodes it "
+            "was given: change the nodes in it and return it (e.g. o['X'] = ...; return o)."
+        )
+    missing = [name for name in outputs if name not in result]
+    if missing:
+        raise ConfigError(
+            f"transform dropped the output(s) {', '.join(missing)}: the loader builds its "
+            "batches from all of them; return every node it was given (changed or not)."
+        )
+    return result
+
+
 def convert_x(
     x, dtype: str, feature_shape: tuple[int, ...], ops: GraphOps, *, transformed: bool = False
 ):
     """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`); the halves by
     ``ops``' ops on X's device, which take 2-D batches: N-D rows are flattened around them.
     ``transformed``: a user ``transform`` ran, so X's dtype and shape are whatever it made
-    them: X is made float32 first and takes back its own run-time shape."""
+    them: X is made float32 first (so ``dtype`` holds whatever dtype the transform left, and
+    float16 is rounded from float32, not from a float64 the transform may have made) and
+    takes back its own run-time shape."""
     if dtype == "float32":
-        return x
+        return fn.cast(x, dtype=types.FLOAT) if transformed else x
     if dtype == "float64":
         return fn.cast(x, dtype=types.FLOAT64)
     if transformed:
@@ -316,7 +339,7 @@ def assemble_pipeline(
     with pipe:
         outputs = declare_graph()
         if transform is not None:
-            outputs = transform(dict(outputs))
+            outputs = _transformed(transform, dict(outputs))
         if "X" in outputs:
             outputs["X"] = convert_x(
                 outputs["X"], want, dataset.feature_shape, ops, transformed=transform is not None

@@ -21,7 +21,7 @@ import numpy as np
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, sub_indptr
 from dali_zarr.errors import ConfigError
 from dali_zarr.planning import EpochPlan, WindowPlan
-from dali_zarr.planning.partition import validate_count
+from dali_zarr.planning.partition import validate_count, validate_int
 from dali_zarr.planning.resume import Segment, plan_resumed_epoch
 from dali_zarr.planning.samplers import PlanSettings
 
@@ -47,6 +47,14 @@ class Window:
 
     plan: WindowPlan
     arrays: tuple[np.ndarray, ...]  # CSR: (data, indices, indptr); dense: (values_2d,)
+
+
+def obs_list(obs: object) -> list[str]:
+    """``obs`` as a list of column names; a bare string is refused (``list("ct")`` would ask
+    for the columns 'c' and 't')."""
+    if isinstance(obs, str):
+        raise ConfigError(f"obs={obs!r}: pass a list of column names, e.g. obs=[{obs!r}].")
+    return list(obs)  # type: ignore[call-overload]
 
 
 def window_dtype(layout: str, stored: np.dtype) -> np.dtype:
@@ -149,11 +157,15 @@ class BatchSource:
         self.dataset = dataset
         self.sampler = sampler
         self.output = output
-        check_obs_names(list(obs), return_index=return_index, where=dataset.name)
+        obs = obs_list(obs)
+        check_obs_names(obs, return_index=return_index, where=dataset.name)
         self.obs = {name: dataset.obs_column(name).values for name in obs}
         self.return_index = return_index
         self.names = source_names(dataset.layout, output, list(obs), return_index)
-        self.prefetch_windows = max(0, prefetch_windows)
+        self.prefetch_windows = validate_int(
+            "prefetch_windows", prefetch_windows, low=0, what="a non-negative integer"
+        )
+        validate_count("prefetch_queue_depth", prefetch_queue_depth)
         # windows read at once (up to prefetch_windows + 1 are wanted at a time)
         self._pool = ThreadPoolExecutor(
             max_workers=validate_count("read_threads", read_threads),
