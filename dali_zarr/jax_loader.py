@@ -73,6 +73,9 @@ class JaxLoader(Loader):
 
     def _to_batch(self, outputs: dict[str, jax.Array]) -> dict[str, Any]:  # type: ignore[override]
         batch: dict[str, Any] = {name: array[0] for name, array in outputs.items()}  # batch dim
+        x = batch.get("X")
+        if self.dtype == "float32" and x is not None and x.dtype != jax.numpy.float32:
+            batch["X"] = x.astype(jax.numpy.float32)  # a transform made X another dtype
         if self.dtype == "bfloat16":  # DALI hands out bfloat16's uint16 bits
             for name in ("X", "X_data"):
                 if name in batch:

@@ -38,6 +38,7 @@ from dali_zarr.data.dataset import Dataset, Source, open_dataset
 from dali_zarr.data.subset import Subset
 from dali_zarr.distributed import DistInfo, resolve_rank_world, torch_dist_initialized
 from dali_zarr.errors import ConfigError
+from dali_zarr.graph.source import obs_list
 from dali_zarr.inspection import suggested_settings
 from dali_zarr.loader import Loader, check_device
 from dali_zarr.planning import ChunkSampler, DistributedSampler, PlanSettings
@@ -159,7 +160,7 @@ class ZarrDataModule(LightningDataModule):
         self.eval_batch_size = batch_size if eval_batch_size is None else eval_batch_size
         self.seed = seed
         self.shard = shard
-        self.obs = list(obs)
+        self.obs = obs_list(obs)
         self.output = output
         self.return_index = return_index
         self.dtype = dtype

@@ -548,6 +548,9 @@ class Loader:
     def _to_batch(self, outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """One iterator output → the user's batch dict (adapters override this too)."""
         batch = {name: _as_torch(value) for name, value in outputs.items()}
+        x = batch.get("X")
+        if self.dtype == "float32" and x is not None and x.dtype != torch.float32:
+            batch["X"] = x.float()  # a transform made X another dtype: dtype= holds
         if self.dtype == "bfloat16":  # DALI hands out bfloat16's uint16 bits
             for name in ("X", "X_data"):
                 if name in batch:

@@ -35,6 +35,8 @@ def make_adata(dense: bool) -> ad.AnnData:
             "is_doublet": rng.random(N_OBS) > 0.9,
             "plate": pd.array(rng.integers(0, 14, size=N_OBS), dtype="Int32"),  # no missing
             "barcode": [f"AACG{i:06d}" for i in range(N_OBS)],  # unique text: stays text
+            # unique text with missing values (a nullable-string-array with a mask)
+            "note": pd.array([None if i % 7 == 0 else f"n{i}" for i in range(N_OBS)], "string"),
         },
         index=[f"cell{i}" for i in range(N_OBS)],
     )

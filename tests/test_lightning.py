@@ -73,6 +73,8 @@ def test_splits_from_column_masks_and_ids(split_store: str) -> None:
         ZarrDataModule(  # labels that overlap gave overlapping splits, a leak
             data=split_store, split_labels={"train": ["train", "val"], "val": "val"}
         ).setup()
+    with pytest.raises(dz.ConfigError, match=r"obs='split': pass a list of column names"):
+        ZarrDataModule(data=split_store, obs="split")  # had asked for columns 's', 'p', ...
     with pytest.raises(dz.ConfigError, match="not both"):
         ZarrDataModule(data=split_store, split_column="split", splits={"train": [1]})
     with pytest.raises(dz.ConfigError, match="unknown split"):

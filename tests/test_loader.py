@@ -750,16 +750,23 @@ def test_a_sampler_unpickled_where_torch_distributed_is_not_set_up_exchanges_not
         ({"obs": "cell_type"}, r"obs='cell_type': pass a list of column names"),
     ],
 )
-def test_loader_options_out_of_range_are_refused_by_name(sc_store: Path, kwargs, message):
+@pytest.mark.parametrize("where", ["cpu", "gpu-path-on-host"])
+def test_loader_options_out_of_range_are_refused_by_name(sc_store: Path, kwargs, message, where):
     """These failed inside DALI at the first batch, in the callback (prefetch_windows=1.5),
     were clamped (-1) or taken as float64 (dtype=None), or read obs='ct' as columns 'c' and
     't'."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    path = {"device": "gpu", "gpu_backend": HostBackend()} if where != "cpu" else {}
     with pytest.raises(dz.ConfigError, match=message):
-        dz.Loader(dz.open_dataset(sc_store), sampler(), **kwargs)
+        dz.Loader(dz.open_dataset(sc_store), sampler(), **kwargs, **path)
 
 
-@pytest.mark.parametrize("how", ["returns-nothing", "drops-an-output"])
+@pytest.mark.parametrize("how", ["returns-nothing", "drops-a-csr-part"])
 def test_a_transform_that_loses_outputs_is_named(sc_store: Path, how: str) -> None:
+    """A transform may add, drop or rename outputs, but returning nothing failed with a
+    TypeError, and one part of the batch CSR alone with a KeyError, from deep inside."""
+
     def forgets_return(o):
         o["X"] = o["X"] * 2.0
 
@@ -769,12 +776,26 @@ def test_a_transform_that_loses_outputs_is_named(sc_store: Path, how: str) -> No
 
     transform = forgets_return if how == "returns-nothing" else drops_indptr
     output = "dense" if how == "returns-nothing" else "csr"
-    message = "transform returned NoneType" if how == "returns-nothing" else "dropped .*X_indptr"
+    message = (
+        "transform returned NoneType"
+        if how == "returns-nothing"
+        else "returned X_data, X_indices without X_indptr"
+    )
     with (
         dz.Loader(dz.open_dataset(sc_store), sampler(), transform=transform, output=output) as ld,
         pytest.raises(dz.ConfigError, match=message),
     ):
         next(iter(ld))
+
+
+def test_a_transform_may_drop_and_rename_outputs(sc_store: Path) -> None:
+    def renamed(o):
+        return {"features": o["X"]}  # no index, X under another name
+
+    with dz.Loader(dz.open_dataset(sc_store), sampler(), transform=renamed,
+                   return_index=True) as ld:  # fmt: skip
+        batch = next(iter(ld))
+    assert list(batch) == ["features"] and batch["features"].dtype == torch.float32
 
 
 def test_open_dataset_points_datasets_to_collection(sc_store: Path) -> None:

@@ -113,9 +113,10 @@ def zarr_member(group: Any, key: str, *, where: str) -> Any:
 
 
 def frame_index(frame: Any, *, where: str) -> Any:
-    """The array of a dataframe group's index (``_index`` attribute): a plain array (anndata
-    0.12, or 0.13 with object strings) or, where anndata 0.13 wrote pandas 3's strings, the
-    ``values`` array of a ``nullable-string-array`` group. None where there is none."""
+    """The array of a Zarr dataframe group's index (``_index`` attribute): a plain array
+    (anndata 0.12, or 0.13 with object strings) or, where anndata 0.13 wrote pandas 3's
+    strings, the ``values`` array of a ``nullable-string-array`` group. None where there is
+    none. Zarr only (it names unreadable metadata through :func:`zarr_member`)."""
     key = attribute(frame, "_index")
     node = zarr_member(frame, key, where=where) if isinstance(key, str) else None
     if node is not None and not is_array(node):
@@ -139,7 +140,10 @@ def store_n_obs(root: Any) -> int | None:
     index = attribute(root["obs"], "_index")
     if index is None or index not in root["obs"]:
         return None
-    return _rows(root["obs"][index])
+    node = root["obs"][index]
+    if not is_array(node) and "values" in node:  # anndata 0.13's nullable-string-array
+        node = node["values"]
+    return _rows(node)
 
 
 def anndata_element(root: Any, element: str, *, store: str) -> Any:

@@ -83,7 +83,7 @@ from dali_zarr.graph.source import (
 )
 from dali_zarr.graph.window_backends import CudaBackend
 from dali_zarr.io.gpu import probe_gpu
-from dali_zarr.planning.partition import validate_count
+from dali_zarr.planning.partition import validate_count, validate_int
 
 # ---------------------------------------------------------------------------- host helpers
 
@@ -231,7 +231,12 @@ class GpuBatchSource(BatchSource):
         device_id: int = 0,
     ) -> None:
         # windows read at once only overlap if that many are wanted ahead of the consumer
-        prefetch_windows = max(prefetch_windows, validate_count("read_threads", read_threads))
+        prefetch_windows = max(
+            validate_int(
+                "prefetch_windows", prefetch_windows, low=0, what="a non-negative integer"
+            ),
+            validate_count("read_threads", read_threads),
+        )
         super().__init__(
             dataset,
             sampler,

@@ -8,7 +8,7 @@ emit); ``pipelines/`` has an example.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,21 +42,25 @@ def output_dtype_name(dtype: Any) -> str:
 
 
 def _transformed(transform: Callable, outputs: dict) -> dict:
-    """The user's ``transform`` of our output nodes, held to returning them all: a missing
-    one failed later with a TypeError or KeyError from deep inside."""
+    """The user's ``transform`` of our output nodes: the dict of nodes to emit (it may add,
+    drop or rename them), but a batch CSR's three parts go together: a lone part failed
+    later with a KeyError from deep inside, and returning nothing with a TypeError."""
     result = transform(dict(outputs))
-    if not isinstance(result, dict):
+    if not isinstance(result, Mapping):
         raise ConfigError(
-            f"transform returned {type(result).__name__}, not the dict of output nodes it "
-            "was given: change the nodes in it and return it (e.g. o['X'] = ...; return o)."
+            f"transform returned {type(result).__name__}, not the dict of output nodes to "
+            "emit: change the nodes in the dict it was given and return it "
+            "(e.g. o['X'] = ...; return o)."
         )
-    missing = [name for name in outputs if name not in result]
-    if missing:
+    csr = ("X_data", "X_indices", "X_indptr")
+    kept = [name for name in csr if name in result]
+    if kept and len(kept) < len(csr):
         raise ConfigError(
-            f"transform dropped the output(s) {', '.join(missing)}: the loader builds its "
-            "batches from all of them; return every node it was given (changed or not)."
+            f"transform returned {', '.join(kept)} without "
+            f"{', '.join(n for n in csr if n not in result)}: the batch CSR is built from all "
+            "three; return all of them, or none (e.g. a dense 'X' of your own)."
         )
-    return result
+    return dict(result)
 
 
 def convert_x(
@@ -65,11 +69,12 @@ def convert_x(
     """float32 ``X`` node → ``dtype`` (a name from :data:`OUTPUT_DTYPES`); the halves by
     ``ops``' ops on X's device, which take 2-D batches: N-D rows are flattened around them.
     ``transformed``: a user ``transform`` ran, so X's dtype and shape are whatever it made
-    them: X is made float32 first (so ``dtype`` holds whatever dtype the transform left, and
-    float16 is rounded from float32, not from a float64 the transform may have made) and
-    takes back its own run-time shape."""
+    them: for the halves X is made float32 first (float16 is rounded from float32, not from
+    a float64 the transform may have made) and takes back its own run-time shape. float32
+    is left to the framework adapters, which convert only an X the transform made another
+    dtype (a DALI cast would copy every batch, float32 or not)."""
     if dtype == "float32":
-        return fn.cast(x, dtype=types.FLOAT) if transformed else x
+        return x
     if dtype == "float64":
         return fn.cast(x, dtype=types.FLOAT64)
     if transformed:
