@@ -318,6 +318,7 @@ def test_half_outputs_take_what_a_transform_made(tmp_path, where, dtype):
         if want is not None:  # the CPU path against torch's conversion of the reference
             for batch in cpu:
                 expected = want(reference[batch["index"]]).to(dtype)
+                assert batch["X"].dtype == dtype, transform.__name__
                 assert torch.equal(batch["X"], expected), transform.__name__
         assert_same_batches(cpu, gpu, epochs=(0,), where=where, x_dtype=dtype)
 
