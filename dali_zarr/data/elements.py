@@ -118,11 +118,17 @@ def frame_index(frame: Any, *, where: str) -> Any:
     strings, the ``values`` array of a ``nullable-string-array`` group. None where there is
     none. Zarr only (it names unreadable metadata through :func:`zarr_member`)."""
     key = attribute(frame, "_index")
-    node = zarr_member(frame, key, where=where) if isinstance(key, str) else None
+    return _index_values(zarr_member(frame, key, where=where) if isinstance(key, str) else None)
+
+
+def _index_values(node: Any) -> Any:
+    """A dataframe's index node as the array of its values: the node itself, or the
+    ``values`` array of anndata 0.13's ``nullable-string-array`` group; None otherwise.
+    Plain ``in`` and ``[]``, so it serves h5py groups too (:func:`store_n_obs`)."""
     if node is not None and not is_array(node):
-        if attribute(node, "encoding-type") != "nullable-string-array":
+        if attribute(node, "encoding-type") != "nullable-string-array" or "values" not in node:
             return None
-        node = zarr_member(node, "values", where=f"{where}/{key}")
+        node = node["values"]
     return node if is_array(node) else None
 
 
@@ -140,10 +146,8 @@ def store_n_obs(root: Any) -> int | None:
     index = attribute(root["obs"], "_index")
     if index is None or index not in root["obs"]:
         return None
-    node = root["obs"][index]
-    if not is_array(node) and "values" in node:  # anndata 0.13's nullable-string-array
-        node = node["values"]
-    return _rows(node)
+    node = _index_values(root["obs"][index])
+    return None if node is None else _rows(node)
 
 
 def anndata_element(root: Any, element: str, *, store: str) -> Any:
