@@ -582,7 +582,9 @@ def _discard(partial: str) -> None:
     removing the folder under it let late writes make a ``partial`` without our marker,
     which the next run then refused. So the writes are waited for first; where that cannot
     be done, the marker stays (the next run removes the folder)."""
-    drained = _wait_for_zarr_writes()
+    if _wait_for_zarr_writes():
+        shutil.rmtree(partial, ignore_errors=True)
+        return
     for entry in os.scandir(partial) if os.path.isdir(partial) else ():
         if entry.name != _MARKER:
             with contextlib.suppress(OSError):
@@ -590,8 +592,6 @@ def _discard(partial: str) -> None:
                     shutil.rmtree(entry.path)
                 else:
                     os.remove(entry.path)
-    if drained:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _wait_for_zarr_writes(timeout: float = 30.0) -> bool:
