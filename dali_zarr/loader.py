@@ -7,6 +7,7 @@ planning lives in :mod:`dali_zarr.planning`, reading in :mod:`dali_zarr.io` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -115,8 +116,14 @@ class Loader:
         rank, world = getattr(sampler, "rank", 0), getattr(sampler, "world_size", 1)
         self._exchange = over if over is not None and world_is(over, rank, world) else None
         self.device_id: int | None = None
-        refused: ConfigError | None = None  # by this rank alone: the other ranks hear of it
-        try:
+        with self._checked_on_every_rank(
+            f"Loader over {dataset.name}",
+            hints={
+                "n_obs": "open the same store (or the same subset of it) on every rank; "
+                "the sampler shards one dataset among the ranks, it does not join "
+                "one store per rank",
+            },
+        ) as mine:
             self.dtype = _check_arguments(dataset, output, dtype)
             validate_count("num_threads", num_threads)
             obs = obs_list(obs)
@@ -126,12 +133,10 @@ class Loader:
                 from dali_zarr.graph.gpu_pipeline import default_device_id
 
                 self.device_id = default_device_id() if device_id is None else int(device_id)
-        except ConfigError as exc:
-            if self._exchange is None:
-                raise
-            refused = exc
-        if self._exchange is not None:  # raises `refused`, or the ranks' disagreement
-            self._refuse_other_datasets(self._exchange, local_error=refused)
+            # the ranks' datasets must have the same size and rows; the paths may differ
+            # (a copy on each node's local disk)
+            mine.update(dataset_fingerprint(dataset))
+            del mine["name"]
         self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.output: Output = output
         self.obs = list(obs)
@@ -310,26 +315,26 @@ class Loader:
                 "load_state_dict must be called on a fresh Loader, before it is iterated: "
                 "build a new Loader and load the state into it"
             )
-        refused: ConfigError | None = None  # by this rank alone: the other ranks hear of it
-        position: dict[str, object] = {}
-        try:
+        same_step = "load states saved at the same step on every rank (the same checkpoint)"
+        # every rank must resume the same epoch after the same history, and (with equal
+        # batches) have as many batches left: ranks that loaded states of other steps do not
+        with self._checked_on_every_rank(
+            f"Loader.load_state_dict over {self.dataset.name}",
+            hints={"batches left": same_step, "epoch": same_step},
+        ) as position:
+            settings = PlanSettings.of(self.sampler)
             point = resume_point(
                 state,
-                settings=PlanSettings.of(self.sampler),
+                settings=settings,
                 dataset=dataset_fingerprint(self.dataset),
                 rank=self.sampler.rank,  # type: ignore[attr-defined]
                 world_size=self.sampler.world_size,  # type: ignore[attr-defined]
             )
             plan = self._source.plan(point.epoch, point.history)  # fail here, not in DALI
-            position = {"epoch": point.epoch, "history": [s.as_dict() for s in point.history]}
-            if PlanSettings.of(self.sampler).enforce_equal_batches:
+            position["epoch"] = point.epoch
+            position["history"] = [s.as_dict() for s in point.history]
+            if settings.enforce_equal_batches:
                 position["batches left"] = plan.n_batches - point.start
-        except ConfigError as exc:
-            if self._exchange is None:
-                raise
-            refused = exc
-        if self._exchange is not None:  # raises `refused`, or the ranks' disagreement
-            self._refuse_other_positions(self._exchange, position, local_error=refused)
         self._pending = point
         self._restore = None
         self.epoch = point.epoch
@@ -341,41 +346,25 @@ class Loader:
                 "dali_zarr: the state has a DALI checkpoint; ignored (enable_checkpointing=False)"
             )
 
-    def _refuse_other_datasets(self, over: Exchange, *, local_error: ConfigError | None) -> None:
-        """One exchange at construction: the ranks' datasets must have the same size and
-        rows (paths may differ, e.g. a copy on each node's local disk). A rank whose own
-        arguments were refused still takes part, so no rank waits for it."""
-        mine = dataset_fingerprint(self.dataset)
-        del mine["name"]
-        agree_or_raise(
-            mine,
-            over=over,
-            local_error=local_error,
-            what=f"Loader over {self.dataset.name}",
-            hints={
-                "n_obs": "open the same store (or the same subset of it) on every rank; "
-                "the sampler shards one dataset among the ranks, it does not join "
-                "one store per rank",
-            },
-        )
-
-    def _refuse_other_positions(
-        self, over: Exchange, position: dict[str, object], *, local_error: ConfigError | None
-    ) -> None:
-        """One exchange in ``load_state_dict``: every rank must resume the same epoch after
-        the same history, and (with equal batches) have as many batches left, which fails
-        when the ranks loaded states saved at different steps."""
-        agree_or_raise(
-            position,
-            over=over,
-            local_error=local_error,
-            what=f"Loader.load_state_dict over {self.dataset.name}",
-            hints={
-                "batches left": "load states saved at the same step on every rank "
-                "(the same checkpoint)",
-                "epoch": "load states saved at the same step on every rank (the same checkpoint)",
-            },
-        )
+    @contextlib.contextmanager
+    def _checked_on_every_rank(
+        self, what: str, *, hints: Mapping[str, str]
+    ) -> Iterator[dict[str, object]]:
+        """The block runs this rank's own checks and fills the yielded dict with what the
+        ranks must agree on. Where the ranks exchange (:attr:`_exchange`), a refusal of the
+        block waits for the exchange, so no rank is left waiting for one that stopped: this
+        rank raises its own error, the others one that names it, and all raise the same
+        error where the dicts differ. Without an exchange the block's errors pass through."""
+        mine: dict[str, object] = {}
+        refused: ConfigError | None = None
+        try:
+            yield mine
+        except ConfigError as exc:
+            if self._exchange is None:
+                raise
+            refused = exc
+        if self._exchange is not None:
+            agree_or_raise(mine, over=self._exchange, local_error=refused, what=what, hints=hints)
 
     def _resume_for(self, epoch: int) -> tuple[tuple[Segment, ...], int]:
         """(history, first plan batch) the next iteration of ``epoch`` starts from."""
