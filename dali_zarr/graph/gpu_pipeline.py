@@ -80,10 +80,11 @@ from dali_zarr.graph.source import (
     Window,
     WindowKey,
     obs_source_name,
+    validate_prefetch_windows,
 )
 from dali_zarr.graph.window_backends import CudaBackend
 from dali_zarr.io.gpu import probe_gpu
-from dali_zarr.planning.partition import validate_count, validate_int
+from dali_zarr.planning.partition import validate_count
 
 # ---------------------------------------------------------------------------- host helpers
 
@@ -232,9 +233,7 @@ class GpuBatchSource(BatchSource):
     ) -> None:
         # windows read at once only overlap if that many are wanted ahead of the consumer
         prefetch_windows = max(
-            validate_int(
-                "prefetch_windows", prefetch_windows, low=0, what="a non-negative integer"
-            ),
+            validate_prefetch_windows(prefetch_windows),
             validate_count("read_threads", read_threads),
         )
         super().__init__(

@@ -49,6 +49,12 @@ class Window:
     arrays: tuple[np.ndarray, ...]  # CSR: (data, indices, indptr); dense: (values_2d,)
 
 
+def validate_prefetch_windows(value: object) -> int:
+    """``prefetch_windows`` as an int >= 0 (the GPU source raises it to its read threads
+    before this source sees it, so both ask here)."""
+    return validate_int("prefetch_windows", value, low=0, what="a non-negative integer")
+
+
 def obs_list(obs: object) -> list[str]:
     """``obs`` as a list of column names; a bare string is refused (``list("ct")`` would ask
     for the columns 'c' and 't')."""
@@ -162,9 +168,7 @@ class BatchSource:
         self.obs = {name: dataset.obs_column(name).values for name in obs}
         self.return_index = return_index
         self.names = source_names(dataset.layout, output, list(obs), return_index)
-        self.prefetch_windows = validate_int(
-            "prefetch_windows", prefetch_windows, low=0, what="a non-negative integer"
-        )
+        self.prefetch_windows = validate_prefetch_windows(prefetch_windows)
         validate_count("prefetch_queue_depth", prefetch_queue_depth)
         # windows read at once (up to prefetch_windows + 1 are wanted at a time)
         self._pool = ThreadPoolExecutor(
