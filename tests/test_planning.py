@@ -27,6 +27,7 @@ from dali_zarr.planning import (
     ChunkSampler,
     DistributedSampler,
     EpochPlan,
+    PlanSettings,
     iter_batches,
     plan_epoch,
     ranges_to_rows,
@@ -561,3 +562,23 @@ def test_plan_epoch_function_matches_classes() -> None:
         shard="contiguous",
     )
     assert d.plan_epoch(997, 4) == direct
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n_obs=st.integers(1, 3_000),
+    chunk_size=st.integers(1, 400),
+    batch_size=st.integers(1, 400),
+    enforce=st.booleans(),
+)
+def test_max_world_is_the_largest_world_the_planner_takes(n_obs, chunk_size, batch_size, enforce):
+    """PlanSettings.max_world (resume and Lightning refuse by it) states the planner's rule
+    again; it must name exactly the largest world check_world (the planner's refusal) takes."""
+    s = PlanSettings(
+        seed=0, chunk_size=chunk_size, preload_nchunks=1, batch_size=batch_size, shuffle=True,
+        drop_last=False, enforce_equal_batches=enforce, shard="chunks",
+    )  # fmt: skip
+    most = s.max_world(n_obs=n_obs)
+    s.check_world(n_obs=n_obs, world_size=most)
+    with pytest.raises(ConfigError):
+        s.check_world(n_obs=n_obs, world_size=most + 1)
