@@ -261,6 +261,13 @@ def _open_h5ad(path: str, element: str | None) -> _Input:
 def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Input:
     x, key = picked.node, str(picked.key)
     where = f"{path}/{key}"
+    if is_array(x) and len(x.shape) > 2:
+        # The output is an AnnData store, whose X anndata holds to 2-D.
+        raise DatasetError(
+            f"{where}: has shape {tuple(x.shape)}; convert writes it as the X of an AnnData "
+            "store, which must be 2-D. Read it as it is with dz.open_dataset(..., "
+            f"element={key!r}) (N-D rows are batched whole), or reshape it to 2-D first."
+        )
     if matrix_layout(x, where=where) == "dense":
         inp = _dense_input(path, x, anndata=True, root=root)
         inp.handle, inp.element, inp.var_key = handle, key, var_key(key)

@@ -403,6 +403,13 @@ def test_convert_bad_inputs(tmp_path, sc_store, capsys):
     var[0] = "not_a_gene"
     assert run("convert", sc_store, renamed, tmp_path / "o.zarr") == 2
     assert "var_names differ" in one_line_error(capsys)
+    # an N-D obsm entry is valid AnnData, but not as the X of the AnnData store convert writes
+    with_cube = ad.AnnData(X=np.zeros((20, 3), dtype=np.float32))
+    with_cube.obsm["patches"] = np.zeros((20, 4, 5), dtype=np.float32)
+    with_cube.write_zarr(tmp_path / "patches.zarr")
+    args = (tmp_path / "patches.zarr", tmp_path / "o.zarr", "--element", "obsm/patches")
+    assert run("convert", *args) == 2
+    assert "must be 2-D" in (err := one_line_error(capsys)) and "open_dataset" in err
     assert not (tmp_path / "o.zarr").exists()
 
 
