@@ -144,6 +144,16 @@ def test_two_d_indptr_reports_its_shape(tmp_path: Path) -> None:
         dz.open_dataset(path)
 
 
+@pytest.mark.parametrize("key", ["data", "indices"])
+def test_two_d_csr_data_or_indices_are_refused_at_open(tmp_path: Path, key: str) -> None:
+    """A column vector of values (nnz, 1) passed open and died in the DALI graph."""
+    adata = make_adata()
+    path = write_store(tmp_path / "v.zarr", adata)
+    replace_array(path, f"X/{key}", getattr(adata.X, key)[:, None])
+    with pytest.raises(dz.DatasetError, match=rf"X/{key}: has shape \({adata.X.nnz}, 1\)"):
+        dz.open_dataset(path)
+
+
 @pytest.mark.parametrize("shape", [[N_OBS, 11.5], [N_OBS, "twelve"], [N_OBS, -1], [N_OBS]])
 def test_bad_shape_attribute_is_refused(tmp_path: Path, shape: list) -> None:
     """[n, 11.5] was truncated to 11 columns; text raised a bare ValueError."""

@@ -284,6 +284,13 @@ class CsrDataset(_StoreDataset):
                     f"{name}: a csr_matrix group needs arrays data, indices and indptr; "
                     f"{key!r} is missing. The store is incomplete: re-write it."
                 )
+        for key in ("data", "indices"):
+            if len(arrays[key].shape) != 1:
+                raise DatasetError(
+                    f"{name}/{key}: has shape {arrays[key].shape}; a csr_matrix's data and "
+                    "indices are 1-D (one entry per stored value). Re-write the matrix, e.g. "
+                    "with X.data and X.indices of a scipy.sparse.csr_matrix."
+                )
         self.n_obs, n_features = shape_attribute(group, where=name)
         self.feature_shape = (n_features,)
         # the arrays' readers (public: the GPU path plans byte reads through them)
