@@ -144,6 +144,31 @@ def test_two_d_indptr_reports_its_shape(tmp_path: Path) -> None:
         dz.open_dataset(path)
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_stale_consolidated_metadata_is_not_believed(tmp_path: Path, zarr_format: int) -> None:
+    """anndata consolidates a store's metadata; an array rewritten later (other dtype and
+    chunks) was decoded with the consolidated copy's old dtype (garbage), and a layer added
+    later was called missing. Every node is read from its own metadata."""
+    from dali_zarr.inspection import inspect_store
+
+    adata = make_adata(sparse=False)
+    path = write_store(tmp_path / "stale.zarr", adata, zarr_format=zarr_format)
+    counts = (adata.X * 10).astype(np.int32)
+    group = zarr.open_group(path, mode="a", use_consolidated=False)
+    attrs = dict(group["X"].attrs)
+    x = group.create_array("X", shape=counts.shape, dtype="i4", chunks=(7, 5), overwrite=True)
+    x[...] = counts
+    x.attrs.update(attrs)
+    layer = group["layers"].create_array("new", shape=counts.shape, dtype="f4", chunks=(9, 4))
+    layer[...] = counts + 1
+    got = epoch(dz.open_dataset(path))
+    np.testing.assert_array_equal(got["X"], counts[got["index"]])
+    got = epoch(dz.open_dataset(path, element="layers/new"))
+    np.testing.assert_array_equal(got["X"], counts[got["index"]] + 1)
+    report = inspect_store(str(path))
+    assert "layers/new" in report.elements and report.arrays[0].dtype == "int32"
+
+
 @pytest.mark.parametrize("key", ["data", "indices"])
 def test_two_d_csr_data_or_indices_are_refused_at_open(tmp_path: Path, key: str) -> None:
     """A column vector of values (nnz, 1) passed open and died in the DALI graph."""

@@ -25,6 +25,16 @@ ELEMENT_FORMS = "X, raw/X, layers/<name>, obsm/<name> or obsp/<name>"
 _KEYED_GROUPS = ("layers", "obsm", "obsp")
 
 
+def open_store(path: str) -> Any:
+    """The zarr node at ``path``, read-only, each node from its own metadata. A consolidated
+    copy of the metadata (anndata writes one) is not updated when an array is later
+    rewritten; read from it, the new chunks would be decoded with the old dtype or shape
+    (silent garbage) and new arrays would be missing."""
+    import zarr
+
+    return zarr.open(path, mode="r", use_consolidated=False)
+
+
 def attribute(node: Any, key: str) -> Any:
     """An attribute as text where h5py hands back bytes."""
     value = node.attrs.get(key)
