@@ -169,6 +169,21 @@ def test_stale_consolidated_metadata_is_not_believed(tmp_path: Path, zarr_format
     assert "layers/new" in report.elements and report.arrays[0].dtype == "int32"
 
 
+def test_int64_csr_values_densify_rounded_once(tmp_path: Path) -> None:
+    """Past 2**53, int64 + float32 went through float64 and rounded twice (one float32 step
+    off what output="csr", dense int64 stores and NumPy give)."""
+    adata = make_adata()
+    big = np.array([2**60 + 2**36 + 1, 2**62 - 1, 2**53 + 1], dtype=np.int64)
+    adata.X = adata.X.astype(np.int64)
+    adata.X.data = np.resize(big, adata.X.nnz) * np.sign(adata.X.data).astype(np.int64)
+    path = write_store(tmp_path / "i64.zarr", adata)
+    expected = adata.X.toarray().astype(np.float32)
+    assert not np.array_equal(expected, adata.X.toarray().astype(np.float64).astype(np.float32))
+    for output in ("dense", "csr"):
+        got = epoch(dz.open_dataset(path), output=output)
+        np.testing.assert_array_equal(got["X"], expected[got["index"]])
+
+
 @pytest.mark.parametrize("key", ["data", "indices"])
 def test_two_d_csr_data_or_indices_are_refused_at_open(tmp_path: Path, key: str) -> None:
     """A column vector of values (nnz, 1) passed open and died in the DALI graph."""

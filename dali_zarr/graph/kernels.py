@@ -61,7 +61,7 @@ def _densify_csr_rows(out, pos, data, indices, indptr):
         for p in range(indptr[r], indptr[r + 1]):
             j = indices[p]
             if j < row.shape[0]:  # else a panel's dropped column (the GPU reader maps them there)
-                row[j] += data[p]
+                row[j] += np.float32(data[p])  # rounded once: int64 + float32 goes via float64
 
 
 def _gather_csr_rows(
