@@ -923,6 +923,8 @@ def _create_x(root: zarr.Group | None, partial: str, plan: _Plan, shard_bytes: i
             if name == "data":
                 chunk_elements, shard_chunks = chunk, None if shard is None else shard // chunk
         return _Outputs(writers, x, chunk_elements, shard_chunks)
+    if not math.prod(plan.feature_shape):  # zero-width rows: no bytes, and zarr refuses
+        shard_bytes = 0  # to shard chunks of zero length
     chunk, shard, unit = _layout(plan.n_obs, plan.chunk_rows, plan.row_bytes, shard_bytes)
     array = _create(
         root if root is not None else partial,

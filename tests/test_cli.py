@@ -158,6 +158,21 @@ def test_convert_plain_array(tmp_path):
     assert out.chunks == (40, 3, 5) and out.shards == (80, 3, 5)
     np.testing.assert_array_equal(out[...], zarr.open_array(src, mode="r")[...])
     assert dz.open_dataset(dst).feature_shape == (3, 5)
+    # zero-width rows: nothing to shard (zarr divided by the chunks' zero length)
+    empty = zarr.create_array(tmp_path / "w0.zarr", shape=(20, 0), dtype="f4", chunks=(8, 1))
+    assert (
+        run(
+            "convert",
+            empty.store.root,
+            tmp_path / "w0_out.zarr",
+            "--chunk-rows",
+            7,
+            "--shard-size",
+            200,
+        )
+        == 0
+    )
+    assert zarr.open_array(tmp_path / "w0_out.zarr", mode="r").shape == (20, 0)
 
 
 def test_convert_concatenates_inputs(tmp_path):
