@@ -46,7 +46,7 @@ from dali_zarr.data.elements import (
     shape_attribute,
     var_key,
 )
-from dali_zarr.errors import ConfigError, DatasetError
+from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
 from dali_zarr.planning.partition import (
     concat_aranges,
     order_digest,
@@ -202,6 +202,31 @@ class _Input:
     def nnz(self) -> int:
         return int(self.indptr[-1]) if self.indptr is not None else 0
 
+    def read(self, part: Literal["x", "data", "indices"], start: int, stop: int) -> np.ndarray:
+        """``[start, stop)`` along axis 0 of one of the input's arrays (rows of a dense X,
+        elements of CSR data/indices); a failed read (a corrupted or truncated chunk) is a
+        ChunkReadError naming the array and its chunks there, not zarr's or h5py's error."""
+        array = getattr(self, part)
+        try:
+            return np.asarray(array[start:stop])
+        except Exception as exc:
+            base = f"{self.path}/{self.element}" if self.anndata and self.element else self.path
+            name = base if part == "x" else f"{base}/{part}"
+            what = "rows" if part == "x" else "elements"
+            where, cause = f"{what} [{start}, {stop})", exc
+            chunk = int((getattr(array, "chunks", None) or (0,))[0])
+            for c in range(start // chunk, (stop - 1) // chunk + 1) if chunk else ():
+                try:  # find the chunk that fails (read again one chunk at a time)
+                    array[max(start, c * chunk) : min(stop, (c + 1) * chunk)]
+                except Exception as one:
+                    where = f"chunk {c} along axis 0 ({what} [{c * chunk}, {(c + 1) * chunk}))"
+                    cause = one
+                    break
+            raise ChunkReadError(
+                f"{name}: reading {where} failed ({type(cause).__name__}: {cause}). It is "
+                "corrupted or truncated: restore it from an intact copy, or re-write the input."
+            ) from exc
+
     def rows_per_chunk(self) -> float | None:
         """Rows in one of the input's own chunks (CSR: on average); None if not chunked."""
         array = self.data if self.layout == "csr" else self.x
@@ -250,7 +275,13 @@ def _open_h5ad(path: str, element: str | None) -> _Input:
             f"{path}: is a file but not an HDF5 (.h5ad) file; pass an .h5ad file, a Zarr "
             "store or a Zarr array directory."
         )
-    handle = h5py.File(path, "r")
+    try:
+        handle = h5py.File(path, "r")
+    except OSError as exc:  # h5py's message never names the file
+        raise DatasetError(
+            f"{path}: the HDF5 file cannot be opened ({exc}); it is truncated, corrupted or "
+            "still being written: copy it again, or write it again with anndata."
+        ) from exc
     try:
         picked = pick_element(handle, element, store=path, anndata=True)
         return _anndata_input(path, handle, picked, handle=handle)
@@ -370,7 +401,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 def _read_dense(inputs, offsets, ranges, dtype: np.dtype) -> np.ndarray:
     parts = [
-        np.asarray(inp.x[a:b]).astype(dtype, copy=False)
+        inp.read("x", a, b).astype(dtype, copy=False)
         for s, e in _merge(ranges)
         for inp, a, b in _split(inputs, offsets, s, e)
     ]
@@ -387,8 +418,8 @@ def _read_csr(inputs, offsets, ranges, dtype: np.dtype, index_dtype: np.dtype):
     for s, e in _merge(ranges):
         for inp, a, b in _split(inputs, offsets, s, e):
             e0, e1 = int(inp.indptr[a]), int(inp.indptr[b])
-            data.append(np.asarray(inp.data[e0:e1]).astype(dtype, copy=False))
-            indices.append(np.asarray(inp.indices[e0:e1]).astype(index_dtype, copy=False))
+            data.append(inp.read("data", e0, e1).astype(dtype, copy=False))
+            indices.append(inp.read("indices", e0, e1).astype(index_dtype, copy=False))
             lengths.append(np.diff(inp.indptr[a : b + 1]))
     return _join(data), _join(indices), _join(lengths)
 

@@ -418,6 +418,18 @@ def test_convert_bad_inputs(tmp_path, sc_store, capsys):
     var[0] = "not_a_gene"
     assert run("convert", sc_store, renamed, tmp_path / "o.zarr") == 2
     assert "var_names differ" in one_line_error(capsys)
+    # a corrupted chunk (zarr's traceback before) and a truncated .h5ad (h5py's words only)
+    broken = tmp_path / "broken.zarr"
+    shutil.copytree(sc_store, broken)
+    (broken / "X" / "data" / "c" / "0").write_bytes(b"\x00not a shard" * 10)
+    assert run("convert", broken, tmp_path / "o.zarr") == 2
+    err = one_line_error(capsys)
+    assert "broken.zarr/X/data: reading chunk " in err and "corrupted or truncated" in err
+    whole = tmp_path / "whole.h5ad"
+    ad.AnnData(X=np.ones((50, 40), dtype=np.float32)).write_h5ad(whole)
+    (tmp_path / "cut.h5ad").write_bytes(whole.read_bytes()[:3000])
+    assert run("convert", tmp_path / "cut.h5ad", tmp_path / "o.zarr") == 2
+    assert "cut.h5ad: the HDF5 file cannot be opened" in one_line_error(capsys)
     # an N-D obsm entry is valid AnnData, but not as the X of the AnnData store convert writes
     with_cube = ad.AnnData(X=np.zeros((20, 3), dtype=np.float32))
     with_cube.obsm["patches"] = np.zeros((20, 4, 5), dtype=np.float32)
