@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 import time
@@ -51,7 +52,17 @@ def parse_size(text: str) -> int:
             f"invalid size {text!r}: use a number of bytes with an optional unit, e.g. 256MB, "
             "1GB, 512MiB, or 0/none"
         )
-    value = float(m.group(1)) * 10 ** int(m.group(2) or 0) * _UNITS[m.group(3)]
+    try:
+        value = float(m.group(1)) * 10 ** int(m.group(2) or 0) * _UNITS[m.group(3)]
+    except OverflowError:
+        value = math.inf
+    if value == 0:
+        return 0
+    if not 1 <= value < 2**63:  # 0.5 would be read as 0 (no sharding), 1e400 overflowed
+        raise ValueError(
+            f"invalid size {text!r}: {'more than 2**63 bytes' if value >= 1 else 'under 1 byte'}"
+            "; use e.g. 256MB or 1GB, or 0/none for no sharding"
+        )
     return int(value)
 
 
@@ -240,7 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=_positive, default=256, metavar="B")
     b.add_argument("--output", choices=("dense", "csr"), default="dense")
     b.add_argument("--batches", type=_positive, default=50, metavar="N", help="timed batches")
-    b.add_argument("--warmup", type=_non_negative, default=2, metavar="N", help="untimed batches")
+    b.add_argument(
+        "--warmup",
+        type=_int_at_least(1, "at least 1: the first batch builds the DALI pipeline"),
+        default=2,
+        metavar="N",
+        help="untimed batches (at least 1: the first builds the pipeline)",
+    )
     b.add_argument("--num-threads", type=_positive, default=2, metavar="N", help="DALI threads")
     b.add_argument("--seed", type=_non_negative, default=0, metavar="S")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

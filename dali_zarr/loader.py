@@ -25,7 +25,7 @@ from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
 from dali_zarr.graph.source import BatchSource, Output, Planner, obs_list
 from dali_zarr.planning import EpochPlan
-from dali_zarr.planning.partition import validate_count
+from dali_zarr.planning.partition import validate_int
 from dali_zarr.planning.resume import (
     PlanSettings,
     ResumePoint,
@@ -39,6 +39,10 @@ from dali_zarr.planning.resume import (
 log = logging.getLogger(__name__)
 
 Device = Literal["cpu", "gpu", "auto"]
+
+#: The most DALI worker threads a Loader asks for: far past what a node's cores use, and
+#: refused by name here, where DALI would abort the whole process (100,000 did).
+MAX_THREADS = 1024
 
 
 class Loader:
@@ -125,7 +129,11 @@ class Loader:
             },
         ) as mine:
             self.dtype = _check_arguments(dataset, output, dtype)
-            validate_count("num_threads", num_threads)
+            validate_int(
+                "num_threads", num_threads, low=1, high=MAX_THREADS + 1,
+                what=f"a whole number from 1 to {MAX_THREADS} (DALI aborts the process where "
+                "it cannot start that many threads)",
+            )  # fmt: skip
             obs = obs_list(obs)
             _check_batch_fits(dataset, sampler, output)
             self.device, self.device_reason = _choose_device(device, gpu_backend)

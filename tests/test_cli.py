@@ -445,9 +445,14 @@ def test_parse_size():
     assert parse_size("256MiB") == 2**28
     assert parse_size("1.5kb") == 1500
     assert parse_size("4096") == 4096
-    assert parse_size("none") == parse_size("0") == 0
+    assert parse_size("none") == parse_size("0") == parse_size("0MB") == 0
     with pytest.raises(ValueError, match="invalid size"):
         parse_size("lots")
+    with pytest.raises(ValueError, match="under 1 byte"):  # was read as 0: not sharded
+        parse_size("0.5")
+    for huge in ("1e400", "1e308GB", "1e19"):  # 1e400 raised OverflowError (a traceback)
+        with pytest.raises(ValueError, match="more than 2"):
+            parse_size(huge)
 
 
 # ---------------------------------------------------------------------------- inspect
@@ -547,6 +552,11 @@ def test_bench_runs_a_few_batches(tmp_path, sc_store, capsys):
     assert run("bench", cube, "--batch-size", 100, "--batches", 2, "--json") == 0
     small = json.loads(capsys.readouterr().out)
     assert small["batches"] == 2 and small["rows"] == 2 * 64
+    # no warm-up would time the pipeline's build (numba compiles) as if it were reading
+    assert run("bench", cube, "--warmup", 0) == 2
+    assert "the first batch builds the DALI pipeline" in one_line_error(capsys)
+    assert run("bench", cube, "--num-threads", 100_000) == 2  # DALI aborted the process
+    assert "num_threads must be a whole number from 1 to 1024" in one_line_error(capsys)
 
 
 @pytest.mark.parametrize("command", [[], ["convert"], ["inspect"], ["bench"]])

@@ -742,7 +742,8 @@ def test_a_sampler_unpickled_where_torch_distributed_is_not_set_up_exchanges_not
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_threads": 0}, "num_threads must be a positive integer, got 0"),
+        ({"num_threads": 0}, "num_threads must be a whole number from 1 to 1024"),
+        ({"num_threads": 100_000}, r"from 1 to 1024 \(DALI aborts the process.*got 100000"),
         ({"prefetch_queue_depth": 0}, "prefetch_queue_depth must be a positive integer"),
         ({"prefetch_windows": 1.5}, "prefetch_windows must be a non-negative integer"),
         ({"prefetch_windows": -1}, "prefetch_windows must be a non-negative integer, got -1"),
@@ -752,9 +753,9 @@ def test_a_sampler_unpickled_where_torch_distributed_is_not_set_up_exchanges_not
 )
 @pytest.mark.parametrize("where", ["cpu", "gpu-path-on-host"])
 def test_loader_options_out_of_range_are_refused_by_name(sc_store: Path, kwargs, message, where):
-    """These failed inside DALI at the first batch, in the callback (prefetch_windows=1.5),
-    were clamped (-1) or taken as float64 (dtype=None), or read obs='ct' as columns 'c' and
-    't'."""
+    """These failed inside DALI at the first batch (100,000 threads aborted the process), in
+    the callback (prefetch_windows=1.5), were clamped (-1) or taken as float64 (dtype=None),
+    or read obs='ct' as columns 'c' and 't'."""
     from dali_zarr.graph.window_backends import HostBackend
 
     path = {"device": "gpu", "gpu_backend": HostBackend()} if where != "cpu" else {}
