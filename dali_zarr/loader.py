@@ -195,6 +195,9 @@ class Loader:
         self._consumed = 0  # batches handed out in the DALI epoch now bound
         self._passes = 0  # loops started over this loader; only the latest may draw batches
         self._iter0 = 0  # DALI iteration of its first batch (>0 after a DALI restore)
+        # a batch failed in this DALI epoch: DALI's iterator had already counted it, so its
+        # checkpoint is one batch past what the user got and is not saved (see _dali_checkpoint)
+        self._dali_ahead = False
         # (epoch, history, start) of the epoch now or last iterated: plan batch of the
         # k-th batch handed out is start + k
         self._run: tuple[int, tuple[Segment, ...], int] | None = None
@@ -252,6 +255,7 @@ class Loader:
                 self._open_epoch = False
                 return
             except Exception as exc:
+                self._dali_ahead = self.enable_checkpointing
                 raise self._original_error(exc) from exc
             self._consumed += 1
             yield self._to_batch(outputs[0])
@@ -384,6 +388,13 @@ class Loader:
         """DALI's checkpoint at the last batch handed out (it counts consumed iterations)."""
         if not self.enable_checkpointing or self._iterator is None:
             return None
+        if self._dali_ahead:  # resumed from it, the failed batch would never be delivered
+            log.warning(
+                "dali_zarr: a batch failed in this epoch, so DALI's checkpoint counts one "
+                "batch the loop never got; the state is saved without it (the data position "
+                "is exact; DALI operators restart from their initial state on resume)"
+            )
+            return None
         checkpoints = getattr(self._iterator, "checkpoints", None)
         blob = checkpoints()[0] if checkpoints is not None else self._pipe.checkpoint()
         return {
@@ -470,6 +481,7 @@ class Loader:
                 )
                 self._iterator = self._make_iterator(pipe, self._names)
                 self._open_epoch, self._consumed, self._iter0 = True, 0, 0
+                self._dali_ahead = False
                 return self._iterator
             # DALI resumes its epoch `epoch_idx` at `iteration`, its operators restored
             self._dali_epoch, self._iter0 = int(restore["epoch_idx"]), int(restore["iteration"])
@@ -507,6 +519,7 @@ class Loader:
         self._open_epoch = True
         self._consumed = 0
         self._iter0 = 0
+        self._dali_ahead = False
         return self._iterator
 
     def _build_pipeline(self, checkpoint: bytes | str | None):

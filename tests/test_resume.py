@@ -289,6 +289,36 @@ def test_dali_checkpoint_restores_random_ops(store) -> None:
             np.testing.assert_array_equal(a["X"], b["X"])
 
 
+def test_a_dali_checkpoint_after_a_failed_batch_loses_no_batch(tmp_path: Path) -> None:
+    """DALI's iterator counts a batch before the read behind it fails; its checkpoint then
+    resumed one batch late, and that batch was never delivered. The state is saved without
+    it after a failure (the position is ours and exact)."""
+    path = synthetic.make_single_cell(
+        tmp_path / "bad.zarr", n_obs=N_OBS, n_features=32, chunk_elements=512, shard_chunks=None
+    )
+    chunks = sorted((Path(path) / "X" / "data" / "c").iterdir(), key=lambda c: int(c.name))
+    chunk = chunks[-2]  # rows read late in an unshuffled epoch
+    intact = chunk.read_bytes()
+    expected = cat(
+        b["index"] for b in take(loader(path, sampler(shuffle=False), enable_checkpointing=True), 0)
+    )
+    chunk.write_bytes(b"garbage" * 50)
+    failed = loader(path, sampler(shuffle=False), enable_checkpointing=True)
+    got = []
+    with pytest.raises(dz.ChunkReadError, match="X/data"):
+        for batch in failed:
+            got.append(batch["index"].numpy())
+    state = roundtrip(failed.state_dict())
+    failed.close()
+    assert 0 < state["consumed"] == len(got)
+    chunk.write_bytes(intact)  # restored from a backup
+    resumed = loader(path, sampler(shuffle=False), enable_checkpointing=True)
+    resumed.load_state_dict(state)
+    rest = [b["index"] for b in take(resumed, 0)]
+    np.testing.assert_array_equal(cat(got + rest), expected)
+    assert state["dali"] is None  # DALI's had counted the failed batch
+
+
 # --------------------------------------------------------------------------- refused states
 
 
