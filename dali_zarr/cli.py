@@ -211,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
         "one read of the input: pieces much smaller than the input's own chunks make the "
         "conversion slower (those chunks are decoded several times), larger pieces mix less",
     )
-    c.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DST if it is a Zarr store or an empty folder",
+    )
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     c.add_argument("--json", action="store_true", help="print the summary as JSON")
     c.set_defaults(func=_convert)

@@ -668,7 +668,8 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
     dest = os.path.normpath(dest)
     parent = os.path.dirname(os.path.abspath(dest))
     if not os.path.isdir(parent):
-        raise ConfigError(f"{dest}: parent directory {parent} does not exist; create it first.")
+        what = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise ConfigError(f"{dest}: parent directory {parent} {what}; create it first.")
     real = os.path.realpath(dest)
     for src in sources:
         rs = os.path.realpath(src)
@@ -680,6 +681,8 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
         raise ConfigError(
             f"{dest}: already exists; pass overwrite=True (--overwrite) to replace it."
         )
+    if os.path.lexists(dest):
+        _refuse_to_replace_other_than_a_store(dest)
     partial = dest + ".partial"
     busy = ConfigError(
         f"{partial}: another dali-zarr writer (a convert, a synthetic store) is writing this "
@@ -704,6 +707,22 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
     lock.write("an unfinished dali-zarr store; safe to delete once its writer has stopped\n")
     lock.flush()
     return partial, lock
+
+
+def _refuse_to_replace_other_than_a_store(dest: str) -> None:
+    """``overwrite`` replaces a Zarr store (or an empty folder), never a folder of other
+    files or a file (an .h5ad given as DST by mistake): it would delete them whole."""
+    if os.path.isdir(dest):
+        entries = os.listdir(dest)
+        if not entries or {"zarr.json", ".zgroup", ".zarray"} & set(entries):
+            return
+        what = "a folder that is not a Zarr store (no zarr.json, .zgroup or .zarray in it)"
+    else:
+        what = "a file, not a Zarr store"
+    raise ConfigError(
+        f"{dest}: is {what}; overwrite replaces Zarr stores only. Remove it yourself if it "
+        "is meant to go, or choose another destination."
+    )
 
 
 def _try_lock(f: IO[str]) -> bool:

@@ -358,8 +358,20 @@ def test_overwrite_and_foreign_partial(tmp_path, sc_store, capsys):
     assert run("convert", sc_store, dst, "-q") == 2
     assert "already exists" in one_line_error(capsys)
     assert (dst / "keep.txt").exists()
-    assert run("convert", sc_store, dst, "--overwrite", "-q") == 0
-    assert not (dst / "keep.txt").exists() and dz.open_dataset(dst).n_obs == 3_001
+    # --overwrite replaces stores (and empty folders), not a folder of the user's files
+    assert run("convert", sc_store, dst, "--overwrite", "-q") == 2
+    assert "not a Zarr store" in one_line_error(capsys) and (dst / "keep.txt").exists()
+    (tmp_path / "cells.h5ad").write_text("not ours to delete")
+    assert run("convert", sc_store, tmp_path / "cells.h5ad", "--overwrite", "-q") == 2
+    assert "a file, not a Zarr store" in one_line_error(capsys)
+    (dst / "keep.txt").unlink()
+    assert run("convert", sc_store, dst, "--overwrite", "-q") == 0  # an empty folder
+    synthetic.make_dense_cube(dst, n_obs=20)
+    assert run("convert", sc_store, dst, "--overwrite", "-q") == 0  # a store
+    assert dz.open_dataset(dst).n_obs == 3_001
+    (tmp_path / "file").write_text("")
+    assert run("convert", sc_store, tmp_path / "file" / "o.zarr", "-q") == 2
+    assert "is not a directory" in one_line_error(capsys)
     other = tmp_path / "other.zarr"
     Path(f"{other}.partial").mkdir()
     assert run("convert", sc_store, other, "-q") == 2
