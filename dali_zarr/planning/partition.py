@@ -33,6 +33,7 @@ __all__ = [
     "rank_bounds",
     "rows_delivered",
     "run_offsets",
+    "short_chunk_position",
     "slice_ranges",
     "validate_count",
     "validate_plan_inputs",
@@ -250,34 +251,57 @@ def slice_ranges(
     return ranges, new_off
 
 
+def short_chunk_position(order: np.ndarray, *, chunk_size: int, n_obs: int) -> int:
+    """Where in ``order`` the last chunk (the one short of ``chunk_size`` rows) sits, or
+    ``len(order)`` where every chunk is full: all that :func:`virtual_shard` needs to know of
+    the order besides its length. O(n_chunks); compute it once to slice many ranks."""
+    n_chunks = int(order.shape[0])
+    if n_chunks * chunk_size == n_obs:
+        return n_chunks
+    return int(np.flatnonzero(np.asarray(order) == n_chunks - 1)[0])
+
+
 def virtual_shard(
-    order: np.ndarray, *, chunk_size: int, n_obs: int, lo: int, hi: int
+    order: np.ndarray,
+    *,
+    chunk_size: int,
+    n_obs: int,
+    lo: int,
+    hi: int,
+    short_at: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows ``[lo, hi)`` of the virtual sequence "rows of the chunks in ``order``, concatenated".
 
     This is shard="chunks": every rank slices the same globally shuffled sequence, so row
     counts differ by at most one and a boundary chunk is simply split between two ranks.
-    O(n_chunks) for the offsets, then O(chunks kept).
+    Every chunk but the short last one holds ``chunk_size`` rows, so the sequence position
+    of a chunk is arithmetic: O(chunks kept), given ``short_at``
+    (:func:`short_chunk_position`, else found here in O(n_chunks)). Planning every rank of a
+    large world (an elastic resume does) then costs one pass over the order, not one a rank.
     """
-    order = np.asarray(order, dtype=np.int64)
-    n_chunks = order.shape[0]
-    lengths = np.full(n_chunks + 1, chunk_size, dtype=np.int64)
-    lengths[0] = 0
-    last_len = n_obs - (n_chunks - 1) * chunk_size
-    if last_len != chunk_size:
-        lengths[1:][order == n_chunks - 1] = last_len
-    offsets = np.cumsum(lengths, out=lengths)  # (n_chunks + 1,), in place
-    if not 0 <= lo <= hi <= int(offsets[-1]):
-        raise ValueError(f"slice [{lo}, {hi}) outside [0, {int(offsets[-1])})")
+    order = np.asarray(order)
+    n_chunks = int(order.shape[0])
+    missing = n_chunks * chunk_size - n_obs  # rows the short chunk lacks (0: none is short)
+    if short_at is None:
+        short_at = short_chunk_position(order, chunk_size=chunk_size, n_obs=n_obs)
+
+    def offset(i: int) -> int:  # where the i-th chunk of the order starts in the sequence
+        return i * chunk_size - (missing if i > short_at else 0)
+
+    if not 0 <= lo <= hi <= n_obs:
+        raise ValueError(f"slice [{lo}, {hi}) outside [0, {n_obs})")
     if lo == hi:
         return np.zeros((0, 2), dtype=np.int64), np.zeros(1, dtype=np.int64)
-    # only the kept chunks get their ranges materialised
-    i0 = int(np.searchsorted(offsets, lo, side="right")) - 1
-    i1 = int(np.searchsorted(offsets, hi, side="left"))
+    i0 = lo // chunk_size  # the last chunk starting at or before lo (offset() <= i * size)
+    if i0 < n_chunks and offset(i0 + 1) <= lo:
+        i0 += 1
+    i1 = min(-(-hi // chunk_size), n_chunks)  # the first chunk boundary at or past hi
+    if offset(i1) < hi:
+        i1 += 1
+    at = np.arange(i0, i1 + 1, dtype=np.int64)
+    offsets = at * chunk_size - np.where(at > short_at, missing, 0)
     ranges = chunk_ranges(order[i0:i1], chunk_size, n_obs)
-    return slice_ranges(
-        ranges, offsets[i0 : i1 + 1] - offsets[i0], lo - offsets[i0], hi - offsets[i0]
-    )
+    return slice_ranges(ranges, offsets - offsets[0], lo - offset(i0), hi - offset(i0))
 
 
 def contiguous_shard(

@@ -171,6 +171,7 @@ def plan_remainder(
     settings: PlanSettings,
     rows_done: int,
     depth: int = 1,
+    offsets: np.ndarray | None = None,
 ) -> EpochPlan:
     """Plan ``rank``'s part of the rows in ``row_ranges`` (in that order) for one epoch.
 
@@ -180,6 +181,7 @@ def plan_remainder(
     windows and their shuffles are derived as usual, from a stream of their own (``depth``:
     how many times the epoch has been resumed on another world size). ``rows_done`` are the
     rows of the epoch delivered before (kept for the accounting of ``rows_skipped``).
+    ``offsets``: ``offsets_of(row_ranges)`` where the caller has them (one pass for a world).
     """
     s = settings
     validate_sizes(
@@ -189,7 +191,8 @@ def plan_remainder(
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
     ranges = np.asarray(row_ranges, dtype=np.int64).reshape(-1, 2)
-    offsets = offsets_of(ranges)
+    if offsets is None:  # given where every rank of a world is planned from the same ranges
+        offsets = offsets_of(ranges)
     n_rem = int(offsets[-1])
     delivered = s.rows_delivered(n_rem, world_size)
     n_rows = int(delivered[rank])
@@ -230,13 +233,13 @@ def _segment_plans(
     """All ranks' plans of run ``k`` of the epoch (run 0: the normal plans)."""
     world = history[k].world_size
     if k == 0:
-        return [
-            settings.plan(n_obs=n_obs, epoch=epoch, rank=r, world_size=world) for r in range(world)
-        ]
+        return settings.plan_world(n_obs=n_obs, epoch=epoch, world_size=world)
     assert ranges is not None
+    offsets = offsets_of(ranges)  # once, not once a rank
     return [
         plan_remainder(
             ranges,
+            offsets=offsets,
             n_obs=n_obs,
             epoch=epoch,
             rank=r,
@@ -256,10 +259,18 @@ def remainder_ranges(
 
     Returns ``(row_ranges, rows_done)``: the undelivered rows, old rank by old rank in their
     read order, and how many rows the runs delivered. Rows a run's plan skipped are not in
-    it (they were never due).
+    it (they were never due). Cached (read-only ranges): a resume asks for them to count
+    every rank's batches and again to plan its own, and they cost a plan of every old rank.
     """
     if not history:
         raise ValueError("remainder_ranges needs at least one interrupted run")
+    return _remainder_ranges(settings, int(n_obs), int(epoch), tuple(history))
+
+
+@functools.lru_cache(maxsize=2)
+def _remainder_ranges(
+    settings: PlanSettings, n_obs: int, epoch: int, history: tuple[Segment, ...]
+) -> tuple[np.ndarray, int]:
     ranges: np.ndarray | None = None
     rows_done = 0
     for k, segment in enumerate(history):
@@ -278,6 +289,7 @@ def remainder_ranges(
             rows_done += min(consumed * plan.batch_size, plan.n_rows)
         ranges = np.concatenate(parts).reshape(-1, 2)
     assert ranges is not None
+    ranges.flags.writeable = False
     return ranges, rows_done
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from dali_zarr.planning.partition import (
     n_chunks_of,
     rank_bounds,
     rows_delivered,
+    short_chunk_position,
     slice_ranges,
     validate_plan_inputs,
     validate_seed,
@@ -82,6 +84,41 @@ def plan_epoch(
     O(chunks of the rank) for shard="contiguous"; windows are planned lazily by
     :meth:`EpochPlan.window`.
     """
+    (plan,) = plan_ranks(
+        ranks=(rank,),
+        n_obs=n_obs,
+        epoch=epoch,
+        seed=seed,
+        chunk_size=chunk_size,
+        preload_nchunks=preload_nchunks,
+        batch_size=batch_size,
+        world_size=world_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        enforce_equal_batches=enforce_equal_batches,
+        shard=shard,
+    )
+    return plan
+
+
+def plan_ranks(
+    *,
+    ranks: Sequence[int],
+    n_obs: int,
+    epoch: int,
+    seed: int,
+    chunk_size: int,
+    preload_nchunks: int,
+    batch_size: int,
+    world_size: int = 1,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    enforce_equal_batches: bool = True,
+    shard: Shard = "chunks",
+) -> list[EpochPlan]:
+    """:func:`plan_epoch` of each of ``ranks`` (of one world): the global chunk order is drawn
+    once and each rank's slice of it costs only its own chunks. An elastic resume plans every
+    rank of the interrupted world; one order per rank made that O(world × n_chunks)."""
     validate_sizes(chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=batch_size)
     seed = validate_seed(seed)
     _check_shard(shard)
@@ -91,16 +128,17 @@ def plan_epoch(
         ("enforce_equal_batches", enforce_equal_batches),
     ):
         _check_flag(name, flag)
-    validate_plan_inputs(
-        n_obs=n_obs,
-        epoch=epoch,
-        rank=rank,
-        world_size=world_size,
-        chunk_size=chunk_size,
-        batch_size=batch_size,
-        enforce_equal_batches=enforce_equal_batches,
-    )
-    n_obs, epoch, rank, world_size = int(n_obs), int(epoch), int(rank), int(world_size)
+    for rank in ranks:
+        validate_plan_inputs(
+            n_obs=n_obs,
+            epoch=epoch,
+            rank=rank,
+            world_size=world_size,
+            chunk_size=chunk_size,
+            batch_size=batch_size,
+            enforce_equal_batches=enforce_equal_batches,
+        )
+    n_obs, epoch, world_size = int(n_obs), int(epoch), int(world_size)
 
     delivered = rows_delivered(
         n_obs,
@@ -109,49 +147,59 @@ def plan_epoch(
         enforce_equal_batches=enforce_equal_batches,
         drop_last=drop_last,
     )
-    n_rows = int(delivered[rank])
     bounds = rank_bounds(n_obs, world_size)
-    lo, hi = int(bounds[rank]), int(bounds[rank + 1])
-
+    window_rows = window_rows_of(chunk_size, preload_nchunks, batch_size)
     if shard == "chunks":
         order = global_chunk_order(
             n_chunks_of(n_obs, chunk_size), seed=seed, epoch=epoch, shuffle=shuffle
         )
-        # The rank's share is [lo, hi) of the virtual sequence; rows past lo + n_rows are
-        # never delivered, so they are cut before windowing and never read.
-        ranges, offsets = virtual_shard(
-            order, chunk_size=chunk_size, n_obs=n_obs, lo=lo, hi=lo + n_rows
+        short_at = short_chunk_position(order, chunk_size=chunk_size, n_obs=n_obs)
+    plans = []
+    for rank in (int(r) for r in ranks):
+        n_rows = int(delivered[rank])
+        lo, hi = int(bounds[rank]), int(bounds[rank + 1])
+        if shard == "chunks":
+            # The rank's share is [lo, hi) of the virtual sequence; rows past lo + n_rows are
+            # never delivered, so they are cut before windowing and never read.
+            ranges, offsets = virtual_shard(
+                order,
+                chunk_size=chunk_size,
+                n_obs=n_obs,
+                lo=lo,
+                hi=lo + n_rows,
+                short_at=short_at,
+            )
+        else:
+            ranges, offsets = contiguous_shard(
+                chunk_size=chunk_size,
+                lo=lo,
+                hi=hi,
+                seed=seed,
+                epoch=epoch,
+                rank=rank,
+                shuffle=shuffle,
+            )
+            ranges, offsets = slice_ranges(ranges, offsets, 0, n_rows)
+        plans.append(
+            EpochPlan(
+                epoch=epoch,
+                rank=rank,
+                world_size=world_size,
+                n_obs=n_obs,
+                batch_size=batch_size,
+                seed=seed,
+                n_batches=-(-n_rows // batch_size),
+                n_windows=-(-n_rows // window_rows),
+                n_rows=n_rows,
+                rows_skipped=n_obs - int(delivered.sum()),
+                chunk_size=chunk_size,
+                window_rows=window_rows,
+                shuffle=shuffle,
+                row_ranges=ranges,
+                range_offsets=offsets,
+            )
         )
-    else:
-        ranges, offsets = contiguous_shard(
-            chunk_size=chunk_size,
-            lo=lo,
-            hi=hi,
-            seed=seed,
-            epoch=epoch,
-            rank=rank,
-            shuffle=shuffle,
-        )
-        ranges, offsets = slice_ranges(ranges, offsets, 0, n_rows)
-
-    window_rows = window_rows_of(chunk_size, preload_nchunks, batch_size)
-    return EpochPlan(
-        epoch=epoch,
-        rank=rank,
-        world_size=world_size,
-        n_obs=n_obs,
-        batch_size=batch_size,
-        seed=seed,
-        n_batches=-(-n_rows // batch_size),
-        n_windows=-(-n_rows // window_rows),
-        n_rows=n_rows,
-        rows_skipped=n_obs - int(delivered.sum()),
-        chunk_size=chunk_size,
-        window_rows=window_rows,
-        shuffle=shuffle,
-        row_ranges=ranges,
-        range_offsets=offsets,
-    )
+    return plans
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,6 +279,16 @@ class PlanSettings:
             n_obs=n_obs,
             epoch=epoch,
             rank=rank,
+            world_size=world_size,
+            **self.as_dict(),
+        )
+
+    def plan_world(self, *, n_obs: int, epoch: int, world_size: int) -> list[EpochPlan]:
+        """The normal plans of ``epoch`` for every rank of ``world_size`` (one global order)."""
+        return plan_ranks(
+            ranks=range(world_size),
+            n_obs=n_obs,
+            epoch=epoch,
             world_size=world_size,
             **self.as_dict(),
         )
