@@ -76,6 +76,9 @@ def configs(draw) -> dict:
     max_bs = preload * cs
     if w > 1 and enforce:
         max_bs = min(max_bs, n_obs // w)  # at least one full batch per rank
+    drop_last = draw(st.booleans())
+    if drop_last:  # a full batch for the largest share (else nothing to deliver: refused)
+        max_bs = min(max_bs, -(-n_obs // w))
     bs = draw(st.integers(1, max_bs))
     return {
         "n_obs": n_obs,
@@ -84,7 +87,7 @@ def configs(draw) -> dict:
         "preload_nchunks": preload,
         "batch_size": bs,
         "shuffle": draw(st.booleans()),
-        "drop_last": draw(st.booleans()),
+        "drop_last": drop_last,
         "enforce": enforce,
         "shard": draw(st.sampled_from(["chunks", "contiguous"])),
         "seed": draw(st.integers(0, 2**63 - 1)),
@@ -538,6 +541,18 @@ def test_plan_time_validation() -> None:
         enforce_equal_batches=False,
     )
     assert loose.plan_epoch(100, 0).n_batches == 1
+    # ... but not with drop_last: every rank's only batch is partial, so nothing at all
+    # would be delivered (it planned 0 batches and skipped every row)
+    dropping = DistributedSampler(
+        ChunkSampler(chunk_size=16, preload_nchunks=4, batch_size=32, drop_last=True, seed=0),
+        dist_info=world(0, 4),
+        enforce_equal_batches=False,
+    )
+    with pytest.raises(ConfigError, match=r"nothing to deliver.*at most 25 rows per rank"):
+        dropping.plan_epoch(100, 0)
+    lone = ChunkSampler(chunk_size=16, preload_nchunks=8, batch_size=128, drop_last=True)
+    with pytest.raises(ConfigError, match="lower batch_size to at most 100"):
+        lone.plan_epoch(100, 0)
     with pytest.raises(ConfigError, match=r"unknown shard 'rows'.*shard=\"chunks\""):
         DistributedSampler(s, dist_info=world(0, 1), shard="rows")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="enforce_equal_batches must be True or False"):
@@ -570,15 +585,23 @@ def test_plan_epoch_function_matches_classes() -> None:
     chunk_size=st.integers(1, 400),
     batch_size=st.integers(1, 400),
     enforce=st.booleans(),
+    drop_last=st.booleans(),
 )
-def test_max_world_is_the_largest_world_the_planner_takes(n_obs, chunk_size, batch_size, enforce):
+def test_max_world_is_the_largest_world_the_planner_takes(
+    n_obs, chunk_size, batch_size, enforce, drop_last
+):
     """PlanSettings.max_world (resume and Lightning refuse by it) states the planner's rule
     again; it must name exactly the largest world check_world (the planner's refusal) takes."""
     s = PlanSettings(
         seed=0, chunk_size=chunk_size, preload_nchunks=1, batch_size=batch_size, shuffle=True,
-        drop_last=False, enforce_equal_batches=enforce, shard="chunks",
+        drop_last=drop_last, enforce_equal_batches=enforce, shard="chunks",
     )  # fmt: skip
     most = s.max_world(n_obs=n_obs)
+    if drop_last and n_obs < batch_size:  # no full batch on any world: all refused
+        assert most == 1
+        with pytest.raises(ConfigError, match="nothing to deliver"):
+            s.check_world(n_obs=n_obs, world_size=1)
+        return
     s.check_world(n_obs=n_obs, world_size=most)
     with pytest.raises(ConfigError):
         s.check_world(n_obs=n_obs, world_size=most + 1)

@@ -111,6 +111,7 @@ def validate_plan_inputs(
     chunk_size: int,
     batch_size: int,
     enforce_equal_batches: bool,
+    drop_last: bool = False,
 ) -> None:
     """Check the settings that depend on the dataset size and the number of ranks."""
     validate_count("n_obs", n_obs, hint=" (the dataset has no observations to plan)")
@@ -134,6 +135,14 @@ def validate_plan_inputs(
             f" (needs n_obs >= world_size x batch_size = {world_size * batch_size}); lower "
             f"batch_size to at most {max(1, n_obs // world_size)}, use fewer ranks, or pass "
             f"enforce_equal_batches=False"
+        )
+    most = -(-n_obs // world_size)  # the largest rank's share
+    if drop_last and most < batch_size:
+        raise ConfigError(
+            f"nothing to deliver: n_obs={n_obs} over world_size={world_size} rank(s) gives at "
+            f"most {most} rows per rank, less than one batch of batch_size={batch_size}, and "
+            f"drop_last=True drops every partial batch; lower batch_size to at most {most}, "
+            "use fewer ranks, or pass drop_last=False"
         )
 
 

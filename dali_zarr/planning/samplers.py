@@ -137,6 +137,7 @@ def plan_ranks(
             chunk_size=chunk_size,
             batch_size=batch_size,
             enforce_equal_batches=enforce_equal_batches,
+            drop_last=drop_last,
         )
     n_obs, epoch, world_size = int(n_obs), int(epoch), int(world_size)
 
@@ -249,14 +250,18 @@ class PlanSettings:
             chunk_size=self.chunk_size,
             batch_size=self.batch_size,
             enforce_equal_batches=self.enforce_equal_batches,
+            drop_last=self.drop_last,
         )
 
     def max_world(self, *, n_obs: int) -> int:
         """The most ranks an epoch of ``n_obs`` rows can be planned on (:meth:`check_world`):
-        a chunk each and, with equal batches, a full batch each."""
+        a chunk each and, with equal batches, a full batch each; with ``drop_last``, a full
+        batch for the largest share. 1 where no world can (then every world is refused)."""
         most = n_chunks_of(n_obs, self.chunk_size)
         if self.enforce_equal_batches:
             most = min(most, n_obs // self.batch_size)
+        if self.drop_last and self.batch_size > 1:  # ceil(n_obs / world) >= batch_size
+            most = min(most, (n_obs - 1) // (self.batch_size - 1))
         return max(1, most)
 
     def rows_delivered(self, n_rows: int, world_size: int) -> np.ndarray:
