@@ -41,7 +41,6 @@ from dali_zarr.data.elements import (
     Picked,
     is_array,
     matrix_layout,
-    open_store,
     pick_element,
     shape_attribute,
     var_key,
@@ -250,7 +249,7 @@ def _open_input(path: str, element: str | None = None) -> _Input:
     if os.path.isfile(path):
         return _open_h5ad(path, element)
     try:
-        node = open_store(path)
+        node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
         raise DatasetError(
             f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}); pass an .h5ad file, "

@@ -26,7 +26,7 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
-from dali_zarr.data.elements import available_elements, open_store, pick_element
+from dali_zarr.data.elements import available_elements, pick_element
 from dali_zarr.data.features import FeatureSubset
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
@@ -402,7 +402,7 @@ def inspect_store(
             f"dali-zarr convert {path} {os.path.splitext(path)[0]}.zarr"
         )
     ds = open_dataset(path, element=element)
-    node = open_store(path)
+    node = zarr.open(path, mode="r")
     picked = pick_element(node, element, store=path)  # what ds read, as zarr nodes
     x, key = picked.node, picked.key
     arrays: list[ArrayInfo] = []

@@ -696,8 +696,12 @@ def test_dali_checkpointing_takes_unsigned_outputs(tmp_path: Path) -> None:
     ad.AnnData(X=x, obs=obs).write_zarr(path)
     group = zarr.open_group(str(path), mode="r+")
     ids = group["X/indices"][...]
-    group.create_array("X/indices", shape=ids.shape, dtype="uint16", chunks=(500,), overwrite=True)
-    group["X/indices"][...] = ids.astype(np.uint16)
+    indices = group.create_array(
+        "X/indices", shape=ids.shape, dtype="uint16", chunks=(500,), overwrite=True
+    )
+    indices[...] = ids.astype(np.uint16)  # not through group[...]: its stale consolidated view
+    zarr.consolidate_metadata(str(path))  # wrote the old int32 layout, which this read back
+    assert dz.open_dataset(path).index_dtype == np.uint16
     ds = dz.open_dataset(path)
     for output, dtype in (("dense", torch.bfloat16), ("csr", torch.bfloat16), ("csr", "float32")):
         kw = dict(output=output, dtype=dtype, obs=["plate"], return_index=True)

@@ -22,7 +22,6 @@ import zarr
 from dali_zarr.data.elements import (
     frame_index,
     matrix_layout,
-    open_store,
     pick_element,
     shape_attribute,
     var_key,
@@ -663,7 +662,7 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
     if not os.path.exists(path):
         raise DatasetError(f"{path}: no such file or directory; pass the path of a Zarr store.")
     try:
-        node = open_store(path)
+        node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
         found = [f for f in ("zarr.json", ".zarray", ".zgroup") if os.path.isfile(f"{path}/{f}")]
         if found:  # a store whose metadata zarr cannot take

@@ -25,16 +25,6 @@ ELEMENT_FORMS = "X, raw/X, layers/<name>, obsm/<name> or obsp/<name>"
 _KEYED_GROUPS = ("layers", "obsm", "obsp")
 
 
-def open_store(path: str) -> Any:
-    """The zarr node at ``path``, read-only, each node from its own metadata. A consolidated
-    copy of the metadata (anndata writes one) is not updated when an array is later
-    rewritten; read from it, the new chunks would be decoded with the old dtype or shape
-    (silent garbage) and new arrays would be missing."""
-    import zarr
-
-    return zarr.open(path, mode="r", use_consolidated=False)
-
-
 def attribute(node: Any, key: str) -> Any:
     """An attribute as text where h5py hands back bytes."""
     value = node.attrs.get(key)
@@ -181,6 +171,7 @@ def anndata_element(root: Any, element: str, *, store: str) -> Any:
         what = "has no 'X'; nothing to load" if name == "X" else f"has no {name!r}"
         raise DatasetError(
             f"{store}: AnnData store {what}. Pass element= one of: {_listing(root)}."
+            + _stale_listing_hint(root, name)
         )
     node = root[name]
     if not is_array(node) and attribute(node, "encoding-type") == "dataframe":
@@ -249,6 +240,7 @@ def pick_element(
     if node is None or not is_array(node):
         raise DatasetError(
             f"{store}: has no array {element!r}{listing}; pass element= the path of one.{inside}"
+            + _stale_listing_hint(root, key)
         )
     return Picked(node, key, False)
 
@@ -283,6 +275,23 @@ def var_key(element: str) -> str | None:
     if element == "raw/X":
         return "raw/var"
     return "var" if element == "X" or element.startswith("layers/") else None
+
+
+def _stale_listing_hint(root: Any, key: str) -> str:
+    """Where zarr says a node is missing but a local store holds it on disk, the store's
+    consolidated metadata (what zarr lists from) predates it: say so, and how to fix it."""
+    directory = getattr(getattr(root, "store", None), "root", None)
+    if not key or directory is None:
+        return ""
+    import os
+
+    where = os.path.join(str(directory), *str(getattr(root, "path", "") or "").split("/"), key)
+    if not any(os.path.isfile(os.path.join(where, f)) for f in ("zarr.json", ".zarray", ".zgroup")):
+        return ""
+    return (
+        f" (It is on disk at {where}, but not in the store's consolidated metadata, which was "
+        "written before it: run zarr.consolidate_metadata on the store.)"
+    )
 
 
 def _listing(root: Any) -> str:

@@ -845,6 +845,43 @@ def _local_directory(array: Any) -> tuple[str | None, str]:
     return (os.path.join(root, *prefix.split("/")) if prefix else root), ""
 
 
+def _metadata_without_attributes(array: Any) -> dict[str, Any]:
+    import json
+
+    meta = dict(array.metadata.to_dict())
+    meta.pop("attributes", None)
+    return json.loads(json.dumps(meta, sort_keys=True, default=str))  # NaN fills compare equal
+
+
+def _refuse_stale_metadata(array: Any, directory: str, name: str) -> None:
+    """DatasetError where the metadata ``array`` was opened with (a store's consolidated
+    copy, as anndata and ``zarr.open`` read it) differs from the array's own file. zarr does
+    not update the consolidated copy when an array is rewritten, and which of the two
+    matches the chunks depends on how they were written, so neither is guessed at."""
+    import zarr
+
+    try:
+        own = zarr.open_array(directory, mode="r")
+    except Exception:  # no metadata file of its own: nothing to compare (zarr reads on)
+        return
+    theirs, mine = _metadata_without_attributes(array), _metadata_without_attributes(own)
+    if theirs == mine:
+        return
+    differ = ", ".join(
+        f"{key} {theirs.get(key)} vs {mine.get(key)}"
+        for key in sorted(set(theirs) | set(mine))
+        if theirs.get(key) != mine.get(key)
+    )
+    raise DatasetError(
+        f"{name}: the store's consolidated metadata and the array's own metadata file in "
+        f"{directory} disagree ({differ}): the array was changed after the store was "
+        "consolidated, and zarr does not update that copy. If the array's own file is right "
+        "(it was rewritten through zarr.open_array, or a group opened with "
+        "use_consolidated=False), run zarr.consolidate_metadata on the store; otherwise "
+        "re-write the array."
+    )
+
+
 def open_reader(
     array: Any,
     *,
@@ -859,6 +896,7 @@ def open_reader(
     directory, why = _local_directory(array)
     if directory is None:
         return ZarrReader(array, name=name, reason=why, executor=executor)
+    _refuse_stale_metadata(array, directory, name)
     if layout.unsupported:
         return ZarrReader(array, name=name, reason=layout.unsupported, executor=executor)
     return DirectReader(layout, directory, name=name, executor=executor)
