@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dali_zarr as dz
 from dali_zarr import synthetic
 from dali_zarr.inspection import suggested_settings
+
+from classifier import categorical_classes, holds_counts, labelled_loss, mlp  # isort: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,27 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         dist_info="torch",
     )
     loader = dz.Loader(dataset, sampler, device=args.device, device_id=local_rank, obs=[args.label])
-    categories = loader.categories(args.label)
-    if not categories:
-        raise SystemExit(
-            f"--label {args.label!r}: the classifier needs a categorical obs column (its codes "
-            "are the classes); this one is numeric. Pick a categorical column."
-        )
-    n_classes = len(categories)
+    n_classes = categorical_classes(loader.categories(args.label), args.label)
+    log1p = holds_counts(args.element)
     if rank == 0:
         print(
             f"[rank 0] {dataset}; chunk_size {chunk_size}, preload_nchunks {preload_nchunks}; "
-            f"{world} ranks x {len(loader)} batches/epoch; "
+            f"{world} ranks x {len(loader)} batches/epoch; input "
+            f"{'log1p(x)' if log1p else 'x as stored'}; "
             f"{loader.device_reason}; read paths {loader.read_paths()}"
         )
 
     torch.manual_seed(args.seed)
-    model = nn.Sequential(
-        nn.Linear(dataset.n_features, args.hidden), nn.ReLU(), nn.Linear(args.hidden, n_classes)
-    ).to(device)
+    model = mlp(dataset.feature_shape, hidden=args.hidden, n_classes=n_classes).to(device)
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
-    loss_fn = nn.CrossEntropyLoss()
 
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
@@ -127,9 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         startup_s = 0.0  # until the first step is done: pipeline build + JIT on epoch 0
         for batch in loader:
-            x = torch.log1p(batch["X"].to(device, non_blocking=True))
+            x = batch["X"].to(device, non_blocking=True)
             y = batch[args.label].to(device, non_blocking=True)
-            loss = loss_fn(ddp(x), y)
+            loss_sum_batch, labelled = labelled_loss(ddp(torch.log1p(x) if log1p else x), y)
+            loss = loss_sum_batch / labelled.clamp_min(1)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

@@ -24,11 +24,11 @@ import lightning as L
 import numpy as np
 import torch
 import zarr
-from torch import nn
-from torch.nn import functional as F
 
 from dali_zarr import synthetic
 from dali_zarr.lightning import ZarrDataModule
+
+from classifier import categorical_classes, holds_counts, labelled_loss, mlp  # isort: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,14 +80,22 @@ def write_split_column(path: str, *, n_val: int, n_test: int, seed: int = 0) -> 
 
 
 class Classifier(L.LightningModule):
-    """An MLP on log1p counts; eval metrics as (sum, count) reduced once per epoch."""
+    """An MLP on log1p counts (or on the values, for obsm/obsp); eval metrics as (sum,
+    count) reduced once per epoch."""
 
-    def __init__(self, n_features: int, n_classes: int, *, hidden: int, lr: float, label: str):
+    def __init__(
+        self,
+        feature_shape: tuple[int, ...],
+        n_classes: int,
+        *,
+        hidden: int,
+        lr: float,
+        label: str,
+        log1p: bool = True,
+    ):
         super().__init__()
-        self.label, self.lr = label, lr
-        self.net = nn.Sequential(
-            nn.Linear(n_features, hidden), nn.ReLU(), nn.Linear(hidden, n_classes)
-        )
+        self.label, self.lr, self.log1p = label, lr, log1p
+        self.net = mlp(feature_shape, hidden=hidden, n_classes=n_classes)
         self.record: dict[str, list] = {"train_loss": [], "val_loss": [], "val_acc": []}
         self.ids: dict[str, np.ndarray] = {}  # observation ids this rank saw, per stage/epoch
         # per stage: ids seen and (loss sum, hits, count); validation runs inside the train
@@ -96,7 +104,7 @@ class Classifier(L.LightningModule):
         self._sums: dict[str, torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(torch.log1p(x))
+        return self.net(torch.log1p(x) if self.log1p else x)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -108,11 +116,11 @@ class Classifier(L.LightningModule):
         if stage not in self._sums:  # a run resumed mid-epoch skips on_train_epoch_start
             self._start(stage)
         y = batch[self.label]
-        loss = F.cross_entropy(logits, y, reduction="sum")
+        loss, labelled = labelled_loss(logits, y)  # cells with no label count for nothing
         hits = (logits.argmax(1) == y).sum()
-        self._sums[stage] += torch.stack([loss.detach(), hits, torch.tensor(len(y))]).double()
+        self._sums[stage] += torch.stack([loss.detach(), hits, labelled]).double()
         self._ids[stage].append(batch["index"].numpy())
-        return loss / len(y)
+        return loss / labelled.clamp_min(1)
 
     def _end(self, stage: str, key: str) -> tuple[float, float]:
         """Reduce the stage's sums over ranks (one collective, every rank calls it)."""
@@ -165,10 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     # Lightning re-runs this script for rank 1 inside trainer.fit: the store exists by then
     if args.generate and not Path(args.data).exists() and "LOCAL_RANK" not in os.environ:
+        # made whole under another name, then renamed: a run killed before the split column
+        # was added left a store without it that every later --generate took as done
+        staging = f"{args.data}.unsplit"
         synthetic.make_single_cell(
-            args.data, n_obs=args.n_obs, n_features=args.n_features, chunk_elements=4_096
+            staging, n_obs=args.n_obs, n_features=args.n_features, chunk_elements=4_096
         )
-        write_split_column(args.data, n_val=args.n_val, n_test=args.n_test)
+        write_split_column(staging, n_val=args.n_val, n_test=args.n_test)
+        os.rename(staging, args.data)
     L.seed_everything(0, verbose=False)
     dm = ZarrDataModule(
         data=args.data,
@@ -183,9 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         open_kwargs={"element": args.element},
     )
     dm.setup()
-    n_classes = len(dm.dataset.categories(args.label))  # type: ignore[union-attr, arg-type]
+    n_classes = categorical_classes(dm.dataset.categories(args.label), args.label)  # type: ignore[union-attr, arg-type]
     model = Classifier(
-        dm.dataset.n_features, n_classes, hidden=args.hidden, lr=args.lr, label=args.label
+        dm.dataset.feature_shape,  # type: ignore[union-attr]
+        n_classes,
+        hidden=args.hidden,
+        lr=args.lr,
+        label=args.label,
+        log1p=holds_counts(args.element),
     )
     trainer = L.Trainer(
         strategy="ddp",

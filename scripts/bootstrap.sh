@@ -15,7 +15,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] \
-  || ! .venv/bin/python -c "import dali_zarr, torch, nvidia.dali" > /dev/null 2>&1; then
+  || ! (cd / && "$OLDPWD/.venv/bin/python" -c "import dali_zarr, torch, nvidia.dali") > /dev/null 2>&1; then
+  # (imported from /: in the repository root ./dali_zarr imports even where the editable
+  # install is missing, and torchrun's workers, which start in pipelines/, then fail)
   # The install takes ~3 GB in .venv (DALI with its nvCOMP/nvJPEG libraries ~1 GB, torch
   # ~0.75 GB, JAX, scipy, ...) plus pip's unpacking room. Say so up front: on a full disk pip
   # only reports "[Errno 28] No space left on device" part way through.

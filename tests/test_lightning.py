@@ -26,6 +26,7 @@ EXAMPLE = ROOT / "pipelines" / "lightning_train.py"
 
 
 def load_example():
+    sys.path.insert(0, str(EXAMPLE.parent))  # its shared model module, as when it runs
     spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]

@@ -47,7 +47,59 @@ def test_ddp_train_two_ranks_loss_falls(tmp_path: Path) -> None:
     assert len({steps for _, steps, _ in per_rank}) == 1, "ranks ran different step counts"
 
 
+@pytest.mark.slow
+def test_ddp_train_on_an_embedding_with_missing_labels(tmp_path: Path) -> None:
+    """An N-D obsm entry with values below -1 was fed through log1p (NaN losses, exit 0) and
+    never flattened (a shape error); a missing label (code -1) crashed cross-entropy."""
+    import anndata as ad
+    import numpy as np
+    import pandas as pd
+
+    rng = np.random.default_rng(0)
+    n = 2_000
+    labels = rng.choice(["a", "b", "c"], size=n).astype(object)
+    labels[::97] = np.nan  # cells without a label
+    adata = ad.AnnData(
+        X=rng.poisson(1.0, size=(n, 20)).astype(np.float32),
+        obs=pd.DataFrame({"kind": pd.Categorical(labels)}, index=[f"c{i}" for i in range(n)]),
+    )
+    codes = adata.obs["kind"].cat.codes.to_numpy()
+    # an embedding that separates the classes, with values well below -1
+    adata.obsm["emb"] = (rng.normal(size=(n, 2, 3)) + 4 * codes[:, None, None] - 6).astype(
+        np.float32
+    )
+    adata.write_zarr(tmp_path / "emb.zarr")
+    out = run(
+        [
+            "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "pipelines/ddp_train.py", "--data", str(tmp_path / "emb.zarr"),
+            "--element", "obsm/emb", "--label", "kind", "--epochs", "3", "--batch-size", "64",
+        ]
+    )  # fmt: skip
+    assert "input x as stored" in out, out
+    losses = [float(m) for m in re.findall(r"\[all\] epoch \d+: mean loss ([0-9.]+)", out)]
+    assert len(losses) == 3 and losses[2] < losses[0], out
+
+
 def test_custom_ops_example(tmp_path: Path) -> None:
     out = run(["pipelines/custom_ops.py", "--data", str(tmp_path / "c.zarr"), "--batches", "2"])
     lines = [line for line in out.splitlines() if line.startswith("batch ")]
     assert len(lines) == 2 and "X (256, 2000) torch.float32" in lines[0], out
+
+
+def test_the_example_classifier_leaves_missing_labels_out() -> None:
+    """Both training scripts share pipelines/classifier.py: a cell without a label (code
+    -1) adds nothing to the loss or the count; a numeric --label is refused by name."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "pipelines"))
+    from classifier import categorical_classes, holds_counts, labelled_loss, mlp
+
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [5.0, -5.0]])
+    loss, labelled = labelled_loss(logits, torch.tensor([0, -1, 1]))
+    alone, _ = labelled_loss(logits[[0, 2]], torch.tensor([0, 1]))
+    assert int(labelled) == 2 and torch.allclose(loss, alone)
+    assert mlp((2, 3), hidden=4, n_classes=5)(torch.zeros(7, 2, 3)).shape == (7, 5)
+    assert holds_counts(None) and holds_counts("layers/counts") and not holds_counts("obsm/pca")
+    with pytest.raises(SystemExit, match="--label 'score': the classifier needs a categorical"):
+        categorical_classes(None, "score")
