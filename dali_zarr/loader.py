@@ -446,6 +446,7 @@ class Loader:
 
     def _start_epoch(self) -> Any:
         self._refuse_if_closed()
+        self.dataset.check_unchanged()  # a store rewritten meanwhile would read as garbage
         pending = self._pending
         history, start = self._resume_for(self.epoch)
         # validate settings (and the ranks' batch counts) before DALI starts calling back

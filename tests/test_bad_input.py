@@ -486,3 +486,33 @@ def test_a_column_categorical_in_one_store_and_numeric_in_another_names_both(
         match=r"'k' is categorical .*: a.zarr.* \(categorical\), b.zarr.* \(numeric\)",
     ):
         dz.open_dataset([a, b]).obs_column("k")
+
+
+@pytest.mark.parametrize("kind", ["csr", "dense-smaller", "sharded-csr"])
+def test_a_store_rewritten_while_a_loader_reads_it_is_refused(tmp_path: Path, kind: str) -> None:
+    """A loader keeps what it read at open (a CSR's row offsets, shapes, shard indexes). A
+    store rewritten under it (a new convert or anndata write to the same path) gave rows of
+    neither store, zeros past a smaller store's end, or a misleading "corrupted" error."""
+    from dali_zarr import synthetic
+
+    path = tmp_path / "moving.zarr"
+
+    def write(seed: int) -> None:
+        if kind == "dense-smaller":
+            synthetic.make_dense_cube(path, n_obs=400 - 200 * seed, shape=(6,), seed=seed)
+        else:
+            shards = 4 if kind == "sharded-csr" else None
+            synthetic.make_single_cell(
+                path, n_obs=400, n_features=30, chunk_elements=256, shard_chunks=shards, seed=seed
+            )
+
+    write(0)
+    loader = dz.Loader(dz.open_dataset(path), sampler(), device="cpu", num_threads=1)
+    try:
+        assert sum(len(b["X"]) for b in loader) == 400
+        write(1)
+        loader.set_epoch(1)
+        with pytest.raises(dz.DatasetError, match=r"moving\.zarr.*rewritten since the store"):
+            next(iter(loader))
+    finally:
+        loader.close()

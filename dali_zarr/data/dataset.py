@@ -98,8 +98,19 @@ class Dataset(ABC):
         """One obs column over all observations (loaded once, then cached)."""
 
     @abstractmethod
+    def readers(self) -> list[ArrayReader]:
+        """The readers of every array the dataset reads rows from."""
+
     def read_paths(self) -> dict[str, str]:
         """Which read path serves each array ("direct", or "zarr: <why>"), for reporting."""
+        return {r.name: _describe(r) for r in self.readers()}
+
+    def check_unchanged(self) -> None:
+        """DatasetError where an array was rewritten since the dataset was opened (the loader
+        asks before each epoch): what was read at open (a CSR's row offsets, shapes, chunk
+        and shard indexes) would describe the old array and give the new one's rows wrong."""
+        for reader in self.readers():
+            reader.check_unchanged()
 
     def categories(self, column: str) -> tuple[str, ...] | None:
         """Category names of a categorical obs column, to map batch codes back to labels."""
@@ -256,8 +267,8 @@ class DenseDataset(_StoreDataset):
     def read_rows(self, ranges: np.ndarray) -> DenseRows:
         return DenseRows(self.values_reader.read_rows(ranges))
 
-    def read_paths(self) -> dict[str, str]:
-        return {self.values_reader.name: _describe(self.values_reader)}
+    def readers(self) -> list[ArrayReader]:
+        return [self.values_reader]
 
 
 class CsrDataset(_StoreDataset):
@@ -378,8 +389,8 @@ class CsrDataset(_StoreDataset):
             "real width."
         )
 
-    def read_paths(self) -> dict[str, str]:
-        return {r.name: _describe(r) for r in (self.data_reader, self.indices_reader)}
+    def readers(self) -> list[ArrayReader]:
+        return [self.data_reader, self.indices_reader]
 
 
 def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -523,11 +534,8 @@ class Collection(Dataset):
                 )
         return names[0]
 
-    def read_paths(self) -> dict[str, str]:
-        paths: dict[str, str] = {}
-        for part in self.parts:
-            paths.update(part.read_paths())
-        return paths
+    def readers(self) -> list[ArrayReader]:
+        return [reader for part in self.parts for reader in part.readers()]
 
 
 def _concat_rows(

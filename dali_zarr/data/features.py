@@ -23,6 +23,7 @@ import numpy as np
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, Rows, StoreRun
 from dali_zarr.data.obs import ObsColumn
 from dali_zarr.errors import DatasetError
+from dali_zarr.io import ArrayReader
 
 FeatureSelection = np.ndarray | Sequence[int] | Sequence[str] | Sequence[bool]
 
@@ -251,8 +252,8 @@ class FeatureSubset(Dataset):
     def global_ids(self, rows: np.ndarray) -> np.ndarray:
         return self.parent.global_ids(rows)
 
-    def read_paths(self) -> dict[str, str]:
-        return self.parent.read_paths()
+    def readers(self) -> list[ArrayReader]:
+        return self.parent.readers()
 
     def var_names(self) -> tuple[str, ...] | None:
         names = self.parent.var_names()

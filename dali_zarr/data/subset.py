@@ -18,6 +18,7 @@ import numpy as np
 from dali_zarr.data.dataset import Dataset, Rows, StoreRun
 from dali_zarr.data.obs import ObsColumn
 from dali_zarr.errors import DatasetError
+from dali_zarr.io import ArrayReader
 from dali_zarr.planning.partition import concat_aranges, run_offsets
 
 
@@ -156,5 +157,5 @@ class Subset(Dataset):
     def var_names(self) -> tuple[str, ...] | None:
         return self.parent.var_names()
 
-    def read_paths(self) -> dict[str, str]:
-        return self.parent.read_paths()
+    def readers(self) -> list[ArrayReader]:
+        return self.parent.readers()

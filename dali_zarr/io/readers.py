@@ -107,6 +107,8 @@ class ArrayReader(Protocol):
 
     def chunk_where(self, coords: tuple[int, ...]) -> str: ...
 
+    def check_unchanged(self) -> None: ...
+
 
 # ---------------------------------------------------------------------------- executor
 
@@ -398,6 +400,18 @@ class DirectReader:
         self.chunks_read = 0  # pieces (chunks / inner chunks) read so far, over all calls
         self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
         self._count_lock = threading.Lock()
+        self._metadata_file, self._metadata_stat = _metadata_stat(directory)
+
+    def check_unchanged(self) -> None:
+        """DatasetError where the array's metadata file was replaced or rewritten since this
+        reader was made (its cached chunk sizes and shard indexes are the old array's)."""
+        if _metadata_stat(self.directory)[1] != self._metadata_stat:
+            raise DatasetError(
+                f"{self.name}: the array was rewritten since the store was opened (its "
+                f"metadata file {self._metadata_file} changed); what was read at open "
+                "describes the old array. Open the store again (dz.open_dataset) and make "
+                "a new Loader."
+            )
 
     def __repr__(self) -> str:
         return f"DirectReader({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -744,6 +758,18 @@ class DirectReader:
         self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), size)
 
 
+def _metadata_stat(directory: str) -> tuple[str, tuple[int, int, int] | None]:
+    """(metadata file of the array in ``directory``, its (inode, mtime, size) or None)."""
+    for name in ("zarr.json", ".zarray"):
+        path = os.path.join(directory, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        return path, (st.st_ino, st.st_mtime_ns, st.st_size)
+    return os.path.join(directory, "zarr.json"), None
+
+
 # ---------------------------------------------------------------------------- zarr fallback
 
 
@@ -778,6 +804,10 @@ class ZarrReader:
     def chunk_where(self, coords: tuple[int, ...]) -> str:
         """Chunk ``coords`` as zarr numbers it (the store's keys are zarr's business)."""
         return f"chunk {tuple(coords)} of {self.name}"
+
+    def check_unchanged(self) -> None:
+        """zarr reads its metadata afresh where it must; a store of any kind has no file of
+        ours to watch, so a rewrite is not detected here."""
 
     @property
     def executor(self) -> concurrent.futures.Executor:
