@@ -32,7 +32,7 @@ from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import DirectReader, open_reader, parse_layout
 from dali_zarr.io.gpu import GPU_KINDS, gpu_codec_kind
-from dali_zarr.planning.partition import n_chunks_of, window_rows_of
+from dali_zarr.planning.partition import n_chunks_of, validate_count, window_rows_of
 
 __all__ = [
     "ArrayInfo",
@@ -374,6 +374,11 @@ def suggested_settings(
     suggestion for ``source`` (a store path, or a dataset already opened) read by
     ``world_size`` ranks. A given ``chunk_size`` keeps the suggested window size in rows.
     Deterministic in the stores' metadata, so every rank gets the same."""
+    validate_count("batch_size", batch_size)
+    validate_count("world_size", world_size)
+    for name, value in (("chunk_size", chunk_size), ("preload_nchunks", preload_nchunks)):
+        if value is not None:  # else a division by zero further down
+            validate_count(name, value)
     if chunk_size is not None and preload_nchunks is not None:
         return chunk_size, preload_nchunks
     ds = source if isinstance(source, Dataset) else open_dataset(source)

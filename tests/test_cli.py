@@ -661,6 +661,10 @@ def test_suggested_settings_fill_only_what_is_missing(sc_store, tmp_path) -> Non
     assert suggested_settings(nowhere, batch_size=256, chunk_size=7, preload_nchunks=2) == (7, 2)
     opened = dz.open_dataset(sc_store)  # an opened dataset gets the same as its path
     assert suggested_settings(opened, batch_size=256) == (s.chunk_size, s.preload_nchunks)
+    # zeros (a training script's --chunk-size 0) were divisions by zero
+    for bad in ({"batch_size": 0}, {"batch_size": 8, "chunk_size": 0}):
+        with pytest.raises(dz.ConfigError, match="must be a positive integer, got 0"):
+            suggested_settings(sc_store, **bad)
 
 
 def test_suggestion_for_collections_and_subsets(tmp_path, sc_store) -> None:
