@@ -46,7 +46,13 @@ from pathlib import Path
 
 import numpy as np
 from contenders._common import emit, epochs  # benchmarks/ is this script's directory
-from throughput import ANNBATCH_ENV, ensure_sparse_store, run_script, warm_page_cache
+from throughput import (
+    ANNBATCH_ENV,
+    ensure_sparse_store,
+    run_script,
+    steady_warmup,
+    warm_page_cache,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -161,9 +167,17 @@ def make_store(args: argparse.Namespace) -> str:
 
 
 def timed(args: argparse.Namespace, batches, consume) -> dict:
-    """Time ``consume`` over ``args.batches`` batches after ``args.warmup``: rows, seconds."""
+    """Time ``consume`` over ``args.batches`` batches after the warm-up: rows, seconds. The
+    warm-up is ``--warmup`` batches or more, past what our loader reads ahead when it starts
+    (the rule of ``throughput.py``), the same for every contender."""
     it = iter(batches)
-    for _ in range(args.warmup):
+    warmup = steady_warmup(
+        args.warmup,
+        chunk_size=args.chunk_size,
+        preload_nchunks=args.preload_nchunks,
+        batch_size=args.batch_size,
+    )
+    for _ in range(warmup):
         consume(next(it))
     synchronize(args)
     rows = 0

@@ -291,6 +291,14 @@ class Contender:
     errors: list[str] = field(default_factory=list)
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1 (0 timed batches divided by zero at the end)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
 def steady_warmup(warmup: int, *, chunk_size: int, preload_nchunks: int, batch_size: int) -> int:
     """Batches to consume before the clock starts: at least ``warmup``, and past what our
     loader reads ahead when it starts (2 windows, plus DALI's queue of 2 batches). With 2
@@ -401,7 +409,14 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
                 "dense",
                 "torch_dataloader_runner.py",
                 py,
-                {**measure, "batch_size": bsize, "num_workers": args.baseline_workers, "warmup": 1},
+                {
+                    **measure,
+                    "batch_size": bsize,
+                    "num_workers": args.baseline_workers,
+                    # past what its workers prefetch (DataLoader's prefetch_factor: 2 each),
+                    # as the others' warm-up is past their read-ahead (it was 1 batch)
+                    "warmup": max(args.warmup, 2 * args.baseline_workers + 1),
+                },
                 ref["dense"],
                 ceiling["dense"],
             )
@@ -595,8 +610,9 @@ def conditions(args, infos, envs, load_before, load_after, seconds) -> list[str]
         f"- Run: {time.strftime('%Y-%m-%d %H:%M %Z')}, {args.reps} repetitions round-robin, "
         f"{seconds / 60:.1f} min; measurement = {args.batches} batches after {args.warmup} "
         "warm-up (dali_zarr and annbatch: at least 3 windows + 2 batches, past any "
-        f"read-ahead; clock stops at the first batch past {args.seconds:g} s); page cache warm "
-        "(every store file read once before the first measurement)",
+        f"read-ahead; torch DataLoader: at least {2 * args.baseline_workers + 1}, past its "
+        f"workers' prefetch; clock stops at the first batch past {args.seconds:g} s); page "
+        "cache warm (every store file read once before the first measurement)",
     ]
     if "sparse" in infos:
         s = infos["sparse"]
@@ -737,8 +753,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DataLoader workers (baseline and zarr-torch-dataset)",
     )
     g = p.add_argument_group("measurement")
-    g.add_argument("--reps", type=int, default=3, help="repetitions of every contender")
-    g.add_argument("--batches", type=int, default=24, help="batches timed per measurement")
+    g.add_argument("--reps", type=_at_least_one, default=3, help="repetitions of every contender")
+    g.add_argument(
+        "--batches", type=_at_least_one, default=24, help="batches timed per measurement"
+    )
     g.add_argument("--seconds", type=float, default=10.0, help="time cap per measurement")
     g.add_argument("--warmup", type=int, default=2, help="batches before the clock starts")
     g.add_argument(

@@ -13,6 +13,9 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
 from tests.processes import ROOT, run_ok
 
 BENCHMARKS = ROOT / "benchmarks"
@@ -102,13 +105,19 @@ def test_throughput_cube_run(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "throughput.json").read_text())
     ran = {c["key"]: c for c in report["contenders"]}
     assert {key.split("/")[1] for key in ran} == {"dali_zarr", "torch_dataloader", "ceiling"}
+    table = (tmp_path / "throughput.md").read_text()
+    row_bytes = 4 * np.prod(report["stores"]["cube"]["shape"][1:])  # float32 rows
     for key, contender in ran.items():
         assert not contender["errors"] and not contender["skipped"], (key, contender)
         (result,) = contender["results"]
-        assert result["rows"] > 0, (key, result)
-        if "ceiling" not in key:  # the ceiling reads whole windows, not --batches batches
-            assert result["batches"] == 3, (key, result)
-    assert "| cube | dali_zarr dense |" in (tmp_path / "throughput.md").read_text()
+        if "ceiling" in key:  # whole passes over the cube's 48 rows, not --batches batches
+            assert result["rows"] > 0 and result["rows"] % 48 == 0, (key, result)
+        else:  # every row of the 3 timed batches of 8, materialised
+            assert result["batches"] == 3 and result["rows"] == 24, (key, result)
+            assert result["bytes"] == 24 * row_bytes, (key, result)
+        rate = result["rows"] / result["seconds"]
+        assert result["rows_per_s"] == pytest.approx(rate), (key, result)
+        assert f"| cube | {contender['label']} | dense | {rate:,.0f} |" in table, table
     assert (tmp_path / "throughput.png").exists() == CHARTS
 
 
