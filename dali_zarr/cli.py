@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -526,13 +527,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():
             for message in _QUIET_WARNINGS:  # zarr/anndata chatter that is no use on a terminal
                 warnings.filterwarnings("ignore", message=message)
-            return func(args)
+            status = func(args)
+            sys.stdout.flush()  # a closed pipe fails here, where it is handled, not at exit
+            return status
     except DaliZarrError as e:
         print(f"{prefix}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dali-zarr inspect S | head`: the reader left; nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
     except OSError as e:  # the file system said no (permissions, disk full, ...)
         print(f"{prefix}: error: {e}", file=sys.stderr)
         return 1

@@ -593,6 +593,16 @@ def test_console_script(tmp_path, sc_store):
     assert proc.stderr == ""  # no warnings from zarr or anndata on a terminal
 
 
+def test_a_reader_that_leaves_the_pipe_is_no_error(sc_store):
+    """`dali-zarr inspect S | head -3`: the pipe closed early printed "error: [Errno 32]
+    Broken pipe"; a reader that leaves is not the user's mistake (exit 1, nothing said)."""
+    cmd = [sys.executable, "-m", "dali_zarr.cli", "inspect", str(sc_store)]
+    proc = subprocess.Popen(cmd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # type: ignore[union-attr]
+    err = proc.stderr.read().decode()  # type: ignore[union-attr]
+    assert proc.wait(timeout=120) == 1 and err == "", err
+
+
 def test_suggested_window_is_the_loaders() -> None:
     """inspect reports the window the loader will use: whole batches within the chunks read."""
     from dali_zarr.inspection import suggest
