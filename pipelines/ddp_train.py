@@ -31,7 +31,9 @@ from classifier import categorical_classes, holds_counts, labelled_loss, mlp  # 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="runs/demo.zarr", help="Zarr store (AnnData or array)")
+    p.add_argument(
+        "--data", default="runs/demo.zarr", help="AnnData Zarr store with the --label obs column"
+    )
     p.add_argument("--generate", action="store_true", help="write a synthetic store if missing")
     p.add_argument("--n-obs", type=int, default=50_000, help="cells in the generated store")
     p.add_argument("--n-features", type=int, default=2_000, help="genes in the generated store")
