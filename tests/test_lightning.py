@@ -217,7 +217,7 @@ def trainer(**kwargs) -> L.Trainer:
 
 def model():
     L.seed_everything(0, verbose=False)
-    return example.Classifier(32, 8, hidden=16, lr=1e-2, label="cell_type")
+    return example.Classifier((32,), 8, hidden=16, lr=1e-2, label="cell_type")
 
 
 def test_trainer_reshuffles_validates_exactly_and_resumes(split_store: str, tmp_path) -> None:
