@@ -284,7 +284,15 @@ def gather_across_ranks(payload: object, *, over: Exchange = "torch") -> list[ob
     import torch.distributed as dist
 
     rows: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, payload, group=_cpu_group())
+    try:
+        dist.all_gather_object(rows, payload, group=_cpu_group())
+    except RuntimeError as exc:  # gloo's "Timed out waiting ..." / "Connection closed by peer"
+        raise RuntimeError(
+            f"dali_zarr: rank {dist.get_rank()} of {dist.get_world_size()} waited in vain for "
+            "the other ranks to exchange their sampler and loader settings (every rank must "
+            "build its DistributedSampler and Loader, and load a state, at the same point; "
+            f"did a rank stop, or take another path?): {exc}"
+        ) from exc
     return rows
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -127,6 +128,7 @@ def main() -> None:
     p.add_argument("--nccl", action="store_true", help="take the default group for NCCL's")
     jax_help = "one of 2 JAX processes (coordinator on 127.0.0.1:PORT), not torchrun"
     p.add_argument("--jax", nargs=2, type=int, metavar=("PORT", "PROCESS_ID"), help=jax_help)
+    p.add_argument("--absent", action="store_true", help="rank 1 leaves before its Loader")
     args = p.parse_args()
     if args.jax:
         import jax
@@ -146,6 +148,20 @@ def main() -> None:
         if args.nccl:  # the checks must then make and use a gloo group of their own
             distributed.__dict__["_backend_name"] = lambda: "nccl"
         rank = dist.get_rank()
+    if args.absent:  # rank 0 waits in the Loader's exchange for a rank that left
+        if rank == 1:
+            os._exit(0)
+        try:
+            sampler = dz.DistributedSampler(
+                dz.ChunkSampler(chunk_size=100, preload_nchunks=2, batch_size=50),
+                dist_info="torch",
+            )
+            dz.Loader(dz.open_dataset(args.stores[0]), sampler, device="cpu")
+            outcome = "built"
+        except RuntimeError as e:
+            outcome = str(e)
+        Path(args.out, "rank0.json").write_text(json.dumps({"absent": outcome}))
+        os._exit(0)  # the group is broken: no barrier, no teardown
     results: dict[str, object] = {}
     for name, run in scenarios(rank, *args.stores).items():
         try:

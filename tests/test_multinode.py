@@ -263,6 +263,21 @@ def test_one_node_drawn_seed_disjoint_equal_complete(tmp_path: Path, shard: str)
         assert ranks[0]["epoch0"].max() < n_obs // 2 <= ranks[1]["epoch0"].min()
 
 
+def test_a_rank_that_never_builds_its_loader_is_named(tmp_path: Path) -> None:
+    """The ranks' exchange at construction waited for a rank that had left, then raised
+    gloo's bare "Connection closed by peer" (or a timeout after 30 minutes) without saying
+    which step of dali_zarr waited, or why."""
+    store = synthetic.make_single_cell(tmp_path / "s.zarr", n_obs=600, n_features=8)
+    worker = [str(AGREEMENT_WORKER), "--stores", store, store, store, "--out", str(tmp_path)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    for code, stdout, stderr in wait_all(
+        [start([*torchrun, "--nproc_per_node=2", *worker, "--absent"], env=_env())], TIMEOUT
+    ):
+        assert code == 0, stdout[-2000:] + stderr[-2000:]
+    outcome = json.loads((tmp_path / "rank0.json").read_text())["absent"]
+    assert "rank 0 of 2 waited in vain" in outcome and "DistributedSampler and Loader" in outcome
+
+
 @pytest.mark.parametrize("world", ["gloo", "nccl-default-group", "jax"])
 def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: str) -> None:
     """A rank with its own seed, batch size, store or resume step would plan alone (rows
