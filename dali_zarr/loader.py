@@ -194,6 +194,7 @@ class Loader:
         self._open_epoch = False  # an epoch was started and not run to its end
         self._consumed = 0  # batches handed out in the DALI epoch now bound
         self._passes = 0  # loops started over this loader; only the latest may draw batches
+        self._looping = 0  # the pass of the loop now running (0: none)
         self._iter0 = 0  # DALI iteration of its first batch (>0 after a DALI restore)
         # a batch failed in this DALI epoch: DALI's iterator had already counted it, so its
         # checkpoint is one batch past what the user got and is not saved (see _dali_checkpoint)
@@ -240,25 +241,30 @@ class Loader:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         iterator = self._start_epoch()
         self._passes += 1
-        this_pass = self._passes
-        while True:
-            self._refuse_if_closed()  # a generator still held after close()
-            if self._passes != this_pass:  # it would take the newer loop's batches
-                raise ConfigError(
-                    f"{self.dataset.name}: a newer loop over this loader has started since "
-                    "this one; the DALI pipeline serves one loop at a time, so a loop left "
-                    "early cannot go on once another has begun. Iterate one loop at a time."
-                )
-            try:
-                outputs = next(iterator)
-            except StopIteration:
-                self._open_epoch = False
-                return
-            except Exception as exc:
-                self._dali_ahead = self.enable_checkpointing
-                raise self._original_error(exc) from exc
-            self._consumed += 1
-            yield self._to_batch(outputs[0])
+        this_pass = self._looping = self._passes
+        try:
+            while True:
+                self._refuse_if_closed()  # a generator still held after close()
+                if self._passes != this_pass:  # it would take the newer loop's batches
+                    raise ConfigError(
+                        f"{self.dataset.name}: a newer loop over this loader has started "
+                        "since this one; the DALI pipeline serves one loop at a time, so a "
+                        "loop left early cannot go on once another has begun. Iterate one "
+                        "loop at a time."
+                    )
+                try:
+                    outputs = next(iterator)
+                except StopIteration:
+                    self._open_epoch = False
+                    return
+                except Exception as exc:
+                    self._dali_ahead = self.enable_checkpointing
+                    raise self._original_error(exc) from exc
+                self._consumed += 1
+                yield self._to_batch(outputs[0])
+        finally:  # run out, left (break closes the generator) or failed
+            if self._looping == this_pass:
+                self._looping = 0
 
     def close(self) -> None:
         """Stop the reader threads and let the DALI pipeline and its buffers go (on the GPU
@@ -289,7 +295,10 @@ class Loader:
         if self._pending is not None and self._pending.epoch == self.epoch:
             epoch, history, consumed = self.epoch, self._pending.history, self._pending.start
             dali = self._restore
-        elif self._run is not None and self._run[0] == self.epoch:
+        elif self._run is not None and (self._run[0] == self.epoch or self._looping):
+            # (a loop still running reports its own epoch, even after a set_epoch for the
+            # next: the rest of its epoch is still to come, and a state of the next one at
+            # batch 0 would never deliver it)
             epoch, history, start = self._run
             consumed = start + self._consumed
             dali = self._dali_checkpoint(bound=True)

@@ -319,6 +319,31 @@ def test_a_dali_checkpoint_after_a_failed_batch_loses_no_batch(tmp_path: Path) -
     assert state["dali"] is None  # DALI's had counted the failed batch
 
 
+def test_set_epoch_inside_the_loop_does_not_move_the_state(store) -> None:
+    """set_epoch(e + 1) called while epoch e's loop still runs made state_dict() report
+    epoch e + 1 at batch 0: a checkpoint then never delivered the rest of epoch e. The loop
+    that runs is what the state describes; once it is left, the next epoch is."""
+    full = cat(b["index"] for b in take(loader(store, sampler()), 0))
+    run = loader(store, sampler())
+    got = []
+    for batch in run:
+        got.append(batch["index"].numpy())
+        if len(got) == 5:
+            run.set_epoch(1)  # too early: epoch 0 is still being delivered
+            mid = roundtrip(run.state_dict())
+    assert (mid["epoch"], mid["consumed"]) == (0, 5)
+    for _batch in run:  # the loop of epoch 1, left at once: the state moves on with it
+        break
+    after = run.state_dict()
+    run.close()
+    assert (after["epoch"], after["consumed"]) == (1, 1)
+    resumed = loader(store, sampler())
+    resumed.load_state_dict(mid)
+    rest = [b["index"] for b in take(resumed, 0)]
+    resumed.close()
+    np.testing.assert_array_equal(cat(got[:5] + rest), full)
+
+
 # --------------------------------------------------------------------------- refused states
 
 
