@@ -272,7 +272,9 @@ def suggest(
     preload = max(1, min(preload, by_memory, n_chunks))
     window = window_rows_of(chunk_size, preload, batch_size)  # what the loader will use
     warning = ""
-    if window == 0:  # rows too large for a window of a batch within WINDOW_BYTES_CAP
+    if n_obs == 0:  # the loader refuses it; a suggestion would read as if it could load
+        warning = "the store has no observations: there is nothing to load"
+    elif window == 0:  # rows too large for a window of a batch within WINDOW_BYTES_CAP
         warning = (
             f"a window of {preload * chunk_size} rows holds no batch of {batch_size}: rows of "
             f"{row_bytes:,.0f} bytes cap the window at {WINDOW_BYTES_CAP / 2**20:,.0f} MiB; "
@@ -520,7 +522,9 @@ def format_report(report: StoreReport) -> str:
         "",
         f"  suggested: chunk_size={s.chunk_size}, preload_nchunks={s.preload_nchunks} "
         f"(batch_size={s.batch_size}: a window is {s.window_rows:,} rows, "
-        f"~{s.window_mib:,.1f} MiB decoded)",
+        f"~{s.window_mib:,.1f} MiB decoded"
+        + (f"; the store's {r.n_obs:,} fit in one" if 0 < r.n_obs < s.window_rows else "")
+        + ")",
         f"  store rows per chunk: {s.rows_per_store_chunk:,.1f}; store chunk bytes decoded "
         f"per byte of rows used: ~{s.read_amplification:.2f}",
         *([f"  warning: {s.warning}"] if s.warning else []),

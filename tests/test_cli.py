@@ -520,6 +520,10 @@ def test_inspect_v2_blosc_and_fallback(tmp_path, capsys):
     assert "transpose" in report["arrays"][0]["why"]
     assert report["suggestion"]["chunk_size"] == 40  # smallest multiple of 10 rows >= 32
     assert report["suggestion"]["read_amplification"] == 1.0  # dense: whole store chunks
+    assert run("inspect", tmp_path / "t.zarr") == 0  # 100 rows: a window of 256 holds them
+    assert "a window is 256 rows, ~0.0 MiB decoded; the store's 100 fit in one)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_inspect_converted_store(tmp_path, sc_store, capsys):
@@ -618,6 +622,8 @@ def test_suggested_window_is_the_loaders() -> None:
     tiny = suggest(n_obs=100, rows_per_chunk=10, row_bytes=4, batch_size=256)
     assert (tiny.chunk_size, tiny.preload_nchunks, tiny.window_rows) == (40, 7, 256)
     assert not tiny.warning
+    # an empty store: the loader refuses it, so the suggestion must not read as usable
+    assert "no observations" in suggest(n_obs=0, rows_per_chunk=10, row_bytes=4).warning
     huge = suggest(n_obs=1_000, rows_per_chunk=1, row_bytes=2**30, batch_size=64)
     assert huge.window_rows == 0 and "lower batch_size or raise preload_nchunks" in huge.warning
 
