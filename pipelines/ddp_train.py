@@ -29,32 +29,45 @@ from dali_zarr.inspection import suggested_settings
 from classifier import categorical_classes, holds_counts, labelled_loss, mlp  # isort: skip
 
 
+def positive(text: str) -> int:
+    """argparse type: a whole number >= 1 (0 rows, genes or batches fail far from the flag)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--data", default="runs/demo.zarr", help="AnnData Zarr store with the --label obs column"
     )
     p.add_argument("--generate", action="store_true", help="write a synthetic store if missing")
-    p.add_argument("--n-obs", type=int, default=50_000, help="cells in the generated store")
-    p.add_argument("--n-features", type=int, default=2_000, help="genes in the generated store")
+    p.add_argument("--n-obs", type=positive, default=50_000, help="cells in the generated store")
+    p.add_argument(
+        "--n-features", type=positive, default=2_000, help="genes in the generated store"
+    )
     p.add_argument(
         "--element",
         default=None,
         help="what to train on: X (default), raw/X, layers/<name>, obsm/<name>, obsp/<name>",
     )
     p.add_argument("--label", default="cell_type", help="categorical obs column to predict")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=positive, default=3)
     p.add_argument(
         "--max-steps", type=int, default=0, help="stop each epoch after N steps (0: all)"
     )
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--batch-size", type=positive, default=256)
     p.add_argument(
-        "--chunk-size", type=int, default=None, help="default: dali-zarr inspect's suggestion"
+        "--chunk-size", type=positive, default=None, help="default: dali-zarr inspect's suggestion"
     )
     p.add_argument(
-        "--preload-nchunks", type=int, default=None, help="default: dali-zarr inspect's suggestion"
+        "--preload-nchunks",
+        type=positive,
+        default=None,
+        help="default: dali-zarr inspect's suggestion",
     )
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--hidden", type=positive, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
@@ -79,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.generate and rank == 0 and not Path(args.data).exists():
         print(f"[rank 0] writing {args.n_obs} x {args.n_features} synthetic store {args.data}")
-        synthetic.make_single_cell(args.data, n_obs=args.n_obs, n_features=args.n_features)
+        synthetic.make_single_cell(
+            args.data,
+            n_obs=args.n_obs,
+            n_features=args.n_features,
+            n_types=min(8, args.n_features),  # a cell type is marked by genes of its own
+        )
     dist.barrier()
 
     dataset = dz.open_dataset(args.data, element=args.element)
