@@ -308,7 +308,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
             raise DatasetError(f"{where}: csr_matrix group has no array {part!r}; re-write it.")
     n_obs, n_features = shape_attribute(x, where=where)
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
-    if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(np.diff(indptr) < 0):
+    if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(indptr[1:] < indptr[:-1]):
         raise DatasetError(
             f"{where}/indptr: must hold {n_obs + 1} non-decreasing offsets from 0 "
             f"(has {len(indptr)}); the store is inconsistent."

@@ -346,7 +346,8 @@ class CsrDataset(_StoreDataset):
 
     def _check_indptr(self) -> None:
         indptr, name = self.indptr, self.name
-        if indptr[0] != 0 or np.any(np.diff(indptr) < 0):
+        # a bool per row, not np.diff's int64 copy (at 10**8 cells: 0.1 GB, not 0.8 GB more)
+        if indptr[0] != 0 or np.any(indptr[1:] < indptr[:-1]):
             raise DatasetError(f"{name}/indptr: must start at 0 and never decrease.")
         nnz = int(indptr[-1])
         for reader in (self.data_reader, self.indices_reader):
