@@ -455,6 +455,7 @@ def _bench(args: argparse.Namespace) -> int:
         loader.close()
     summary = {
         "paths": list(paths),
+        "dataset": dataset.name,  # which element was timed (X, a layer, ...)
         "n_obs": dataset.n_obs,
         "output": args.output,
         "chunk_size": chunk_size,
@@ -486,6 +487,7 @@ def bench_summary(s: dict[str, Any]) -> str:
         [
             f"bench {' + '.join(s['paths'])}: {s['batches']} batches ({s['rows']:,} rows, "
             f"batch_size {s['batch_size']}) after {s['warmup_batches']} warm-up batches",
+            f"  dataset: {s['dataset']}",
             f"  settings: output={s['output']}, chunk_size={s['chunk_size']}, "
             f"preload_nchunks={s['preload_nchunks']}, num_threads={s['num_threads']} "
             f"({s['n_obs']:,} observations)",

@@ -561,6 +561,7 @@ def test_bench_runs_a_few_batches(tmp_path, sc_store, capsys):
     assert set(summary["read_paths"].values()) == {"direct"}
     text = bench_summary(summary)
     assert "rows/s" in text and "MB/s" in text and "batches/s" in text and "sparse CSR" in text
+    assert "  dataset: sc.zarr/X" in text  # which element was timed
     cube = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=64)
     assert run("bench", cube, "--output", "csr") == 2
     assert "needs a sparse X" in one_line_error(capsys)
