@@ -516,3 +516,33 @@ def test_a_store_rewritten_while_a_loader_reads_it_is_refused(tmp_path: Path, ki
             next(iter(loader))
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("where", ["cpu", "gpu-path-on-host"])
+def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
+    tmp_path: Path, where: str
+) -> None:
+    """zarr rewrites a whole shard when its values change (``z[:] = new``), with other
+    offsets, but not the array's metadata; the reader's cached shard indexes then cut the
+    new files at the old offsets ("corrupted"). A shard file that changed is indexed again."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    path = tmp_path / "inplace.zarr"
+    z = zarr.create_array(
+        path, shape=(400, 16), chunks=(10, 16), shards=(100, 16), dtype="float32",
+        compressors=zarr.codecs.ZstdCodec(),
+    )  # fmt: skip
+    z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16)  # compressible
+    on = {"device": "gpu", "gpu_backend": HostBackend()} if where != "cpu" else {"device": "cpu"}
+    loader = dz.Loader(dz.open_dataset(path), sampler(), return_index=True, num_threads=1, **on)
+    new = np.random.default_rng(0).standard_normal((400, 16)).astype(np.float32)
+    try:
+        assert sum(len(b["X"]) for b in loader) == 400
+        zarr.open_array(path, mode="r+")[...] = new  # incompressible: other offsets
+        loader.set_epoch(1)
+        got = np.zeros_like(new)
+        for batch in loader:
+            got[batch["index"].numpy()] = batch["X"].numpy()
+    finally:
+        loader.close()
+    np.testing.assert_array_equal(got, new)

@@ -392,7 +392,8 @@ class DirectReader:
         self._decoder = ChunkDecoder(layout.codecs, layout.chunk_shape, layout.dtype)
         grid = layout.chunk_grid
         self._other_coords = list(product(*(range(g) for g in grid[1:])))
-        self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int]] = {}
+        # shard -> (index, file size, the file's (inode, mtime, size) when it was read)
+        self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int, tuple[int, ...]]] = {}
         # unsharded: each row chunk's file and stored size once seen (-1: not seen, or not
         # stored yet; a missing chunk is looked for again, as a missing shard is)
         self._chunk_files = np.full(grid[0], None, dtype=object)
@@ -547,7 +548,7 @@ class DirectReader:
             cached = self._shard_index.get((shard, *zeros))
             if cached is None:
                 continue  # missing shard: every chunk in it reads as the fill value
-            index, size = cached
+            index, size, _ = cached
             at = order[bounds[k] : bounds[k + 1]]
             # index is (*chunks_per_shard, 2); trailing inner coordinates are all 0
             entries = index.reshape(per_shard, -1, 2)[chunks[at] % per_shard, 0]
@@ -677,7 +678,7 @@ class DirectReader:
         cached = self._shard_index.get(shard)
         if cached is None:
             return None  # missing shard (see _load_shard_indexes)
-        index, size = cached
+        index, size, _ = cached
         inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
         offset, nbytes = (int(v) for v in index[inner])
         if offset == _EMPTY and nbytes == _EMPTY:
@@ -715,8 +716,17 @@ class DirectReader:
         self._load_shards(tuple(c // k for c, k in zip(co, cps, strict=True)) for co in chunks)
 
     def _load_shards(self, shards: Iterable[tuple[int, ...]]) -> None:
-        """Read (in parallel) and cache the indexes of ``shards`` (shard coordinates)."""
-        todo = sorted(set(shards).difference(self._shard_index))
+        """Read (in parallel) and cache the indexes of ``shards`` (shard coordinates). A
+        cached index whose shard file changed since (rewritten in place: zarr rewrites a
+        whole shard, with new offsets) is read again: one stat a shard and window, where
+        the old offsets would cut the new file's chunks at the wrong bytes."""
+        wanted = set(shards)
+        todo = sorted(
+            shard
+            for shard in wanted
+            if shard not in self._shard_index
+            or _file_stamp(self._file(self.layout.key(shard))) != self._shard_index[shard][2]
+        )
         _run_parallel(self.executor, todo, self._load_shard_index)
 
     def _load_shard_index(self, shard: tuple[int, ...]) -> None:
@@ -737,7 +747,8 @@ class DirectReader:
         if fd is None:
             return  # not cached: every inner chunk reads as the fill value
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size, stamp = st.st_size, (st.st_ino, st.st_mtime_ns, st.st_size)
             want = sl.index_nbytes
             if size < want:
                 raise fail(f"file is {size} bytes, shorter than its {want}-byte shard index")
@@ -755,7 +766,16 @@ class DirectReader:
             except DecodeError as e:
                 raise fail(str(e)) from e
         index = buf.view(np.dtype(sl.index_byteorder + "u8")).astype(np.uint64)
-        self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), size)
+        self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), size, stamp)
+
+
+def _file_stamp(path: str) -> tuple[int, ...]:
+    """(inode, mtime, size) of a file, () where there is none: what tells a rewritten file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _metadata_stat(directory: str) -> tuple[str, tuple[int, int, int] | None]:
