@@ -208,6 +208,8 @@ class _Input:
         array = getattr(self, part)
         try:
             return np.asarray(array[start:stop])
+        except (MemoryError, PermissionError):  # not the chunk's fault: as they are
+            raise
         except Exception as exc:
             base = f"{self.path}/{self.element}" if self.anndata and self.element else self.path
             name = base if part == "x" else f"{base}/{part}"
@@ -676,12 +678,7 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
             raise ConfigError(
                 f"{dest}: is, holds, or lies inside the input {src}; write to another path."
             )
-    if os.path.lexists(dest) and not overwrite:
-        raise ConfigError(
-            f"{dest}: already exists; pass overwrite=True (--overwrite) to replace it."
-        )
-    if os.path.lexists(dest):
-        _refuse_to_replace_other_than_a_store(dest)
+    _check_replaceable(dest, overwrite)
     partial = dest + ".partial"
     busy = ConfigError(
         f"{partial}: another dali-zarr writer (a convert, a synthetic store) is writing this "
@@ -708,19 +705,28 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
     return partial, lock
 
 
-def _refuse_to_replace_other_than_a_store(dest: str) -> None:
-    """``overwrite`` replaces a Zarr store (or an empty folder), never a folder of other
-    files or a file (an .h5ad given as DST by mistake): it would delete them whole."""
+def _check_replaceable(dest: str, overwrite: bool) -> None:
+    """Nothing at ``dest``, or (with ``overwrite``) a Zarr store or an empty folder. A folder
+    of other files or a file (an .h5ad given as DST by mistake) is never replaced: it would
+    be deleted whole."""
+    if not os.path.lexists(dest):
+        return
     if os.path.isdir(dest):
         entries = os.listdir(dest)
         if not entries or {"zarr.json", ".zgroup", ".zarray"} & set(entries):
-            return
+            if overwrite:
+                return
+            raise ConfigError(
+                f"{dest}: already exists; pass overwrite=True (--overwrite) to replace it."
+            )
         what = "a folder that is not a Zarr store (no zarr.json, .zgroup or .zarray in it)"
+    elif os.path.islink(dest) and not os.path.exists(dest):
+        what = f"a symbolic link to {os.readlink(dest)!r}, which does not exist"
     else:
         what = "a file, not a Zarr store"
     raise ConfigError(
-        f"{dest}: is {what}; overwrite replaces Zarr stores only. Remove it yourself if it "
-        "is meant to go, or choose another destination."
+        f"{dest}: already exists and is {what}; convert replaces (with --overwrite) Zarr "
+        "stores only. Remove it yourself if it is meant to go, or choose another destination."
     )
 
 
@@ -822,10 +828,7 @@ def convert(
         for p in paths:
             inputs.append(_open_input(p, element))
         _check_compatible(inputs)
-        if os.path.lexists(dest) and not overwrite:  # fail before reading any obs
-            raise ConfigError(
-                f"{dest}: already exists; pass overwrite=True (--overwrite) to replace it."
-            )
+        _check_replaceable(dest, overwrite)  # fail before reading any obs
         return _convert(
             inputs,
             dest,

@@ -164,11 +164,32 @@ def test_stale_consolidated_metadata_is_refused(tmp_path: Path, zarr_format: int
         dz.open_dataset(path)
     with pytest.raises(dz.DatasetError, match=r"layers/new.*consolidate_metadata"):
         dz.open_dataset(path, element="layers/new")
+    with pytest.raises(dz.DatasetError, match=r"X: .*consolidated metadata"):  # no escape
+        dz.open_dataset(path, force_zarr=True)
     zarr.consolidate_metadata(path)  # what the errors ask for
     got = epoch(dz.open_dataset(path))
     np.testing.assert_array_equal(got["X"], counts[got["index"]])
     got = epoch(dz.open_dataset(path, element="layers/new"))
     np.testing.assert_array_equal(got["X"], counts[got["index"]] + 1)
+
+
+def test_obs_annotated_after_consolidation_is_named(tmp_path: Path) -> None:
+    """Re-annotating obs after anndata consolidated the store (a category added, a split
+    column added) gave zarr's raw "cannot reshape" and "no column 'split'" (it is there)."""
+    path = write_store(tmp_path / "notes.zarr", make_adata())
+    obs = zarr.open_group(path, mode="a", use_consolidated=False)["obs"]
+    names = np.array(["a", "b", "c", "d"], dtype=object)
+    obs["cell_type"].create_array("categories", shape=(4,), dtype=str, overwrite=True)[...] = names
+    obs.create_array("split", shape=(N_OBS,), dtype="i1")[...] = 1
+    dataset = dz.open_dataset(path)
+    with pytest.raises(dz.DatasetError, match=r"obs/cell_type/categories: .*consolidated"):
+        dataset.categories("cell_type")
+    with pytest.raises(dz.DatasetError, match=r"no column 'split'.*It is on disk"):
+        dataset.obs_column("split")
+    zarr.consolidate_metadata(path)  # what the errors ask for
+    dataset = dz.open_dataset(path)
+    assert dataset.categories("cell_type") == ("a", "b", "c", "d")
+    assert set(epoch(dataset, obs=["split"])["split"].tolist()) == {1}
 
 
 def test_int64_csr_values_densify_rounded_once(tmp_path: Path) -> None:

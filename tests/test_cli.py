@@ -355,8 +355,8 @@ def test_overwrite_and_foreign_partial(tmp_path, sc_store, capsys):
     dst = tmp_path / "out.zarr"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
-    assert run("convert", sc_store, dst, "-q") == 2
-    assert "already exists" in one_line_error(capsys)
+    assert run("convert", sc_store, dst, "-q") == 2  # says at once --overwrite won't do
+    assert "already exists and is a folder that is not a Zarr store" in one_line_error(capsys)
     assert (dst / "keep.txt").exists()
     # --overwrite replaces stores (and empty folders), not a folder of the user's files
     assert run("convert", sc_store, dst, "--overwrite", "-q") == 2
@@ -364,6 +364,9 @@ def test_overwrite_and_foreign_partial(tmp_path, sc_store, capsys):
     (tmp_path / "cells.h5ad").write_text("not ours to delete")
     assert run("convert", sc_store, tmp_path / "cells.h5ad", "--overwrite", "-q") == 2
     assert "a file, not a Zarr store" in one_line_error(capsys)
+    (tmp_path / "gone.zarr").symlink_to(tmp_path / "unmounted")
+    assert run("convert", sc_store, tmp_path / "gone.zarr", "--overwrite", "-q") == 2
+    assert "a symbolic link to" in one_line_error(capsys)
     (dst / "keep.txt").unlink()
     assert run("convert", sc_store, dst, "--overwrite", "-q") == 0  # an empty folder
     synthetic.make_dense_cube(dst, n_obs=20)

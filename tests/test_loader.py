@@ -807,3 +807,29 @@ def test_open_dataset_points_datasets_to_collection(sc_store: Path) -> None:
     panel = dz.open_dataset(sc_store, features=[0, 1])
     with pytest.raises(dz.ConfigError, match=r"not datasets .*dz.Collection"):
         dz.open_dataset([panel, panel])
+
+
+def test_a_dataset_of_ones_own_needs_only_rows_and_obs(sc_store: Path) -> None:
+    """Dataset.readers() (what check_unchanged watches) came in as an abstract method, so a
+    subclass written against read_paths() stopped instantiating. It defaults to none."""
+    from dali_zarr.data.dataset import Dataset
+
+    inner = dz.open_dataset(sc_store)
+
+    class Wrapped(Dataset):  # reads through another dataset, as a user's own might
+        name, n_obs, layout = "wrapped", inner.n_obs, inner.layout
+        feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
+
+        def read_rows(self, ranges):
+            return inner.read_rows(ranges)
+
+        def obs_column(self, name):
+            return inner.obs_column(name)
+
+        def read_paths(self):
+            return {"wrapped": "direct"}
+
+    mine = Wrapped()
+    mine.check_unchanged()  # nothing of its own to watch
+    with dz.Loader(mine, sampler(), device="cpu") as loader:
+        assert sum(len(b["X"]) for b in loader) == inner.n_obs

@@ -583,3 +583,11 @@ def test_a_restart_on_a_world_its_epochs_cannot_use_is_refused_at_load(tmp_path:
     )
     with dz.Loader(ds, three) as again, pytest.raises(ConfigError, match=refused):
         again.load_state_dict(state)
+    # the bound set by drop_last is named as such, not blamed on the chunks
+    s = PlanSettings(
+        seed=0, chunk_size=10, preload_nchunks=3, batch_size=30, shuffle=True, drop_last=True,
+        enforce_equal_batches=False,
+    )  # fmt: skip
+    history = (Segment(2, (1, 1)),)
+    with pytest.raises(ConfigError, match=r"a full batch for the largest share \(drop_last"):
+        plan_resumed_epoch(s, n_obs=100, epoch=0, history=history, rank=0, world_size=4)

@@ -29,7 +29,7 @@ from dali_zarr.data.elements import (
 )
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import ConfigError, DatasetError
-from dali_zarr.io import ArrayReader, check_ranges, open_reader
+from dali_zarr.io import ArrayReader, check_ranges, open_reader, refuse_stale_metadata
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
 Layout = Literal["csr", "dense"]
@@ -97,9 +97,11 @@ class Dataset(ABC):
     def obs_column(self, name: str) -> ObsColumn:
         """One obs column over all observations (loaded once, then cached)."""
 
-    @abstractmethod
     def readers(self) -> list[ArrayReader]:
-        """The readers of every array the dataset reads rows from."""
+        """The readers of every array the dataset reads rows from (none known: a subclass
+        of the user's own that reads otherwise overrides :meth:`read_paths` instead, and is
+        not watched by :meth:`check_unchanged`)."""
+        return []
 
     def read_paths(self) -> dict[str, str]:
         """Which read path serves each array ("direct", or "zarr: <why>"), for reporting."""
@@ -336,6 +338,7 @@ class CsrDataset(_StoreDataset):
                 f"{where}: has shape {array.shape} for {self.n_obs} rows (expected {expected}: "
                 "one offset per row, plus one); the store is inconsistent: re-write the matrix."
             )
+        refuse_stale_metadata(array, name=where)
         indptr = np.asarray(array[...])
         if indptr.dtype.itemsize == 8 and indptr.dtype.kind == "u" and indptr.max() > 2**63 - 1:
             raise DatasetError(

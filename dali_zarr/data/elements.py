@@ -171,7 +171,7 @@ def anndata_element(root: Any, element: str, *, store: str) -> Any:
         what = "has no 'X'; nothing to load" if name == "X" else f"has no {name!r}"
         raise DatasetError(
             f"{store}: AnnData store {what}. Pass element= one of: {_listing(root)}."
-            + _stale_listing_hint(root, name)
+            + stale_listing_hint(root, name)
         )
     node = root[name]
     if not is_array(node) and attribute(node, "encoding-type") == "dataframe":
@@ -240,7 +240,7 @@ def pick_element(
     if node is None or not is_array(node):
         raise DatasetError(
             f"{store}: has no array {element!r}{listing}; pass element= the path of one.{inside}"
-            + _stale_listing_hint(root, key)
+            + stale_listing_hint(root, key)
         )
     return Picked(node, key, False)
 
@@ -277,7 +277,7 @@ def var_key(element: str) -> str | None:
     return "var" if element == "X" or element.startswith("layers/") else None
 
 
-def _stale_listing_hint(root: Any, key: str) -> str:
+def stale_listing_hint(root: Any, key: str) -> str:
     """Where zarr says a node is missing but a local store holds it on disk, the store's
     consolidated metadata (what zarr lists from) predates it: say so, and how to fix it."""
     directory = getattr(getattr(root, "store", None), "root", None)

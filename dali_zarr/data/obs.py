@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import zarr_member
+from dali_zarr.data.elements import stale_listing_hint, zarr_member
 from dali_zarr.errors import DatasetError
+from dali_zarr.io import refuse_stale_metadata
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ def _read_1d(array: zarr.Array, *, where: str) -> np.ndarray:
             f"{where}: has shape {array.shape}, but obs columns are 1-D (one value per "
             "observation). Re-write it; store several values per observation in obsm."
         )
+    refuse_stale_metadata(array, name=where)  # a column re-annotated after consolidation
     return np.asarray(array[...])
 
 
@@ -74,6 +76,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
         available = ", ".join(sorted(k for k in obs if k != obs.attrs.get("_index")))
         raise DatasetError(
             f"{where}: no column {column!r}; available columns: {available or 'none'}."
+            + stale_listing_hint(obs, column)
         )
     where = f"{where}/{column}"
     encoding = node.attrs.get("encoding-type", "array")

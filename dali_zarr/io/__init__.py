@@ -14,6 +14,7 @@ from .readers import (
     check_ranges,
     default_executor,
     open_reader,
+    refuse_stale_metadata,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "default_executor",
     "open_reader",
     "parse_layout",
+    "refuse_stale_metadata",
 ]

@@ -401,18 +401,12 @@ class DirectReader:
         self.chunks_read = 0  # pieces (chunks / inner chunks) read so far, over all calls
         self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
         self._count_lock = threading.Lock()
-        self._metadata_file, self._metadata_stat = _metadata_stat(directory)
+        self._watch = _MetadataWatch(directory, name)
 
     def check_unchanged(self) -> None:
-        """DatasetError where the array's metadata file was replaced or rewritten since this
-        reader was made (its cached chunk sizes and shard indexes are the old array's)."""
-        if _metadata_stat(self.directory)[1] != self._metadata_stat:
-            raise DatasetError(
-                f"{self.name}: the array was rewritten since the store was opened (its "
-                f"metadata file {self._metadata_file} changed); what was read at open "
-                "describes the old array. Open the store again (dz.open_dataset) and make "
-                "a new Loader."
-            )
+        """DatasetError where the array's metadata file changed since this reader was made
+        (see :class:`_MetadataWatch`)."""
+        self._watch.check()
 
     def __repr__(self) -> str:
         return f"DirectReader({self.name!r}, shape={self.shape}, dtype={self.dtype})"
@@ -778,16 +772,30 @@ def _file_stamp(path: str) -> tuple[int, ...]:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
-def _metadata_stat(directory: str) -> tuple[str, tuple[int, int, int] | None]:
-    """(metadata file of the array in ``directory``, its (inode, mtime, size) or None)."""
-    for name in ("zarr.json", ".zarray"):
-        path = os.path.join(directory, name)
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        return path, (st.st_ino, st.st_mtime_ns, st.st_size)
-    return os.path.join(directory, "zarr.json"), None
+class _MetadataWatch:
+    """The metadata file of a local array, as it was when the array was opened: a loader
+    checks it before each epoch, since what was read at open (shape, dtype, a CSR's row
+    offsets) would describe an array rewritten since and read the new one's bytes wrong.
+    Any change of the file counts (in zarr v3 an attribute update rewrites it too): the
+    error asks for a reopen, never for wrong rows. ``directory`` None: nothing to watch."""
+
+    def __init__(self, directory: str | None, name: str) -> None:
+        self.directory, self.name = directory, name
+        self.file, self.stamp = "", ()
+        for candidate in ("zarr.json", ".zarray") if directory else ():
+            self.file = os.path.join(directory, candidate)  # type: ignore[arg-type]
+            self.stamp = _file_stamp(self.file)
+            if self.stamp:
+                break
+
+    def check(self) -> None:
+        if self.directory is not None and _file_stamp(self.file) != self.stamp:
+            raise DatasetError(
+                f"{self.name}: the array changed since the store was opened (its metadata "
+                f"file {self.file} was rewritten: a new array, or its attributes updated); "
+                "what was read at open describes the array as it was. Open the store again "
+                "(dz.open_dataset) and make a new Loader."
+            )
 
 
 # ---------------------------------------------------------------------------- zarr fallback
@@ -805,9 +813,11 @@ class ZarrReader:
         name: str,
         reason: str,
         executor: concurrent.futures.Executor | None = None,
+        directory: str | None = None,
     ) -> None:
         self.name = name
         self.reason = reason
+        self._watch = _MetadataWatch(directory, name)  # a local array's (None: remote)
         self.array = array
         self.shape = tuple(int(s) for s in array.shape)
         if not self.shape:
@@ -826,8 +836,9 @@ class ZarrReader:
         return f"chunk {tuple(coords)} of {self.name}"
 
     def check_unchanged(self) -> None:
-        """zarr reads its metadata afresh where it must; a store of any kind has no file of
-        ours to watch, so a rewrite is not detected here."""
+        """As :meth:`DirectReader.check_unchanged` for a local array; a remote or in-memory
+        store's array is not watched."""
+        self._watch.check()
 
     @property
     def executor(self) -> concurrent.futures.Executor:
@@ -941,12 +952,19 @@ def open_reader(
 ) -> ArrayReader:
     """The fastest reader that can serve ``array`` (see the module docstring)."""
     layout = parse_layout(array)  # raises DatasetError for 0-d arrays
-    if force_zarr:
-        return ZarrReader(array, name=name, reason="force_zarr=True", executor=executor)
     directory, why = _local_directory(array)
     if directory is None:
         return ZarrReader(array, name=name, reason=why, executor=executor)
     _refuse_stale_metadata(array, directory, name)
-    if layout.unsupported:
-        return ZarrReader(array, name=name, reason=layout.unsupported, executor=executor)
+    if force_zarr or layout.unsupported:
+        reason = "force_zarr=True" if force_zarr else layout.unsupported
+        return ZarrReader(array, name=name, reason=reason, executor=executor, directory=directory)
     return DirectReader(layout, directory, name=name, executor=executor)
+
+
+def refuse_stale_metadata(array: Any, *, name: str) -> None:
+    """:func:`_refuse_stale_metadata` for an array read whole at open (obs columns, a CSR's
+    row offsets), where it is in a local store."""
+    directory, _ = _local_directory(array)
+    if directory is not None:
+        _refuse_stale_metadata(array, directory, name)
