@@ -533,7 +533,9 @@ def test_a_store_rewritten_while_a_loader_reads_it_is_refused(tmp_path: Path, ki
         assert sum(len(b["X"]) for b in loader) == 400
         write(1)
         loader.set_epoch(1)
-        with pytest.raises(dz.DatasetError, match=r"moving\.zarr.*rewritten since the store"):
+        with pytest.raises(
+            dz.DatasetError, match=r"moving\.zarr.*changed since the store was opened"
+        ):
             next(iter(loader))
     finally:
         loader.close()

@@ -919,6 +919,7 @@ def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(tmp_path
                 compressors=compressors("zstd", 3))  # fmt: skip
     reader = open_reader(arr, name="a")
     plan = plan_rows(reader, np.array([[20, 160]]))  # one extent, chunks 2..15
+    intact = plan_rows(reader, np.array([[20, 40]]))  # chunks 2, 3 of shard 0 (see below)
     cut = int(plan.reads["file_offset"][plan.reads["chunk"] == 5][0]) + 3
     with open(plan.files[0], "r+b") as f:
         f.truncate(cut)
@@ -927,7 +928,7 @@ def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(tmp_path
     with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*kvikio read failed.*EOF"):
         executor.run(plan, reader, out)
     # a read failing on an intact file (EIO) names the extent's first chunk, not its last
-    intact = plan_rows(reader, np.array([[20, 40]]))  # chunks 2, 3 of shard 0: still there
+    # (planned before the cut: planned after it, the shard's changed file is indexed anew)
     monkeypatch.setattr(cufile, "pread", lambda *a: types.SimpleNamespace(get=_eio))
     with pytest.raises(ChunkReadError, match=r"array chunk \(2, 0\).*kvikio read failed.*EIO"):
         executor.run(intact, reader, np.empty(intact.out_shape, intact.dtype).view(_Dev))
