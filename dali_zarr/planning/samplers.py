@@ -84,41 +84,29 @@ def plan_epoch(
     O(chunks of the rank) for shard="contiguous"; windows are planned lazily by
     :meth:`EpochPlan.window`.
     """
-    (plan,) = plan_ranks(
-        ranks=(rank,),
-        n_obs=n_obs,
-        epoch=epoch,
+    settings = PlanSettings(
         seed=seed,
         chunk_size=chunk_size,
         preload_nchunks=preload_nchunks,
         batch_size=batch_size,
-        world_size=world_size,
         shuffle=shuffle,
         drop_last=drop_last,
         enforce_equal_batches=enforce_equal_batches,
         shard=shard,
     )
+    (plan,) = _plan_ranks(settings, ranks=(rank,), n_obs=n_obs, epoch=epoch, world_size=world_size)
     return plan
 
 
-def plan_ranks(
-    *,
-    ranks: Sequence[int],
-    n_obs: int,
-    epoch: int,
-    seed: int,
-    chunk_size: int,
-    preload_nchunks: int,
-    batch_size: int,
-    world_size: int = 1,
-    shuffle: bool = True,
-    drop_last: bool = False,
-    enforce_equal_batches: bool = True,
-    shard: Shard = "chunks",
+def _plan_ranks(
+    settings: PlanSettings, *, ranks: Sequence[int], n_obs: int, epoch: int, world_size: int
 ) -> list[EpochPlan]:
     """:func:`plan_epoch` of each of ``ranks`` (of one world): the global chunk order is drawn
     once and each rank's slice of it costs only its own chunks. An elastic resume plans every
     rank of the interrupted world; one order per rank made that O(world × n_chunks)."""
+    seed, chunk_size, preload_nchunks = settings.seed, settings.chunk_size, settings.preload_nchunks
+    batch_size, shuffle, drop_last = settings.batch_size, settings.shuffle, settings.drop_last
+    enforce_equal_batches, shard = settings.enforce_equal_batches, settings.shard
     validate_sizes(chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=batch_size)
     seed = validate_seed(seed)
     _check_shard(shard)
@@ -290,12 +278,8 @@ class PlanSettings:
 
     def plan_world(self, *, n_obs: int, epoch: int, world_size: int) -> list[EpochPlan]:
         """The normal plans of ``epoch`` for every rank of ``world_size`` (one global order)."""
-        return plan_ranks(
-            ranks=range(world_size),
-            n_obs=n_obs,
-            epoch=epoch,
-            world_size=world_size,
-            **self.as_dict(),
+        return _plan_ranks(
+            self, ranks=range(world_size), n_obs=n_obs, epoch=epoch, world_size=world_size
         )
 
 
