@@ -46,6 +46,7 @@ from dali_zarr.data.elements import (
     var_key,
 )
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
+from dali_zarr.io import metadata_file
 from dali_zarr.planning.partition import (
     concat_aranges,
     order_digest,
@@ -712,8 +713,7 @@ def _check_replaceable(dest: str, overwrite: bool) -> None:
     if not os.path.lexists(dest):
         return
     if os.path.isdir(dest):
-        entries = os.listdir(dest)
-        if not entries or {"zarr.json", ".zgroup", ".zarray"} & set(entries):
+        if not os.listdir(dest) or metadata_file(dest):
             if overwrite:
                 return
             raise ConfigError(

@@ -29,7 +29,13 @@ from dali_zarr.data.elements import (
 )
 from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
 from dali_zarr.errors import ConfigError, DatasetError
-from dali_zarr.io import ArrayReader, check_ranges, open_reader, refuse_stale_metadata
+from dali_zarr.io import (
+    ArrayReader,
+    check_ranges,
+    metadata_file,
+    open_reader,
+    refuse_stale_metadata,
+)
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
 Layout = Literal["csr", "dense"]
@@ -676,12 +682,12 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
-        found = [f for f in ("zarr.json", ".zarray", ".zgroup") if os.path.isfile(f"{path}/{f}")]
+        found = metadata_file(path)
         if found:  # a store whose metadata zarr cannot take
             raise DatasetError(
-                f"{path}: its Zarr metadata ({found[0]}) cannot be read ({type(exc).__name__}: "
-                f"{exc}); fix that file (e.g. a fill_value that fits the dtype) or re-write "
-                "the store."
+                f"{path}: its Zarr metadata ({os.path.basename(found)}) cannot be read "
+                f"({type(exc).__name__}: {exc}); fix that file (e.g. a fill_value that fits "
+                "the dtype) or re-write the store."
             ) from exc
         raise DatasetError(
             f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}). Pass the directory "

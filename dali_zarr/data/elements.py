@@ -14,6 +14,7 @@ resolve their input here, so they accept and refuse the same stores with the sam
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -280,13 +281,13 @@ def var_key(element: str) -> str | None:
 def stale_listing_hint(root: Any, key: str) -> str:
     """Where zarr says a node is missing but a local store holds it on disk, the store's
     consolidated metadata (what zarr lists from) predates it: say so, and how to fix it."""
-    directory = getattr(getattr(root, "store", None), "root", None)
+    from dali_zarr.io import local_directory, metadata_file  # zarr only; h5py has no folders
+
+    directory, _ = local_directory(root)
     if not key or directory is None:
         return ""
-    import os
-
-    where = os.path.join(str(directory), *str(getattr(root, "path", "") or "").split("/"), key)
-    if not any(os.path.isfile(os.path.join(where, f)) for f in ("zarr.json", ".zarray", ".zgroup")):
+    where = os.path.join(directory, *key.split("/"))
+    if metadata_file(where) is None:
         return ""
     return (
         f" (It is on disk at {where}, but not in the store's consolidated metadata, which was "

@@ -13,6 +13,8 @@ from .readers import (
     ZarrReader,
     check_ranges,
     default_executor,
+    local_directory,
+    metadata_file,
     open_reader,
     refuse_stale_metadata,
 )
@@ -28,6 +30,8 @@ __all__ = [
     "ZarrReader",
     "check_ranges",
     "default_executor",
+    "local_directory",
+    "metadata_file",
     "open_reader",
     "parse_layout",
     "refuse_stale_metadata",

@@ -772,6 +772,19 @@ def _file_stamp(path: str) -> tuple[int, ...]:
     return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
+#: The files that make a folder a Zarr node (v3; v2 array; v2 group), in that order.
+METADATA_FILES = ("zarr.json", ".zarray", ".zgroup")
+
+
+def metadata_file(directory: str) -> str | None:
+    """The Zarr metadata file of the node in ``directory``, or None where it holds none."""
+    for name in METADATA_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 class _MetadataWatch:
     """The metadata file of a local array, as it was when the array was opened: a loader
     checks it before each epoch, since what was read at open (shape, dtype, a CSR's row
@@ -781,15 +794,11 @@ class _MetadataWatch:
 
     def __init__(self, directory: str | None, name: str) -> None:
         self.directory, self.name = directory, name
-        self.file, self.stamp = "", ()
-        for candidate in ("zarr.json", ".zarray") if directory else ():
-            self.file = os.path.join(directory, candidate)  # type: ignore[arg-type]
-            self.stamp = _file_stamp(self.file)
-            if self.stamp:
-                break
+        self.file = (metadata_file(directory) if directory else None) or ""
+        self.stamp = _file_stamp(self.file) if self.file else ()
 
     def check(self) -> None:
-        if self.directory is not None and _file_stamp(self.file) != self.stamp:
+        if self.file and _file_stamp(self.file) != self.stamp:
             raise DatasetError(
                 f"{self.name}: the array changed since the store was opened (its metadata "
                 f"file {self.file} was rewritten: a new array, or its attributes updated); "
@@ -891,7 +900,7 @@ class ZarrReader:
 # ---------------------------------------------------------------------------- factory
 
 
-def _local_directory(array: Any) -> tuple[str | None, str]:
+def local_directory(array: Any) -> tuple[str | None, str]:
     """(directory of the array in a LocalStore, "") or (None, why not)."""
     from zarr.storage import LocalStore
 
@@ -952,7 +961,7 @@ def open_reader(
 ) -> ArrayReader:
     """The fastest reader that can serve ``array`` (see the module docstring)."""
     layout = parse_layout(array)  # raises DatasetError for 0-d arrays
-    directory, why = _local_directory(array)
+    directory, why = local_directory(array)
     if directory is None:
         return ZarrReader(array, name=name, reason=why, executor=executor)
     _refuse_stale_metadata(array, directory, name)
@@ -965,6 +974,6 @@ def open_reader(
 def refuse_stale_metadata(array: Any, *, name: str) -> None:
     """:func:`_refuse_stale_metadata` for an array read whole at open (obs columns, a CSR's
     row offsets), where it is in a local store."""
-    directory, _ = _local_directory(array)
+    directory, _ = local_directory(array)
     if directory is not None:
         _refuse_stale_metadata(array, directory, name)
