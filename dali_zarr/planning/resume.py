@@ -308,21 +308,15 @@ def plan_resumed_epoch(
         return settings.plan(n_obs=n_obs, epoch=epoch, rank=rank, world_size=world_size)
     # the remainder alone would spread over more ranks than the dataset has chunks, but the
     # next epoch could not: refuse such a world now, not an epoch into the restarted job
-    most = settings.max_world(n_obs=n_obs)
-    if world_size > most:
-        needs = ["a chunk"]
-        if settings.enforce_equal_batches:
-            needs.append("a full batch")
-        elif settings.drop_last:
-            needs.append("a full batch for the largest share (drop_last=True)")
+    try:
+        settings.check_world(n_obs=n_obs, world_size=world_size)
+    except ConfigError as exc:
         raise ConfigError(
-            f"cannot resume epoch {epoch} on {world_size} ranks: {n_obs} observations in "
-            f"chunks of {settings.chunk_size} rows"
-            + (f" and batches of {settings.batch_size}" if len(needs) > 1 else "")
-            + f" give {' and '.join(needs)} to at most {most} ranks, so the epochs after "
-            f"this one could not be planned. Resume on at most {most} ranks (a resume may "
-            "change only the number of ranks)."
-        )
+            f"cannot resume epoch {epoch} on {world_size} ranks: the epochs after this one "
+            f"could not be planned ({exc}). Resume on at most "
+            f"{settings.max_world(n_obs=n_obs)} ranks (a resume may change only the number "
+            "of ranks)."
+        ) from exc
     ranges, rows_done = remainder_ranges(settings, n_obs=n_obs, epoch=epoch, history=history)
     return plan_remainder(
         ranges,
