@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -158,18 +159,20 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_steps and steps >= args.max_steps:
                 break
         elapsed = time.perf_counter() - start
-        rate = rows / elapsed if rows else 0.0
+        # one step has no steady state to time: its rate is unknown, not 0
+        rate = rows / elapsed if rows else float("nan")
+        shown = f"{rate:,.0f} rows/s" if rows else "rows/s n/a (timed from the 2nd step on)"
         mean_loss = loss_sum / max(1, steps)
         record = {
             "rank": rank,
             "epoch": epoch,
             "steps": steps,
-            "rows_per_s": rate,
+            "rows_per_s": rate if rows else None,
             "startup_s": startup_s,
             "loss": mean_loss,
         }
         print(
-            f"[rank {rank}] epoch {epoch}: {steps} steps, {rate:,.0f} rows/s "
+            f"[rank {rank}] epoch {epoch}: {steps} steps, {shown} "
             f"(first step {startup_s:.2f} s), loss {mean_loss:.4f}",
             flush=True,
         )
@@ -179,9 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = torch.tensor([mean_loss, rate], dtype=torch.float64, device=device)
         dist.all_reduce(summary)
         if rank == 0:
+            total = summary[1].item()  # NaN where a rank had no steady state
+            shown = "rows/s n/a" if math.isnan(total) else f"{total:,.0f} rows/s"
             print(
-                f"[all] epoch {epoch}: mean loss {summary[0].item() / world:.4f}, "
-                f"total {summary[1].item():,.0f} rows/s",
+                f"[all] epoch {epoch}: mean loss {summary[0].item() / world:.4f}, total {shown}",
                 flush=True,
             )
     loader.close()

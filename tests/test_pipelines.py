@@ -79,6 +79,16 @@ def test_ddp_train_on_an_embedding_with_missing_labels(tmp_path: Path) -> None:
     assert "input x as stored" in out, out
     losses = [float(m) for m in re.findall(r"\[all\] epoch \d+: mean loss ([0-9.]+)", out)]
     assert len(losses) == 3 and losses[2] < losses[0], out
+    # one step has no steady state to time: the rate is unknown, not "0 rows/s"
+    out = run(
+        [
+            "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "pipelines/ddp_train.py", "--data", str(tmp_path / "emb.zarr"),
+            "--element", "obsm/emb", "--label", "kind", "--epochs", "1", "--max-steps", "1",
+        ]
+    )  # fmt: skip
+    assert "[rank 0] epoch 0: 1 steps, rows/s n/a" in out and "total rows/s n/a" in out, out
+    assert " 0 rows/s" not in out, out
 
 
 def test_custom_ops_example(tmp_path: Path) -> None:
