@@ -206,6 +206,11 @@ class ZarrDataModule(LightningDataModule):
             loader.close()
         self._loaders.clear()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed fit skips ``teardown``: close the loaders here (their pipelines and read
+        threads), so a retry in the same process builds fresh ones instead of leaking them."""
+        self.teardown()
+
     # -- public helpers -------------------------------------------------------------------------
 
     def subset(self, split: str) -> Subset:

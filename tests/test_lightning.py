@@ -262,6 +262,29 @@ def test_trainer_reshuffles_validates_exactly_and_resumes(split_store: str, tmp_
     np.testing.assert_array_equal(rest.ids["train1"], orders[1])
 
 
+def test_a_failed_fit_closes_the_loaders_and_a_retry_is_exact(split_store: str) -> None:
+    """Lightning skips ``teardown`` when fit raises; ``on_exception`` closes the loaders (they
+    held a pipeline and read threads each), and fitting again reads every row once."""
+
+    class Failing(type(model())):
+        def training_step(self, batch, i):
+            if i == 3:
+                raise RuntimeError("the model failed")
+            return super().training_step(batch, i)
+
+    dm = make_dm(split_store)
+    L.seed_everything(0, verbose=False)
+    with pytest.raises(RuntimeError, match="the model failed"):
+        trainer(max_epochs=1, num_sanity_val_steps=0).fit(
+            Failing((32,), 8, hidden=16, lr=1e-2, label="cell_type"), datamodule=dm
+        )
+    assert not dm._loaders, "the failed fit left its loaders open"
+    retry = model()
+    trainer(max_epochs=1, num_sanity_val_steps=0).fit(retry, datamodule=dm)
+    train_rows = np.flatnonzero(split_codes(split_store) == 0)
+    np.testing.assert_array_equal(np.sort(retry.ids["train0"]), train_rows)
+
+
 def _run_example(args: list[str], timeout: int) -> str:
     # on a timeout the whole process group (Lightning's rank-1 child too) is killed
     return run_ok([sys.executable, str(EXAMPLE), *args], timeout=timeout)
