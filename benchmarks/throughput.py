@@ -54,6 +54,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RUNNERS = HERE / "contenders"
 ANNBATCH_ENV = HERE / ".venv-annbatch"
+ANNBATCH_PYTHON = ANNBATCH_ENV / "bin" / "python"
 ZTD_SITE = HERE / ".venv-zarr-torch-dataset"
 ZTD_SPEC = "zarr-torch-dataset==0.0.9"
 ANNBATCH_SPEC = "annbatch[zarrs]"
@@ -100,7 +101,7 @@ def env_versions(python: str, packages: list[str]) -> dict[str, str] | None:
 
 def ensure_annbatch_env(python312: str | None) -> tuple[str | None, dict | str]:
     """``benchmarks/.venv-annbatch`` (Python 3.12 + annbatch + zarrs), made on first use."""
-    python = str(ANNBATCH_ENV / "bin" / "python")
+    python = str(ANNBATCH_PYTHON)
     wanted = ["annbatch", "anndata", "zarr", "zarrs", "numpy"]
     if os.path.exists(python) and (versions := env_versions(python, wanted)):
         return python, versions
@@ -799,8 +800,10 @@ def main(argv: list[str] | None = None) -> None:
     envs["main_versions"] = env_versions(
         sys.executable, ["dali-zarr", "nvidia-dali-cuda120", "torch", "zarr", "numcodecs", "numpy"]
     ) or {"python": platform.python_version()}
-    needs_ab = "annbatch" in args.only or "sparse" in args.stores
-    if needs_ab:  # annbatch's environment also writes the sparse store (anndata 0.13)
+    # annbatch's environment also writes the sparse store (anndata 0.13) where it exists;
+    # it is made only for annbatch itself, so a run without annbatch needs no Python 3.12
+    needs_ab = "annbatch" in args.only or ("sparse" in args.stores and ANNBATCH_PYTHON.exists())
+    if needs_ab:
         py, res = ensure_annbatch_env(args.python312)
         if py:
             envs["annbatch_python"], envs["annbatch_versions"] = py, res

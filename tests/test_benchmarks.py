@@ -121,6 +121,46 @@ def test_throughput_cube_run(tmp_path: Path) -> None:
     assert (tmp_path / "throughput.png").exists() == CHARTS
 
 
+def test_throughput_sparse_run(tmp_path: Path) -> None:
+    """The CPU benchmark on its single-cell store (written here by the main environment's
+    anndata: the annbatch environment is made only when annbatch runs): our loader's CSR
+    and dense outputs, the torch baseline and both ceilings deliver what they report."""
+    run_script(
+        "throughput.py",
+        *("--stores", "sparse", "--only", "dali_zarr,torch_dataloader,ceiling"),
+        *("--n-obs", 600, "--n-genes", 300, "--nnz-per-cell", 20),
+        *("--chunk-size", 16, "--preload-nchunks", 4, "--batch-size", 32),
+        *("--baseline-batch-size", 32, "--reps", 1, "--batches", 3, "--warmup", 1),
+        *("--seconds", 30, "--out", tmp_path),
+    )
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    ran = {c["key"]: c for c in report["contenders"]}
+    assert set(ran) == {
+        "sparse/dali_zarr/csr/cpu",
+        "sparse/dali_zarr/dense/cpu",
+        "sparse/torch_dataloader/dense",
+        "sparse/ceiling/csr",
+        "sparse/ceiling/dense",
+    }, sorted(ran)
+    store = report["stores"]["sparse"]
+    assert store["n_obs"] == 600 and store["nnz"] > 0, store
+    table = (tmp_path / "throughput.md").read_text()
+    for key, contender in ran.items():
+        assert not contender["errors"] and not contender["skipped"], (key, contender)
+        (result,) = contender["results"]
+        if "ceiling" in key:  # whole passes over the store's 600 rows
+            assert result["rows"] > 0 and result["rows"] % 600 == 0, (key, result)
+        else:  # the 3 timed batches of 32 rows
+            assert result["batches"] == 3 and result["rows"] == 96, (key, result)
+        if key.endswith("dense/cpu") or "torch_dataloader" in key:  # 96 float32 rows
+            assert result["bytes"] == 96 * 300 * 4, (key, result)
+        rate = result["rows"] / result["seconds"]
+        assert result["rows_per_s"] == pytest.approx(rate), (key, result)
+        output = "csr" if "/csr" in key else "dense"
+        row = f"| sparse | {contender['label']} | {output} | {rate:,.0f} |"
+        assert row in table, table
+
+
 def test_feature_selection_benchmark_runs(tmp_path: Path) -> None:
     out = tmp_path / "fs.json"
     stdout = run_script(
