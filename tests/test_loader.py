@@ -319,7 +319,7 @@ def test_truncated_chunk_raises(tmp_path: Path) -> None:
             pass
 
 
-@pytest.mark.parametrize("device", ["cpu", "gpu-path-on-host"])
+@pytest.mark.parametrize("device", ["cpu", "gpu-path-on-host", "zarr-python"])
 @pytest.mark.parametrize("shard_chunks", [None, 2], ids=["chunk-files", "shards"])
 @pytest.mark.parametrize("kind", ["dangling-link", "dangling-folder", "named-pipe"])
 def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
@@ -328,7 +328,8 @@ def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
     """A chunk or shard that is a dangling symbolic link (links to a volume not mounted)
     had read as the fill value, zeros, with no error; a named pipe blocked the read
     forever; a folder of chunks (``c/1``) that is a dangling link read as zeros too. All
-    are refused, naming the chunk, on the CPU path and the GPU path's planning alike."""
+    are refused, naming the chunk, on the CPU path, the GPU path's planning and the
+    zarr-python reader (codecs the direct reader lacks, ``force_zarr``) alike."""
     from dali_zarr.graph.window_backends import HostBackend
 
     path = Path(
@@ -346,8 +347,9 @@ def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
         target.parent.symlink_to(tmp_path / "not-mounted")
     else:
         os.mkfifo(target)
-    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
-    loader = dz.Loader(dz.open_dataset(path), sampler(chunk_size=20, shuffle=False), **where)
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device.startswith("gpu") else {}
+    dataset = dz.open_dataset(path, force_zarr=device == "zarr-python")
+    loader = dz.Loader(dataset, sampler(chunk_size=20, shuffle=False), **where)
     problem = {
         "dangling-link": "is a symbolic link to",
         "dangling-folder": r"folder '[^']*c/1' is a symbolic link to",

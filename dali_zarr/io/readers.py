@@ -823,10 +823,15 @@ class ZarrReader:
         reason: str,
         executor: concurrent.futures.Executor | None = None,
         directory: str | None = None,
+        layout: ArrayLayout | None = None,
     ) -> None:
         self.name = name
         self.reason = reason
         self._watch = _MetadataWatch(directory, name)  # a local array's (None: remote)
+        # a local array's stored objects are looked at before zarr reads them (see
+        # _check_stored); a remote store's are zarr's business
+        self._directory = directory
+        self._layout = layout if directory is not None else None
         self.array = array
         self.shape = tuple(int(s) for s in array.shape)
         if not self.shape:
@@ -853,6 +858,26 @@ class ZarrReader:
     def executor(self) -> concurrent.futures.Executor:
         return self._executor or default_executor()
 
+    def _check_stored(self, start: int, stop: int) -> None:
+        """ChunkReadError for a stored object (chunk or shard file) of rows [start, stop)
+        that is no file, as :func:`_refuse_odd` says: zarr reads a dangling link as the
+        fill value (zeros, silently) and blocks forever on a named pipe. One stat an
+        object: this path reads with zarr-python, which costs far more per object."""
+        layout = self._layout
+        if layout is None:
+            return
+        grid = layout.grid_chunk_shape
+        other = product(*(range(-(-s // g)) for s, g in zip(self.shape[1:], grid[1:], strict=True)))
+        for coords in product(range(start // grid[0], (stop - 1) // grid[0] + 1), other):
+            key = layout.key((coords[0], *coords[1]))
+            path = os.path.join(self._directory, key)  # type: ignore[arg-type]
+            try:
+                stored_size(path)
+            except DecodeError as e:
+                raise ChunkReadError(
+                    f"{self.name}: stored object {key!r} ({path}): {e}. {_ADVICE}"
+                ) from e
+
     def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         r = check_ranges(ranges, self.shape[0], self.name)
         lens = r[:, 1] - r[:, 0]
@@ -877,6 +902,7 @@ class ZarrReader:
 
         def read(i: int) -> None:
             a, b = spans[i]
+            self._check_stored(a, b)
             try:
                 data[i] = np.asarray(self.array[a:b])
             except Exception as e:
@@ -967,7 +993,9 @@ def open_reader(
     _refuse_stale_metadata(array, directory, name)
     if force_zarr or layout.unsupported:
         reason = "force_zarr=True" if force_zarr else layout.unsupported
-        return ZarrReader(array, name=name, reason=reason, executor=executor, directory=directory)
+        return ZarrReader(
+            array, name=name, reason=reason, executor=executor, directory=directory, layout=layout
+        )
     return DirectReader(layout, directory, name=name, executor=executor)
 
 
