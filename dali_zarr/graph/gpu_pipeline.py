@@ -266,6 +266,7 @@ class GpuBatchSource(BatchSource):
         _, key, w = wkey
         plan = self.plan(*key).window(w)
         ranges = plan.row_ranges
+        self.dataset.check_unchanged()  # as the CPU path's BatchSource.read_window does
         layout = self.reader.layout(ranges)
         if layout is not None:
             lease = self.ring.acquire(layout.nbytes, self._reclaim)
@@ -278,6 +279,11 @@ class GpuBatchSource(BatchSource):
             arrays, host_indptr, lease = self.reader.read_generic(
                 ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.abandon
             )
+        try:
+            self.dataset.check_unchanged()
+        except BaseException:
+            self.ring.abandon(lease)
+            raise
         lease.key = wkey
         with self._lease_lock:
             self._leases.append(lease)

@@ -35,7 +35,9 @@ as ``float32``. A missing chunk file (zarr does not write chunks equal to the fi
 missing shard, or an empty inner chunk of a shard reads as the fill value.
 
 The direct reader caches each shard's index (a few KiB) the first time it reads that shard
-and assumes the store is not rewritten while the reader is in use.
+and checks the shard file's stamp before each use (a shard rewritten in place is indexed
+anew); a loader checks each array's metadata file around every window it reads
+(``check_unchanged``), so an array rewritten meanwhile is refused.
 
 Each chunk a ``read_rows`` call touches is read and decoded once. When the call's ranges
 need a chunk only up to some row short of its end and the chunk is zstd-compressed in C
