@@ -115,7 +115,7 @@ class Dataset(ABC):
 
     def check_unchanged(self) -> None:
         """DatasetError where an array was rewritten since the dataset was opened (the loader
-        asks before each epoch and around each window it reads): what was read at open (a
+        asks before each epoch; each reader also checks around every read): what was read at open (a
         CSR's row offsets, shapes, chunk and shard indexes) would describe the old array and
         give the new one's rows wrong."""
         for reader in self.readers():

@@ -36,8 +36,8 @@ missing shard, or an empty inner chunk of a shard reads as the fill value.
 
 The direct reader caches each shard's index (a few KiB) the first time it reads that shard
 and checks the shard file's stamp before each use (a shard rewritten in place is indexed
-anew); a loader checks each array's metadata file around every window it reads
-(``check_unchanged``), so an array rewritten meanwhile is refused.
+anew); both readers check the array's metadata file before and after each ``read_rows``
+(see :class:`_MetadataWatch`), so an array rewritten meanwhile is refused.
 
 Each chunk a ``read_rows`` call touches is read and decoded once. When the call's ranges
 need a chunk only up to some row short of its end and the chunk is zstd-compressed in C
@@ -425,6 +425,9 @@ class DirectReader:
     # -- planning --------------------------------------------------------------------------
 
     def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of the ``(k, 2)`` ranges, end to end. The array's metadata file is checked
+        before and after (two stats): an array rewritten meanwhile, even in the middle of
+        an epoch, is refused rather than read with what was known at open."""
         n = self.shape[0]
         r = check_ranges(ranges, n, self.name)
         lens = r[:, 1] - r[:, 0]
@@ -432,6 +435,7 @@ class DirectReader:
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
         if total == 0:
             return out
+        self._watch.check()
         C = self.rows_per_chunk
         nz = np.flatnonzero(lens)
         starts, stops, outs = r[nz, 0], r[nz, 1], run_offsets(lens)[:-1][nz]
@@ -474,6 +478,7 @@ class DirectReader:
             hi[copies] - lo[copies],
             dst[copies],
         )
+        self._watch.check()
         return out
 
     def _plan(
@@ -789,8 +794,9 @@ def metadata_file(directory: str) -> str | None:
 
 class _MetadataWatch:
     """The metadata file of a local array, as it was when the array was opened: a loader
-    checks it before each epoch, since what was read at open (shape, dtype, a CSR's row
-    offsets) would describe an array rewritten since and read the new one's bytes wrong.
+    checks it before each epoch and a reader around each read, since what was read at open
+    (shape, dtype, a CSR's row offsets) would describe an array rewritten since and read the
+    new one's bytes wrong.
     Any change of the file counts (in zarr v3 an attribute update rewrites it too): the
     error asks for a reopen, never for wrong rows. ``directory`` None: nothing to watch."""
 
@@ -881,12 +887,14 @@ class ZarrReader:
                 ) from e
 
     def read_rows(self, ranges: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """As :meth:`DirectReader.read_rows` (the metadata file checked around the read)."""
         r = check_ranges(ranges, self.shape[0], self.name)
         lens = r[:, 1] - r[:, 0]
         total = int(lens.sum())
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
         if total == 0:
             return out
+        self._watch.check()
         offs = run_offsets(lens)[:-1]
         nz = np.flatnonzero(lens)
         C = self.rows_per_chunk
@@ -922,6 +930,7 @@ class ZarrReader:
             s, e, o = int(r[j, 0]), int(r[j, 1]), int(offs[j])
             a = spans[i][0]
             out[o : o + e - s] = data[i][s - a : e - a]  # type: ignore[index]
+        self._watch.check()
         return out
 
 
