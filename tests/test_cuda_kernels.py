@@ -309,6 +309,8 @@ def _worker() -> dict:
                     check("densify_panel", f"{variant} {tag}", densify, fn, launch, pos,
                           panel_csr, len(keep), want, cpu)  # fmt: skip
     check("densify", "variant choice", _variant_choice, K)
+    for launch in LAUNCHES:
+        check("densify", f"no features launch{launch}", _densify_no_features, K, run, launch)
 
     # -- dense gather (fused cast) ------------------------------------------------------------
     for vi, vdt in enumerate((np.float32, np.float64, np.int16, np.uint8)):
@@ -529,6 +531,16 @@ def _simulated_cuda_backend():
 def _variant_choice(K) -> None:
     assert K.densify_kernel(K.SHARED_COLS).__name__ == "densify_csr_shared"
     assert K.densify_kernel(K.SHARED_COLS + 1) is K.densify_csr_scatter
+    assert K.densify_kernel(0) is K.densify_csr_scatter  # a store of no features
+
+
+def _densify_no_features(K, run, launch) -> None:
+    """A store of no features (the CPU path yields (B, 0) batches): the variant chosen
+    for it writes nothing (the shared one stored column 0 past a (B, 0) output)."""
+    pos = np.arange(4, dtype=np.int64)
+    csr = (np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros(5, np.int64))
+    got = run(K.densify_kernel(0), launch, np.zeros((4, 0), np.float32), pos, *csr)[0]
+    assert got.shape == (4, 0)
 
 
 # ---------------------------------------------------------------------------- the tests

@@ -371,9 +371,13 @@ def select_row_columns(out, values, row_starts, row_maps, maps):
 
 
 def densify_kernel(n_features: int) -> Callable:
-    """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features``."""
-    if n_features <= SHARED_COLS:
-        return make_densify_csr_shared(max(1, n_features))
+    """The densify variant :func:`densify_csr_gpu` uses for rows of ``n_features``.
+
+    A store of no features takes the scatter variant, which loops over ``out.shape[1]``:
+    the shared one needs a width of at least 1 and would store that column into a
+    ``(B, 0)`` batch (past its end)."""
+    if 0 < n_features <= SHARED_COLS:
+        return make_densify_csr_shared(n_features)
     return densify_csr_scatter
 
 
