@@ -939,6 +939,38 @@ def _eio():
     raise OSError(5, "EIO")
 
 
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_a_shard_rewritten_under_the_executor_is_read_from_the_new_file(
+    tmp_path, monkeypatch, codec
+):
+    """zarr rewrites a shard by writing a new file and renaming it over the old one. The
+    reader re-reads the changed shard's index; the executor's kvikio handle, kept by path,
+    read the old file at the new offsets: stale rows (uncompressed), or frames cut at the
+    wrong bytes. The CPU executor, which opens each file per read, was right."""
+    import zarr
+
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    _fake_cuda_modules(monkeypatch, [], "kvikio")  # its CuFile holds its fd, as kvikio's
+    old = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    arr = write(tmp_path / "a.zarr", old, chunks=(8, 4), shards=(64, 4),
+                compressors=compressors(codec, 3) if codec != "none" else None)  # fmt: skip
+    reader = open_reader(arr, name="a")
+    executor = GpuPlanExecutor(0)
+    whole = np.array([[0, 64]])
+    out = np.empty(old.shape, old.dtype).view(_Dev)
+    executor.run(plan_rows(reader, whole), reader, out)
+    np.testing.assert_array_equal(out, old)
+    want = old.copy()
+    want[:32] = -old[32:][::-1]
+    zarr.open_array(str(tmp_path / "a.zarr"), mode="r+")[:32] = want[:32]  # a new shard file
+    plan = plan_rows(reader, whole)
+    np.testing.assert_array_equal(execute_plan_cpu(plan, reader), want)
+    executor.run(plan, reader, out)
+    np.testing.assert_array_equal(out, want)
+    executor.close()
+
+
 @pytest.mark.parametrize("reads", ["kvikio", "pinned"])
 def test_gpu_executor_runs_a_joint_plan_with_faked_cuda(tmp_path, monkeypatch, reads):
     """A collection window's joint plan through GpuPlanExecutor.run (NumPy stand-ins for

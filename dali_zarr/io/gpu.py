@@ -57,7 +57,7 @@ from ..planning.partition import run_offsets, split_at_chunks
 from . import nvcomp_batched
 from .codecs import DecodeError, frame_problems, head_index
 from .layout import ArrayLayout
-from .readers import DirectReader, _pread_into, _run_parallel, check_ranges
+from .readers import DirectReader, _file_stamp, _pread_into, _run_parallel, check_ranges
 
 __all__ = [
     "GPU_KINDS",
@@ -940,7 +940,9 @@ class GpuPlanExecutor:
         # experimental: nvCOMP's C API instead of its Python codecs (see nvcomp_batched)
         self._use_batched = nvcomp_batched.enabled()
         self._batched: dict[str, nvcomp_batched.BatchedDecoder] = {}
-        self._files: OrderedDict[str, Any] = OrderedDict()
+        #: path -> (the file's (inode, mtime, size) when opened, its kvikio CuFile)
+        self._files: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
+        self._replaced: list[Any] = []  # handles of files rewritten since, closed when idle
         self._max_open = max_open_files
         self._buffers: dict[str, Any] = {}
         self._pinned: dict[str, np.ndarray] = {}
@@ -971,18 +973,32 @@ class GpuPlanExecutor:
         return buf[:nbytes]
 
     def _cufile(self, path: str):
-        f = self._files.get(path)
-        if f is None:
-            f = self._kvikio.CuFile(path, "r")
-            self._files[path] = f
-        else:
+        """An open kvikio file of ``path``, reused while the file is the one it opened.
+
+        zarr rewrites a chunk or shard by writing a new file and renaming it over the old
+        one: a handle kept by path would go on reading the old file, at offsets the reader
+        planned from the new shard index (the CPU path opens each file per read, and the
+        reader re-reads an index whose file changed). So the file's (inode, mtime, size)
+        is compared with the handle's, one stat per file and plan."""
+        stamp = _file_stamp(path)
+        held = self._files.get(path)
+        if held is not None and held[0] == stamp:
             self._files.move_to_end(path)
+            return held[1]
+        if held is not None:  # rewritten: a read of this plan may still use the old handle
+            del self._files[path]
+            self._replaced.append(held[1])
+        f = self._kvikio.CuFile(path, "r")
+        self._files[path] = (stamp, f)
         return f
 
     def _trim_files(self) -> None:
-        """Close the least recently used files beyond the cap (no read is in flight)."""
+        """Close the least recently used files beyond the cap, and the handles of files
+        rewritten since they were opened (no read is in flight)."""
+        while self._replaced:
+            self._replaced.pop().close()
         while len(self._files) > self._max_open:
-            self._files.popitem(last=False)[1].close()
+            self._files.popitem(last=False)[1][1].close()
 
     def _codec(self, kind: str):
         codec = self._codecs.get(kind)
@@ -999,9 +1015,11 @@ class GpuPlanExecutor:
 
     def close(self) -> None:
         with self._lock:  # after the plan being run, if any: its reads use these files
-            for f in self._files.values():
+            for _, f in self._files.values():
                 f.close()
             self._files.clear()
+            while self._replaced:
+                self._replaced.pop().close()
             self._drop_codecs()
 
     def _drop_codecs(self) -> None:
@@ -1098,9 +1116,12 @@ class GpuPlanExecutor:
             target[:nbytes].set(host, stream=self.stream)
             return
         pending = []
+        handles: dict[int, Any] = {}  # one look at each file per plan
         try:
             for i, f, offset, size, dest in plan.extent_jobs():
-                file = self._cufile(plan.files[f])
+                file = handles.get(f)
+                if file is None:
+                    file = handles[f] = self._cufile(plan.files[f])
                 pending.append((i, size, file.pread(target[dest : dest + size], size, offset)))
         finally:
             # every read must be over before we raise: kvikio's pool would otherwise go on
