@@ -129,3 +129,26 @@ def test_off_unless_asked_for(monkeypatch):
     assert not nvcomp_batched.enabled()
     monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "1")
     assert nvcomp_batched.enabled()
+
+
+def test_statuses_are_read_back_on_the_decoders_stream():
+    """check() copies the statuses back on the executor's stream: with no stream, cupy
+    copies on the legacy default stream, which waits for the training step torch queued
+    there (the reader thread would stall once per plan)."""
+    from dali_zarr.io import nvcomp_batched
+
+    seen = []
+
+    class Table:
+        def get(self, stream=None):
+            seen.append(stream)
+            back = np.zeros((6, 2), np.uint64)
+            back[4] = 8
+            return back
+
+    stream = object()
+    decoder = object.__new__(nvcomp_batched.BatchedDecoder)
+    decoder.stream = stream
+    decoder._pending = (Table(), 2, 8)
+    assert decoder.check() == []
+    assert seen == [stream]

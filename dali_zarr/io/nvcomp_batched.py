@@ -232,7 +232,9 @@ class BatchedDecoder:
             return []
         table, _, chunk_nbytes = self._pending
         self._pending = None
-        return failed_chunks(table.get(), chunk_nbytes)
+        # on our stream: cupy's default (the legacy stream, where torch trains) would make
+        # the reader thread wait for the training step queued there
+        return failed_chunks(table.get(stream=self.stream), chunk_nbytes)
 
 
 def _raise_for(status: int, what: str) -> None:
