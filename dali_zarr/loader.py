@@ -627,7 +627,9 @@ def canonical_csr(
         rows = torch.repeat_interleave(
             torch.arange(crow.numel() - 1, device=col.device), crow.diff(), output_size=nnz
         )
-        order = torch.argsort(rows * n_features + col.to(torch.int64))
+        # stable: duplicate ids of a row keep their stored order, on either device (the
+        # CPU's unstable sort reorders ties, the GPU's may not)
+        order = torch.argsort(rows * n_features + col.to(torch.int64), stable=True)
         col, values = col[order], values[order]
     return torch.sparse_csr_tensor(
         crow,

@@ -835,3 +835,23 @@ def test_a_dataset_of_ones_own_needs_only_rows_and_obs(sc_store: Path) -> None:
     mine.check_unchanged()  # nothing of its own to watch
     with dz.Loader(mine, sampler(), device="cpu") as loader:
         assert sum(len(b["X"]) for b in loader) == inner.n_obs
+
+
+def test_canonical_csr_keeps_the_stored_order_of_duplicate_ids():
+    """Sorting a reordered panel's rows keeps duplicate column ids (which add up) in their
+    stored order: an unstable sort put their values in another order on the CPU than on
+    the GPU, so the two paths' X_data differed."""
+    import torch
+
+    from dali_zarr.loader import canonical_csr
+
+    rng = np.random.default_rng(0)
+    col = torch.from_numpy(rng.integers(0, 50, 5000))
+    values = torch.arange(5000, dtype=torch.float32)
+    x = canonical_csr(torch.tensor([0, 2500, 5000]), col, values, n_features=50, sort_rows=True)
+    got_col, got_val = x.col_indices(), x.values()
+    for a, b in ((0, 2500), (2500, 5000)):
+        c, v = got_col[a:b].numpy(), got_val[a:b].numpy()
+        assert (np.diff(c) >= 0).all()
+        for j in np.unique(c):
+            assert (np.diff(v[c == j]) > 0).all(), f"column {j}: duplicates reordered"
