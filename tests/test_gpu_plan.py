@@ -971,6 +971,37 @@ def test_a_shard_rewritten_under_the_executor_is_read_from_the_new_file(
     executor.close()
 
 
+def test_a_closed_executor_refuses_a_plan_and_opens_no_file(tmp_path, monkeypatch) -> None:
+    """A reader thread still running when the loader closed went on to a plan on the closed
+    executor and opened kvikio files (and codecs) again, which nothing closed."""
+    import sys
+
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    _fake_cuda_modules(monkeypatch, [], "kvikio")
+    opened: list[str] = []
+    cufile = sys.modules["kvikio"].CuFile
+    open_file = cufile.__init__
+
+    def init(self, path, mode):
+        opened.append(path)
+        open_file(self, path, mode)
+
+    monkeypatch.setattr(cufile, "__init__", init)
+    data = np.arange(64, dtype=np.float32)
+    arr = write(tmp_path / "a.zarr", data, chunks=(8,), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="a")
+    executor = GpuPlanExecutor(0)
+    out = np.empty(data.shape, data.dtype).view(_Dev)
+    executor.run(plan_rows(reader, np.array([[0, 64]])), reader, out)
+    np.testing.assert_array_equal(out, data)
+    n_opened = len(opened)
+    executor.close()
+    with pytest.raises(RuntimeError, match="a: this GPU executor was closed"):
+        executor.run(plan_rows(reader, np.array([[0, 64]])), reader, out)
+    assert len(opened) == n_opened and n_opened > 0
+
+
 @pytest.mark.parametrize("reads", ["kvikio", "pinned"])
 def test_gpu_executor_runs_a_joint_plan_with_faked_cuda(tmp_path, monkeypatch, reads):
     """A collection window's joint plan through GpuPlanExecutor.run (NumPy stand-ins for

@@ -213,18 +213,22 @@ class CudaBackend(_Backend):
         self._local = threading.local()
         self._executors: list[Any] = []
         self._executors_lock = threading.Lock()
+        self._closed = False
 
     @property
     def executor(self) -> Any:
-        """This thread's executor (made on first use)."""
+        """This thread's executor (made on first use; refused once closed, where it would
+        hold files and codecs that nothing closes)."""
         executor = getattr(self._local, "executor", None)
         if executor is None:
             from dali_zarr.io.gpu import GpuPlanExecutor
 
-            executor = GpuPlanExecutor(self.device_id, support=self.support)
-            self._local.executor = executor
             with self._executors_lock:
+                if self._closed:
+                    raise RuntimeError("this loader's GPU backend was closed")
+                executor = GpuPlanExecutor(self.device_id, support=self.support)
                 self._executors.append(executor)
+            self._local.executor = executor
         return executor
 
     def alloc(self, nbytes: int) -> Any:
@@ -297,6 +301,7 @@ class CudaBackend(_Backend):
 
     def close(self) -> None:
         with self._executors_lock:
+            self._closed = True
             for executor in self._executors:
                 executor.close()  # the kvikio file handles, the nvCOMP codecs
 

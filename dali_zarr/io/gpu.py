@@ -947,6 +947,7 @@ class GpuPlanExecutor:
         self._buffers: dict[str, Any] = {}
         self._pinned: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()  # one plan at a time (buffers are reused)
+        self._closed = False
 
     # -- resources ----------------------------------------------------------------------------
 
@@ -1014,7 +1015,10 @@ class GpuPlanExecutor:
         return codec
 
     def close(self) -> None:
-        with self._lock:  # after the plan being run, if any: its reads use these files
+        """Close the files and codecs, after the plan being run, if any (its reads use
+        them); a plan run later is refused (see :meth:`run`)."""
+        with self._lock:
+            self._closed = True
             for _, f in self._files.values():
                 f.close()
             self._files.clear()
@@ -1047,6 +1051,9 @@ class GpuPlanExecutor:
         Returns ``out`` once every copy into it has completed (the stream is synchronised).
         """
         with self._lock, self.device, self._in_flight_finished():
+            if self._closed:  # a reader thread outliving its loader's close(): it would
+                # open files and codecs again that nothing closes
+                raise RuntimeError(f"{reader.name}: this GPU executor was closed")
             decoded = self._device_buffer("decoded", plan.decoded_nbytes)
             if self.path_of(plan) == "device":
                 staging = self._device_buffer("staging", plan.staging_nbytes)
