@@ -20,6 +20,7 @@ import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, sub_indptr
 from dali_zarr.errors import ConfigError
+from dali_zarr.io.buffers import BufferPool
 from dali_zarr.planning import EpochPlan, WindowPlan
 from dali_zarr.planning.partition import validate_count, validate_int
 from dali_zarr.planning.resume import Segment, plan_resumed_epoch
@@ -185,6 +186,9 @@ class BatchSource:
         # DALI's prefetch queue has certainly consumed them (DALI runs at most
         # prefetch_queue_depth iterations ahead; +1 being built, +1 being consumed).
         self._alive: deque[list[np.ndarray]] = deque(maxlen=prefetch_queue_depth + 2)
+        # the memory of windows read: reused once no array over it is left (see
+        # dali_zarr.io.buffers), so also never while a batch in _alive holds it
+        self._buffers = BufferPool()
         self.error: BaseException | None = None
 
     # -- epoch bookkeeping (called by the loader) ---------------------------------------------
@@ -349,8 +353,10 @@ class BatchSource:
         window_plan = self.plan(*key).window(w)
         # each array's reader checks its metadata file around the read (a store rewritten
         # in the middle of an epoch is refused, never served as rows of neither store)
-        rows = self.dataset.read_rows(window_plan.row_ranges)
+        with self._buffers.active():
+            rows = self.dataset.read_rows(window_plan.row_ranges)
         return Window(window_plan, window_arrays(self.dataset, rows))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._buffers.close()

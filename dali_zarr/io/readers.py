@@ -60,6 +60,7 @@ import numpy as np
 from ..distributed import cpu_share
 from ..errors import ChunkReadError, DatasetError
 from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
+from . import buffers
 from .codecs import ChunkDecoder, DecodeError, verify_crc32c
 from .layout import ArrayLayout, parse_layout
 
@@ -221,7 +222,7 @@ def _prepare_out(
 ) -> np.ndarray:
     want = (total, *shape[1:])
     if out is None:
-        return np.empty(want, dtype=dtype)
+        return buffers.empty(want, dtype)  # reused memory inside a window read
     if (
         not isinstance(out, np.ndarray)
         or out.shape != want
