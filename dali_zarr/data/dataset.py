@@ -383,7 +383,7 @@ class CsrDataset(_StoreDataset):
         names the first bad id's element, row and chunk of ``X/indices``.
         """
         n = self.feature_shape[0]
-        if not len(indices) or (int(indices.min()) >= 0 and int(indices.max()) < n):
+        if not len(indices) or int(_as_unsigned(indices).max()) < n:
             return
         at = int(np.flatnonzero((indices < 0) | (indices >= n))[0])
         elements = self.indptr[np.asarray(ranges, dtype=np.int64).reshape(-1, 2)]
@@ -402,6 +402,18 @@ class CsrDataset(_StoreDataset):
 
     def readers(self) -> list[ArrayReader]:
         return [self.data_reader, self.indices_reader]
+
+
+def _as_unsigned(ids: np.ndarray) -> np.ndarray:
+    """Integer ``ids`` viewed as the unsigned type of their size (no copy), where a
+    negative id is at least ``2**(bits-1)``: one ``max()`` then bounds them from both sides
+    (a pass over a window's ids; ``min()`` and ``max()`` took two)."""
+    ids = np.asarray(ids)
+    if ids.dtype.kind != "i":
+        return ids
+    if not ids.flags.c_contiguous and not ids.flags.f_contiguous:
+        ids = np.ascontiguousarray(ids)
+    return ids.view(ids.dtype.str.replace("i", "u"))
 
 
 def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
