@@ -512,6 +512,43 @@ def test_prefix_decode_matches_slicing(tmp_path, case):
     assert reader.chunks_prefix_decoded > 0
 
 
+@pytest.mark.parametrize("case", ["v3-sharded-f4", "v2-bigendian-i4", "v3-2d-rowchunks"])
+def test_range_tails_decode_straight_into_the_output(tmp_path, monkeypatch, case):
+    """The prefix of a chunk that a range ends in (its first rows, up to the last row any
+    range needs of it) is decoded into the range's place in `out`, not into a buffer; where
+    the prefix cannot be decoded alone, the full chunk is, and its rows copied there."""
+    reader, data = _prefix_store(tmp_path, case)
+    C = reader.rows_per_chunk
+    heads: list[tuple[bool, int]] = []
+    decode_head_into = codecs_mod.ChunkDecoder.decode_head_into
+
+    def spy(self, raw, head, rows):
+        heads.append((np.shares_memory(head, out), rows))
+        return decode_head_into(self, raw, head, rows)
+
+    monkeypatch.setattr(codecs_mod.ChunkDecoder, "decode_head_into", spy)
+    ranges = np.array(
+        [
+            [C // 2, C + 10],  # ends 10 rows into chunk 1: a head of 10 rows
+            [2 * C + 1, 2 * C + 5],  # inside chunk 2, not from its first row: a buffer
+            [3 * C, 3 * C + 7],  # the short last chunk's first 7 rows: a head
+            [C + 2, C + 4],  # needs rows of chunk 1 the head holds: copied from it
+        ]
+    )
+    for prefix_ok in (True, False):
+        if not prefix_ok:  # the prefix decode gives up: full decode, rows copied
+            monkeypatch.setattr(codecs_mod, "_zstd_prefix_into", lambda buf, target: 0)
+        heads.clear()
+        total = int((ranges[:, 1] - ranges[:, 0]).sum())
+        out = np.full((total, *data.shape[1:]), -1, dtype=reader.dtype)
+        before = reader.chunks_prefix_decoded
+        got = reader.read_rows(ranges, out=out)
+        assert got is out
+        np.testing.assert_array_equal(out, expected(data, ranges))
+        assert sorted(heads) == [(True, 7), (True, 10)]  # decoded on several threads
+        assert reader.chunks_prefix_decoded - before == (3 if prefix_ok else 0)
+
+
 def test_prefix_decode_falls_back_without_zstandard(tmp_path, monkeypatch):
     monkeypatch.setattr(codecs_mod, "_zstandard", None)
     reader, data = _prefix_store(tmp_path, "v3-sharded-f4")

@@ -379,8 +379,29 @@ class ChunkDecoder:
         point, a wrong decoded size without a frame content size, or a zstd content checksum
         mismatch go unnoticed, but the rows returned are exactly those a full decode gives.
         """
+        if self._prefix_into(raw, dest, rows):
+            return True
+        self.decode_into(raw, dest)  # frame too short or not the chunk's size: full decode
+        return False
+
+    def decode_head_into(self, raw: np.ndarray, head: np.ndarray, rows: int) -> bool:
+        """Rows ``[0, rows)`` of ``raw`` into ``head``, a C-contiguous array of just those rows
+        (``(rows, *chunk_shape[1:])``): a reader decodes the first rows of a chunk straight
+        into its output this way. As `decode_prefix_into` (True: only the prefix was
+        decoded), but where the prefix cannot be decoded alone the whole chunk is decoded
+        into a temporary array and its first rows copied."""
+        if self._prefix_into(raw, head, rows):
+            return True
+        full = np.empty(self.chunk_shape, dtype=self.dtype)
+        self.decode_into(raw, full)
+        head[...] = full[:rows]
+        return False
+
+    def _prefix_into(self, raw: np.ndarray, dest: np.ndarray, rows: int) -> bool:
+        """Rows ``[0, rows)`` of ``raw`` into the first rows of ``dest`` (C-contiguous, at
+        least ``rows`` rows of the chunk's row shape) where a prefix decode can; False (and
+        ``dest`` in any state) where it cannot."""
         if not self.prefix_decodable or rows >= self.chunk_shape[0]:
-            self.decode_into(raw, dest)
             return False
         try:
             buf: Any = raw
@@ -398,7 +419,6 @@ class ChunkDecoder:
             raise
         except Exception as e:  # zstandard.ZstdError for a corrupted frame
             raise self._failed(e) from e
-        self.decode_into(raw, dest)  # frame too short or not the chunk's size: full decode
         return False
 
     def _failed(self, e: Exception) -> DecodeError:

@@ -354,7 +354,7 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
 class _Piece:
     """One stored chunk (or inner chunk) to read, and where its rows go."""
 
-    __slots__ = ("coords", "crop", "dst", "rows")
+    __slots__ = ("coords", "crop", "dst", "head", "rows")
 
     def __init__(
         self,
@@ -362,11 +362,13 @@ class _Piece:
         dst: np.ndarray,
         crop: tuple[slice, ...] | None,
         rows: int,
+        head: bool = False,
     ):
         self.coords = coords  # chunk coords (inner-chunk coords when sharded)
         self.dst = dst  # where the (cropped) decoded chunk goes
         self.crop = crop  # None: decode straight into dst (full chunk shape, contiguous)
         self.rows = rows  # rows [0, rows) of the chunk (axis 0) are needed
+        self.head = head  # dst holds rows [0, rows) only (a place in the output)
 
 
 class DirectReader:
@@ -405,6 +407,11 @@ class DirectReader:
         self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
         self._count_lock = threading.Lock()
         self._watch = _MetadataWatch(directory, name)
+        # the first rows of a chunk can be decoded straight into their place in the output:
+        # a zstd prefix in C order, of a chunk that spans whole rows of the array
+        self._heads_direct = self._decoder.prefix_decodable and all(
+            s == c for s, c in zip(self.shape[1:], layout.chunk_shape[1:], strict=True)
+        )
 
     def check_unchanged(self) -> None:
         """DatasetError where the array's metadata file changed since this reader was made
@@ -463,7 +470,26 @@ class DirectReader:
         # rows [0, rows_needed) of each needed chunk cover every range touching it
         rows_needed = np.zeros(len(needed), dtype=np.int64)
         np.maximum.at(rows_needed, which, hi - chunk * C)
-        pieces = self._plan(needed, rows_needed, bufs)
+        head_pairs = np.zeros(0, dtype=np.int64)
+        if self._heads_direct:
+            # A range that starts at a chunk's first row and reaches the last row needed of
+            # it, short of its end (the tail of a range): that prefix is decoded straight into
+            # the range's place in `out` (no buffer, no copy); other ranges copy from there.
+            head_rows = hi - chunk * C
+            cand = np.flatnonzero(
+                (lo == chunk * C) & (head_rows == rows_needed[which]) & (head_rows < C)
+            )
+            head_chunks, first = np.unique(chunk[cand], return_index=True)
+            head_pairs = cand[first]
+            for c, d, k in zip(
+                head_chunks.tolist(),
+                dst[head_pairs].tolist(),
+                head_rows[head_pairs].tolist(),
+                strict=True,
+            ):
+                bufs[c] = out[d : d + k]
+        heads = set(chunk[head_pairs].tolist())
+        pieces = self._plan(needed, rows_needed, bufs, heads)
         self.chunks_read += len(pieces)
         if self.layout.shard is not None:
             self._load_shard_indexes(p.coords for p in pieces)
@@ -471,6 +497,7 @@ class DirectReader:
 
         copies = np.ones(len(chunk), dtype=bool)
         copies[owner_pairs] = False
+        copies[head_pairs] = False
         _copy_rows(
             out,
             bufs,
@@ -483,7 +510,11 @@ class DirectReader:
         return out
 
     def _plan(
-        self, needed: np.ndarray, rows_needed: np.ndarray, bufs: dict[int, np.ndarray]
+        self,
+        needed: np.ndarray,
+        rows_needed: np.ndarray,
+        bufs: dict[int, np.ndarray],
+        heads: set[int] = frozenset(),  # type: ignore[assignment]
     ) -> list[_Piece]:
         shape, chunk = self.shape, self.layout.chunk_shape
         n, C = shape[0], chunk[0]
@@ -491,6 +522,9 @@ class DirectReader:
         full_other = all(s == c for s, c in zip(shape[1:], chunk[1:], strict=True))
         pieces: list[_Piece] = []
         for c, hi in zip(needed.tolist(), rows_needed.tolist(), strict=True):
+            if c in heads:  # bufs[c]: rows [0, hi) of the chunk, in their place in `out`
+                pieces.append(_Piece((c, *self._other_coords[0]), bufs[c], None, hi, head=True))
+                continue
             rows = min(C, n - c * C)
             buf = bufs.get(c)
             if buf is None:
@@ -612,7 +646,7 @@ class DirectReader:
 
     def _load_piece(self, piece: _Piece) -> None:
         dec = self._decoder
-        direct = piece.crop is None
+        direct = piece.crop is None and not piece.head
         try:
             if self.layout.shard is None:
                 raw = self._read_chunk(piece, direct and dec.passthrough)
@@ -620,6 +654,10 @@ class DirectReader:
                 raw = self._read_inner(piece, direct and dec.passthrough)
             if raw is None:
                 piece.dst[...] = self.layout.fill_value
+            elif piece.head:
+                if dec.decode_head_into(raw, piece.dst, piece.rows):
+                    with self._count_lock:
+                        self.chunks_prefix_decoded += 1
             elif raw is piece.dst:
                 pass  # stored bytes were read straight into place
             elif dec.prefix_decodable and piece.rows < self.rows_per_chunk:
