@@ -46,7 +46,7 @@ class BufferPool:
     HEADROOM = 1.0625
     GRANULE = 1 << 21  # large sizes rounded up to whole huge pages, others to pages
 
-    def __init__(self, *, max_free: int = 4, min_nbytes: int = 1 << 22) -> None:
+    def __init__(self, *, max_free: int = 8, min_nbytes: int = 1 << 22) -> None:
         self.max_free = int(max_free)
         self.min_nbytes = int(min_nbytes)
         self._free: list[np.ndarray] = []  # idle buffers (uint8), smallest first

@@ -48,6 +48,7 @@ corruption past the prefix then goes unnoticed, the rows returned are still exac
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import stat
 import threading
@@ -520,21 +521,35 @@ class DirectReader:
         n, C = shape[0], chunk[0]
         single = len(self._other_coords) == 1
         full_other = all(s == c for s, c in zip(shape[1:], chunk[1:], strict=True))
+        # chunks without a place in `out` are decoded into buffers carved from one array
+        # (one allocation a call, from the window's pool where one is active: a buffer
+        # each cost a fresh allocation, and its page faults, per boundary chunk)
+        temp: dict[int, tuple[int, ...]] = {}
+        for c in needed.tolist():
+            if c not in bufs and c not in heads:
+                rows = min(C, n - c * C)
+                edge = single and not (rows == C and full_other)
+                temp[c] = tuple(chunk) if edge else (rows, *shape[1:])
+        sizes = [math.prod(s) for s in temp.values()]
+        flat = buffers.empty(sum(sizes), self.dtype)
+        at = 0
         pieces: list[_Piece] = []
         for c, hi in zip(needed.tolist(), rows_needed.tolist(), strict=True):
             if c in heads:  # bufs[c]: rows [0, hi) of the chunk, in their place in `out`
                 pieces.append(_Piece((c, *self._other_coords[0]), bufs[c], None, hi, head=True))
                 continue
-            rows = min(C, n - c * C)
             buf = bufs.get(c)
             if buf is None:
+                size = math.prod(temp[c])
+                buf = flat[at : at + size].reshape(temp[c])
+                at += size
+                rows = min(C, n - c * C)
                 if single and not (rows == C and full_other):
                     # edge chunk: decode into a full-size chunk and use the valid part
-                    full = np.empty(chunk, dtype=self.dtype)
-                    bufs[c] = full[(slice(0, rows), *(slice(0, s) for s in shape[1:]))]
-                    pieces.append(_Piece((c, *self._other_coords[0]), full, None, hi))
+                    bufs[c] = buf[(slice(0, rows), *(slice(0, s) for s in shape[1:]))]
+                    pieces.append(_Piece((c, *self._other_coords[0]), buf, None, hi))
                     continue
-                buf = bufs[c] = np.empty((rows, *shape[1:]), dtype=self.dtype)
+                bufs[c] = buf
             for oc in self._other_coords:
                 region = tuple(
                     slice(i * k, min((i + 1) * k, s))
