@@ -541,6 +541,35 @@ def write_anndata_matrix(path: Path, x: sp.csr_matrix) -> None:
     ad.AnnData(X=x).write_zarr(path)
 
 
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_collection_of_int64_and_uint64_column_ids(tmp_path: Path, output: str) -> None:
+    """NumPy's common type of int64 and uint64 column ids is float64: the collection's
+    windows reached the densify op with float column ids (a numba TypingError from inside
+    DALI). Column ids are below the width, so the collection takes int64."""
+    parts, want = [], []
+    for i, ids in enumerate(("int64", "uint64")):
+        x = sp.random(40, 20, density=0.3, format="csr", dtype=np.float32, random_state=i)
+        path = tmp_path / f"s{i}.zarr"
+        write_anndata_matrix(path, x)
+        group = zarr.open_group(path / "X", mode="r+")
+        retyped = group["indices"][...].astype(ids)
+        del group["indices"]
+        group.create_array("indices", data=retyped, chunks=(37,))
+        zarr.consolidate_metadata(path)
+        parts.append(path)
+        want.append(x.toarray())
+    ds = dz.open_dataset(parts)
+    assert ds.index_dtype == np.int64
+    reference = np.concatenate(want)
+    loader = dz.Loader(ds, sampler(chunk_size=8, batch_size=10), output=output, return_index=True)
+    seen = []
+    for batch in loader:
+        x = batch["X"].to_dense() if output == "csr" else batch["X"]
+        np.testing.assert_array_equal(x.numpy(), reference[batch["index"].numpy()])
+        seen.append(batch["index"].numpy())
+    assert sorted(np.concatenate(seen).tolist()) == list(range(80))
+
+
 def test_a_loop_replaced_by_a_newer_one_refuses_to_go_on(sc_store: Path) -> None:
     """Two generators share the one DALI pipeline: an older loop that went on would take
     the newer loop's batches, which would then miss rows. It fails instead, and the newer

@@ -452,7 +452,7 @@ class Collection(Dataset):
         self.layout = first.layout
         self.feature_shape = first.feature_shape
         self.dtype = first.dtype
-        self.index_dtype = np.result_type(*[p.index_dtype for p in parts])
+        self.index_dtype = common_index_dtype([p.index_dtype for p in parts])
         self.offsets = np.cumsum([0] + [p.n_obs for p in parts]).astype(np.int64)
         self.n_obs = int(self.offsets[-1])
         # each part's observation ids after those of the parts before: a collection of
@@ -559,6 +559,14 @@ class Collection(Dataset):
 
     def readers(self) -> list[ArrayReader]:
         return [reader for part in self.parts for reader in part.readers()]
+
+
+def common_index_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """One integer dtype for the column ids of several stores. NumPy's common type of int64
+    and uint64 is float64, which the graph's ops cannot index with; every column id is
+    below the matrix's width, so int64 holds them all."""
+    common = np.result_type(*dtypes)
+    return common if common.kind in "iu" else np.dtype(np.int64)
 
 
 def _concat_rows(
