@@ -113,6 +113,18 @@ class Loader:
         enable_checkpointing: bool = False,
         gpu_backend: Any = None,
     ) -> None:
+        if not isinstance(dataset, Dataset):  # a path failed later: 'str' has no 'name'
+            raise ConfigError(
+                f"Loader takes a dataset, got {type(dataset).__name__} {dataset!r}: open the "
+                "store first, dz.Loader(dz.open_dataset(path), sampler, ...)."
+            )
+        if not callable(getattr(sampler, "plan_epoch", None)):  # None failed at len()/iter
+            raise ConfigError(
+                f"Loader takes a dz.ChunkSampler or dz.DistributedSampler (anything with "
+                f"plan_epoch(n_obs, epoch)), got {type(sampler).__name__}; torch's "
+                "DistributedSampler does not plan chunks: wrap a dz.ChunkSampler in "
+                "dz.DistributedSampler instead."
+            )
         self.dataset = dataset
         self.sampler = sampler
         # the sampler's exchange travels with it when pickled; it needs this process's world
@@ -209,9 +221,11 @@ class Loader:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose plan the next iteration follows (reshuffles)."""
-        if epoch < 0:
-            raise ConfigError(f"set_epoch({epoch}): epochs are counted from 0.")
-        self.epoch = int(epoch)
+        # a whole number (NumPy's too): int(1.5) would run epoch 1 unsaid, and "1" failed
+        # with a TypeError from the comparison
+        self.epoch = validate_int(
+            f"set_epoch({epoch!r}): the epoch", epoch, low=0, what="a whole number from 0"
+        )
         self._epoch_set = True
 
     def __len__(self) -> int:

@@ -884,3 +884,26 @@ def test_canonical_csr_keeps_the_stored_order_of_duplicate_ids():
         assert (np.diff(c) >= 0).all()
         for j in np.unique(c):
             assert (np.diff(v[c == j]) > 0).all(), f"column {j}: duplicates reordered"
+
+
+def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None:
+    """A path for the dataset, None (or torch's sampler) for the sampler, an epoch that is
+    not a whole number and a state that is not a dict failed with raw AttributeErrors and
+    TypeErrors, or (set_epoch(1.5), set_epoch(True)) ran another epoch than asked."""
+    ds = dz.open_dataset(sc_store)
+    with pytest.raises(dz.ConfigError, match="open_dataset"):
+        dz.Loader(str(sc_store), sampler())
+    with pytest.raises(dz.ConfigError, match="ChunkSampler"):
+        dz.Loader(ds, None)
+    with pytest.raises(dz.ConfigError, match="ChunkSampler"):
+        dz.Loader(ds, torch.utils.data.DistributedSampler(range(10), num_replicas=1, rank=0))
+    loader = dz.Loader(ds, sampler())
+    for epoch in ("1", 1.5, True, -1):
+        with pytest.raises(dz.ConfigError, match="epoch"):
+            loader.set_epoch(epoch)
+    loader.set_epoch(np.int64(2))
+    assert loader.epoch == 2 and type(loader.epoch) is int
+    for state in (None, "state", 3):
+        with pytest.raises(dz.ConfigError, match="load_state_dict takes a dict"):
+            loader.load_state_dict(state)
+    loader.close()

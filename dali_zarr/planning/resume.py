@@ -513,6 +513,11 @@ def resume_point(
     or inconsistent set with a ConfigError that says what differs.
     """
     many = not isinstance(states, Mapping)
+    if many and (isinstance(states, str | bytes) or not isinstance(states, Sequence)):
+        raise ConfigError(  # None failed with "'NoneType' object is not iterable"
+            f"load_state_dict takes a dict from Loader.state_dict() (or the list of every "
+            f"rank's), got {type(states).__name__}"
+        )
     group = list(states) if many else [states]  # type: ignore[list-item]
     if not group:
         raise ConfigError("load_state_dict got an empty list of states")
