@@ -230,7 +230,12 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches this rank yields in the current epoch (after :meth:`load_state_dict`:
-        the batches still to come in the resumed epoch)."""
+        the batches still to come in the resumed epoch). Inside a loop: the batches that
+        loop yields, also when it continues a resumed epoch (the resume point is used up
+        when the loop starts, and the count of the whole normal epoch was reported)."""
+        if self._looping and self._run is not None:
+            epoch, history, start = self._run
+            return self._source.plan(epoch, history).n_batches - start
         history, start = self._resume_for(self.epoch)
         return self._source.plan(self.epoch, history).n_batches - start
 

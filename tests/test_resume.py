@@ -595,3 +595,23 @@ def test_a_restart_on_a_world_its_epochs_cannot_use_is_refused_at_load(tmp_path:
         match=r"on 4 ranks: .*at most 25 rows per rank.*drop_last=True.*at most 3 ranks",
     ):
         plan_resumed_epoch(s, n_obs=100, epoch=0, history=history, rank=0, world_size=4)
+
+
+def test_len_inside_the_loop_of_a_resumed_epoch_counts_that_loop(store) -> None:
+    """Before the loop len() is the batches still to come; once the loop had started it
+    was the normal epoch's count (10 of which 7 remained; 6 for 3 ranks, of which the
+    remainder plan has 4), so `i + 1 == len(loader)` never found the last batch."""
+    states = []
+    for r in range(2):
+        ld = loader(store, sampler(2, r))
+        take(ld, 0, stop=3)
+        states.append(ld.state_dict())
+        ld.close()
+    for world, state in ((2, states[0]), (3, states)):
+        ld = loader(store, sampler(world, 0))
+        ld.load_state_dict(state)
+        before = len(ld)
+        inside = [len(ld) for _ in ld]
+        assert before > 0 and inside == [before] * before, (world, before, inside)
+        assert before == ld.plan().n_batches - (3 if world == 2 else 0)
+        ld.close()
