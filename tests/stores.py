@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numcodecs
 import numpy as np
@@ -158,3 +159,8 @@ def write_layout(
         path, data, fmt=fmt, chunks=chunks, shards=shards, compressors=compressors(codec, fmt), **kw
     )
     return data, arr
+
+
+def batch_info(epoch_idx: int, iteration: int) -> SimpleNamespace:
+    """What DALI passes an external source callback (``batch_info=True``)."""
+    return SimpleNamespace(epoch_idx=epoch_idx, iteration=iteration)

@@ -8,7 +8,6 @@ nothing after close().
 from __future__ import annotations
 
 import gc
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ import dali_zarr as dz
 from dali_zarr.graph.source import BatchSource
 from dali_zarr.io import buffers
 from dali_zarr.io.buffers import BufferPool
-from dali_zarr.synthetic import make_single_cell
+from tests.stores import batch_info
 
 MB = 1 << 20
 
@@ -96,17 +95,6 @@ def test_module_empty_takes_from_the_active_pool_on_this_thread_only():
     del a
 
 
-def _info(epoch_idx: int, iteration: int):
-    return SimpleNamespace(epoch_idx=epoch_idx, iteration=iteration)
-
-
-@pytest.fixture(scope="module")
-def csr_store(tmp_path_factory):
-    path = tmp_path_factory.mktemp("buffers") / "sc.zarr"
-    make_single_cell(path, n_obs=701, n_features=97, chunk_elements=512, shard_chunks=4)
-    return path
-
-
 def _sampler():
     return dz.ChunkSampler(
         chunk_size=16, preload_nchunks=4, batch_size=16, shuffle=True, drop_last=False, seed=3
@@ -114,12 +102,12 @@ def _sampler():
 
 
 @pytest.mark.parametrize("output", ["dense", "csr"])
-def test_source_reuses_windows_but_never_a_batch_dali_may_hold(csr_store, output):
+def test_source_reuses_windows_but_never_a_batch_dali_may_hold(odd_csr_store, output):
     """Every window array pooled (min_nbytes 0): the served batches equal those of a source
     without reuse; the batches the source keeps for DALI (the last prefetch_queue_depth +
     2) stay as served, and no other window is read into their memory; earlier windows'
     memory is reused. The test holds copies and addresses only, never the arrays."""
-    ds = dz.open_dataset(csr_store)
+    ds = dz.open_dataset(odd_csr_store)
     pooled = BatchSource(ds, _sampler(), output=output, obs=[], return_index=True)
     pooled._buffers = BufferPool(min_nbytes=0)
     plain = BatchSource(ds, _sampler(), output=output, obs=[], return_index=True)
@@ -134,12 +122,12 @@ def test_source_reuses_windows_but_never_a_batch_dali_may_hold(csr_store, output
         it = 0
         while True:
             try:
-                got = pooled(_info(epoch, it))
+                got = pooled(batch_info(epoch, it))
             except StopIteration:
                 with pytest.raises(StopIteration):
-                    plain(_info(epoch, it))
+                    plain(batch_info(epoch, it))
                 break
-            want = plain(_info(epoch, it))
+            want = plain(batch_info(epoch, it))
             for name, g, w in zip(pooled.names, got, want, strict=True):
                 if name != "nnz_hint":
                     np.testing.assert_array_equal(g[0], w[0], err_msg=name)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,7 +29,7 @@ from dali_zarr.graph.gpu_pipeline import (
 from dali_zarr.graph.source import BatchSource
 from dali_zarr.graph.window_backends import RING_SYNC_ENV, HostBackend, ring_sync
 from dali_zarr.synthetic import make_single_cell
-from tests.stores import has_cuda, needs_cuda
+from tests.stores import batch_info, has_cuda, needs_cuda
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -44,17 +43,6 @@ def _sampler(seed=0, chunk=32, preload=4, batch=48):
         drop_last=False,
         seed=seed,
     )
-
-
-def _info(epoch_idx: int, iteration: int):
-    return SimpleNamespace(epoch_idx=epoch_idx, iteration=iteration)
-
-
-@pytest.fixture(scope="module")
-def csr_store(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpu") / "sc.zarr"
-    make_single_cell(path, n_obs=701, n_features=97, chunk_elements=512, shard_chunks=4)
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +96,10 @@ def _run_epochs(
         it = 0
         while True:
             try:
-                want = cpu(_info(epoch, it))
+                want = cpu(batch_info(epoch, it))
             except StopIteration:
                 with pytest.raises(StopIteration):
-                    gpu.device_source(_info(epoch, it))
+                    gpu.device_source(batch_info(epoch, it))
                 break
             # DALI may call the two sources in either order
             first, second = (
@@ -119,8 +107,8 @@ def _run_epochs(
                 if it % 2
                 else (gpu.device_source, gpu.host_source)
             )
-            a = first(_info(epoch, it))
-            b = second(_info(epoch, it))
+            a = first(batch_info(epoch, it))
+            b = second(batch_info(epoch, it))
             host, dev = (b, a) if first == gpu.device_source else (a, b)
             _compare(cpu, gpu, want, host, dev)
             served += 1
@@ -151,14 +139,14 @@ def _compare(cpu, gpu, want, host, dev):
 
 
 @pytest.mark.parametrize("output", ["dense", "csr"])
-def test_csr_source_matches_cpu_source(csr_store, output):
-    ds = dz.open_dataset(csr_store)
+def test_csr_source_matches_cpu_source(odd_csr_store, output):
+    ds = dz.open_dataset(odd_csr_store)
     gpu, served = _run_epochs(ds, output=output, obs=["cell_type"])
     assert served > 2 * gpu.ring.n_slots  # slots were recycled
     # windows read ahead (raised to the 4 read threads) + DALI's queue depth + 3
     assert gpu.prefetch_windows == 4 and gpu.ring.n_slots == 4 + 2 + 3
     paths = gpu.read_paths()
-    assert set(paths) == {"sc.zarr/X/data", "sc.zarr/X/indices"}
+    assert set(paths) == {"odd.zarr/X/data", "odd.zarr/X/indices"}
     assert all("zstd" in p for p in paths.values())
 
 
@@ -177,14 +165,14 @@ def other_csr_store(tmp_path_factory):
 
 
 @pytest.mark.parametrize("output", ["dense", "csr"])
-def test_collection_and_subsets_read_each_store_by_plan(csr_store, other_csr_store, output):
-    a, b = dz.open_dataset(csr_store), dz.open_dataset(other_csr_store)
+def test_collection_and_subsets_read_each_store_by_plan(odd_csr_store, other_csr_store, output):
+    a, b = dz.open_dataset(odd_csr_store), dz.open_dataset(other_csr_store)
     joined = dz.Collection([a, dz.Subset(b, np.arange(0, b.n_obs, 3)), b])
     for ds in (joined, dz.Subset(joined, np.arange(50, joined.n_obs - 7))):
         gpu, _ = _run_epochs(ds, output=output, obs=["cell_type"])
         paths = gpu.read_paths()
         assert set(paths) == {
-            f"{n}/X/{x}" for n in ("sc.zarr", "sc2.zarr") for x in ("data", "indices")
+            f"{n}/X/{x}" for n in ("odd.zarr", "sc2.zarr") for x in ("data", "indices")
         }
         assert all(p.startswith("host-backend plan") for p in paths.values()), paths
 
@@ -195,8 +183,8 @@ def test_collection_of_dense_stores_reads_by_plan(dense_store):
     assert list(gpu.read_paths().values()) == ["host-backend plan: none"]
 
 
-def test_epoch_cut_short_frees_its_slots(csr_store):
-    ds = dz.open_dataset(csr_store)
+def test_epoch_cut_short_frees_its_slots(odd_csr_store):
+    ds = dz.open_dataset(odd_csr_store)
     gpu, _ = _run_epochs(ds, output="dense", epochs=3, cut=2, prefetch_windows=3)
     ring = gpu.ring
     assert ring.waits == 0, "the reader had to wait for a slot"
@@ -214,11 +202,11 @@ def test_epoch_cut_short_frees_its_slots(csr_store):
         pytest.param([0, 3, 3, 1], [1, 4, 1, 2], id="wrong-guesses"),
     ],
 )
-def test_next_epoch_read_ahead_never_serves_a_recycled_slot(csr_store, plans, guesses):
+def test_next_epoch_read_ahead_never_serves_a_recycled_slot(odd_csr_store, plans, guesses):
     """Windows of the expected next epoch are read into ring slots while an epoch ends. A
     repeated plan is read again (its served windows' slots are recycled), a wrong guess is
     dropped, and every batch still equals the CPU source's, no slot DALI holds overwritten."""
-    ds = dz.open_dataset(csr_store)
+    ds = dz.open_dataset(odd_csr_store)
     gpu, _ = _run_epochs(
         ds, output="dense", plans=plans, guesses=guesses, epochs=len(plans), prefetch_windows=3
     )
@@ -348,11 +336,11 @@ def test_closing_the_ring_ends_a_reader_waiting_for_a_slot():
         ring.acquire(10)
 
 
-def test_closing_the_source_ends_a_read_blocked_on_the_ring(csr_store):
+def test_closing_the_source_ends_a_read_blocked_on_the_ring(odd_csr_store):
     """A window read that waits for a slot held by batches the consumer will never retire
     (training stopped) ends when the source closes, instead of keeping its thread, and
     Python's exit that joins it, waiting forever."""
-    ds = dz.open_dataset(csr_store)
+    ds = dz.open_dataset(odd_csr_store)
     gpu = GpuBatchSource(ds, _sampler(), output="dense", obs=[], return_index=False,
                          backend=HostBackend())  # fmt: skip
     gpu.bind_epoch(0, 0)
@@ -422,12 +410,12 @@ def half_store(tmp_path_factory):
 @pytest.mark.parametrize(
     ("store", "output"),
     [
-        ("csr_store", "dense"),
-        ("csr_store", "csr"),
+        ("odd_csr_store", "dense"),
+        ("odd_csr_store", "csr"),
         ("dense_store", "dense"),
         ("half_store", "dense"),
-        ("csr_store+features", "dense"),
-        ("csr_store+features", "csr"),
+        ("odd_csr_store+features", "dense"),
+        ("odd_csr_store+features", "csr"),
         ("half_store+features", "dense"),
     ],
 )
@@ -508,13 +496,13 @@ def test_setup_functions_give_batch_shapes():
 @needs_cuda
 @pytest.mark.parametrize("output", ["dense", "csr"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
+def test_gpu_pipeline_matches_cpu_pipeline(odd_csr_store, output, dtype):
     import torch
 
     from dali_zarr.graph.gpu_pipeline import build_gpu_pipeline
     from dali_zarr.graph.iterator import DaliEpochIterator
 
-    ds = dz.open_dataset(csr_store)
+    ds = dz.open_dataset(odd_csr_store)
     cpu_src = BatchSource(ds, _sampler(), output=output, obs=["cell_type"], return_index=True)
     cpu_src.bind_epoch(0, 0)
     cpu_pipe, cpu_names = dz.build_pipeline(cpu_src)
@@ -538,13 +526,13 @@ def test_gpu_pipeline_matches_cpu_pipeline(csr_store, output, dtype):
             torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, msg=name)
 
 
-def test_panel_selection_builds_each_panels_map(csr_store):
+def test_panel_selection_builds_each_panels_map(odd_csr_store):
     """Pure: every panel (one, or one per store) gets its map, found by the identity of a
     run's ``columns``. CSR maps take stored columns to panel columns, dropped ones to
     ``n_kept``, which densify skips; dense maps list the stored columns a row keeps."""
     from dali_zarr.graph.device_window import panel_selection
 
-    store = dz.open_dataset(csr_store)
+    store = dz.open_dataset(odd_csr_store)
     a = np.array([-1, 0, -1, 1, 2])  # stored column -> panel column
     b = np.array([2, -1, 1, 0, -1])
     assert panel_selection([(store, None)], "csr", 5) is None
