@@ -408,11 +408,13 @@ class DirectReader:
         self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
         self._count_lock = threading.Lock()
         self._watch = _MetadataWatch(directory, name)
-        # the first rows of a chunk can be decoded straight into their place in the output:
-        # a zstd prefix in C order, of a chunk that spans whole rows of the array
-        self._heads_direct = self._decoder.prefix_decodable and all(
+        # a chunk spans whole rows of the array (one chunk along every other axis)
+        self._whole_rows = all(
             s == c for s, c in zip(self.shape[1:], layout.chunk_shape[1:], strict=True)
         )
+        # the first rows of such a chunk can be decoded straight into their place in the
+        # output: a zstd prefix in C order
+        self._heads_direct = self._decoder.prefix_decodable and self._whole_rows
 
     def check_unchanged(self) -> None:
         """DatasetError where the array's metadata file changed since this reader was made
@@ -520,18 +522,18 @@ class DirectReader:
         shape, chunk = self.shape, self.layout.chunk_shape
         n, C = shape[0], chunk[0]
         single = len(self._other_coords) == 1
-        full_other = all(s == c for s, c in zip(shape[1:], chunk[1:], strict=True))
         # chunks without a place in `out` are decoded into buffers carved from one array
         # (one allocation a call, from the window's pool where one is active: a buffer
-        # each cost a fresh allocation, and its page faults, per boundary chunk)
-        temp: dict[int, tuple[int, ...]] = {}
+        # each cost a fresh allocation, and its page faults, per boundary chunk). An edge
+        # chunk (short, or narrower than the chunk shape) of a single-chunk-wide array is
+        # decoded whole into a chunk-shaped buffer, of which the valid part is used.
+        temp: dict[int, tuple[tuple[int, ...], int, bool]] = {}  # shape, rows, edge
         for c in needed.tolist():
             if c not in bufs and c not in heads:
                 rows = min(C, n - c * C)
-                edge = single and not (rows == C and full_other)
-                temp[c] = tuple(chunk) if edge else (rows, *shape[1:])
-        sizes = [math.prod(s) for s in temp.values()]
-        flat = buffers.empty(sum(sizes), self.dtype)
+                edge = single and not (rows == C and self._whole_rows)
+                temp[c] = (tuple(chunk) if edge else (rows, *shape[1:]), rows, edge)
+        flat = buffers.empty(sum(math.prod(t[0]) for t in temp.values()), self.dtype)
         at = 0
         pieces: list[_Piece] = []
         for c, hi in zip(needed.tolist(), rows_needed.tolist(), strict=True):
@@ -540,12 +542,11 @@ class DirectReader:
                 continue
             buf = bufs.get(c)
             if buf is None:
-                size = math.prod(temp[c])
-                buf = flat[at : at + size].reshape(temp[c])
+                buf_shape, rows, edge = temp[c]
+                size = math.prod(buf_shape)
+                buf = flat[at : at + size].reshape(buf_shape)
                 at += size
-                rows = min(C, n - c * C)
-                if single and not (rows == C and full_other):
-                    # edge chunk: decode into a full-size chunk and use the valid part
+                if edge:
                     bufs[c] = buf[(slice(0, rows), *(slice(0, s) for s in shape[1:]))]
                     pieces.append(_Piece((c, *self._other_coords[0]), buf, None, hi))
                     continue
