@@ -654,10 +654,12 @@ def test_bad_column_ids_are_refused(tmp_path: Path) -> None:
     ],
     ids=["direct", "direct-sharded", "zarr-fallback"],
 )
+@pytest.mark.parametrize("bad", [40, -1])
 def test_a_bad_column_id_is_named_by_element_row_and_chunk(
-    tmp_path: Path, shard_chunks: int | None, force_zarr: bool, where: str
+    tmp_path: Path, shard_chunks: int | None, force_zarr: bool, where: str, bad: int
 ) -> None:
-    """One id past the matrix's width: the error points at it (element, row, chunk)."""
+    """One id past the matrix's width, or below 0 (the bound is one max() over the ids
+    viewed unsigned): the error points at it (element, row, chunk)."""
     path = synthetic.make_single_cell(
         tmp_path / "one_bad.zarr", n_obs=300, n_features=40, density=0.2,
         chunk_elements=256, shard_chunks=shard_chunks,
@@ -667,10 +669,10 @@ def test_a_bad_column_id_is_named_by_element_row_and_chunk(
     row = int(np.searchsorted(indptr, 3 * 256 + 10, side="right")) - 1  # a row in chunk 3
     element = int(indptr[row])
     assert element // 256 == 3 and indptr[row + 1] > element
-    group["X/indices"][element] = 40
+    group["X/indices"][element] = bad
     ds = dz.open_dataset(path, force_zarr=force_zarr)
     assert ds.read_paths()["one_bad.zarr/X/indices"].startswith("zarr" if force_zarr else "direct")
-    message = rf"column index 40 is outside \[0, 40\): element {element:,} \(row {row:,} of "
+    message = rf"column index {bad} is outside \[0, 40\): element {element:,} \(row {row:,} of "
     with pytest.raises(dz.DatasetError, match=message + rf".*X\), in {where}"):
         for _ in dz.Loader(ds, sampler(chunk_size=32, batch_size=64)):
             pass

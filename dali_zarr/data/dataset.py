@@ -115,9 +115,9 @@ class Dataset(ABC):
 
     def check_unchanged(self) -> None:
         """DatasetError where an array was rewritten since the dataset was opened (the loader
-        asks before each epoch; each reader also checks around every read): what was read at open (a
-        CSR's row offsets, shapes, chunk and shard indexes) would describe the old array and
-        give the new one's rows wrong."""
+        asks before each epoch; each reader also checks around every read): what was read
+        at open (a CSR's row offsets, shapes, chunk and shard indexes) would describe the old
+        array and give the new one's rows wrong."""
         for reader in self.readers():
             reader.check_unchanged()
 
@@ -408,12 +408,8 @@ def _as_unsigned(ids: np.ndarray) -> np.ndarray:
     """Integer ``ids`` viewed as the unsigned type of their size (no copy), where a
     negative id is at least ``2**(bits-1)``: one ``max()`` then bounds them from both sides
     (a pass over a window's ids; ``min()`` and ``max()`` took two)."""
-    ids = np.asarray(ids)
-    if ids.dtype.kind != "i":
-        return ids
-    if not ids.flags.c_contiguous and not ids.flags.f_contiguous:
-        ids = np.ascontiguousarray(ids)
-    return ids.view(ids.dtype.str.replace("i", "u"))
+    ids = np.asarray(ids)  # a view of the same item size needs no contiguity
+    return ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
 
 
 def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
