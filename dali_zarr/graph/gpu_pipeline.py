@@ -266,7 +266,10 @@ class GpuBatchSource(BatchSource):
         _, key, w = wkey
         plan = self.plan(*key).window(w)
         ranges = plan.row_ranges
-        self.dataset.check_unchanged()  # as the CPU path's BatchSource.read_window does
+        # byte plans read the files without DirectReader.read_rows, which checks each
+        # array's metadata file around the CPU path's reads: check the dataset around the
+        # window instead (a store rewritten mid-epoch is refused, not read as garbage)
+        self.dataset.check_unchanged()
         layout = self.reader.layout(ranges)
         if layout is not None:
             lease = self.ring.acquire(layout.nbytes, self._reclaim)
