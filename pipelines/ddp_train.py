@@ -159,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_steps and steps >= args.max_steps:
                 break
         elapsed = time.perf_counter() - start
-        # one step has no steady state to time: its rate is unknown, not 0
-        rate = rows / elapsed if rows else float("nan")
-        shown = f"{rate:,.0f} rows/s" if rows else "rows/s n/a (timed from the 2nd step on)"
+        # one step has no steady state to time: its rate is unknown (None), not 0
+        rate = rows / elapsed if rows else None
+        shown = "rows/s n/a (timed from the 2nd step on)" if rate is None else f"{rate:,.0f} rows/s"
         mean_loss = loss_sum / max(1, steps)
         record = {
             "rank": rank,
             "epoch": epoch,
             "steps": steps,
-            "rows_per_s": rate if rows else None,
+            "rows_per_s": rate,
             "startup_s": startup_s,
             "loss": mean_loss,
         }
@@ -179,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.log_json:
             with open(args.log_json, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        summary = torch.tensor([mean_loss, rate], dtype=torch.float64, device=device)
+        # NaN: the total of the ranks' rates is unknown if one's is
+        summary = torch.tensor(
+            [mean_loss, math.nan if rate is None else rate], dtype=torch.float64, device=device
+        )
         dist.all_reduce(summary)
         if rank == 0:
-            total = summary[1].item()  # NaN where a rank had no steady state
+            total = summary[1].item()
             shown = "rows/s n/a" if math.isnan(total) else f"{total:,.0f} rows/s"
             print(
                 f"[all] epoch {epoch}: mean loss {summary[0].item() / world:.4f}, total {shown}",
