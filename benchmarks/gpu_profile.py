@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from collections import defaultdict
@@ -42,9 +41,11 @@ from gpu_throughput import (
     add_store_and_sampler_arguments,
     make_store,
     open_benchmark_dataset,
+    parse_config,
     require_gpu,
     sampler,
     synchronize,
+    use_config,
 )
 
 
@@ -70,35 +71,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.configs = [parse_config(c) for c in args.configs.split(",")]
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
     return args
-
-
-def parse_config(text: str) -> tuple[str, str, str]:
-    parts = text.strip().split("/")
-    if len(parts) == 2:
-        parts.append("device")  # the default ring sync
-    if (
-        len(parts) != 3
-        or parts[0] not in ("kvikio", "pinned")
-        or parts[1] not in ("python", "c")
-        or parts[2] not in ("device", "none")
-    ):
-        sys.exit(
-            f"--configs: {text!r} is not READS/API[/SYNC] with READS kvikio|pinned, "
-            "API python|c, SYNC device|none"
-        )
-    reads, api, sync = parts
-    return reads, api, sync
-
-
-def use_config(reads: str, api: str, sync: str) -> None:
-    """Set the switches the GPU path reads when it is built (executors, the CUDA backend)."""
-    from dali_zarr.graph.window_backends import RING_SYNC_ENV
-    from dali_zarr.io import nvcomp_batched
-    from dali_zarr.io.gpu import READS_ENV
-
-    os.environ[READS_ENV] = reads
-    os.environ[nvcomp_batched.ENV_SWITCH] = "1" if api == "c" else "0"
-    os.environ[RING_SYNC_ENV] = sync
 
 
 @contextlib.contextmanager

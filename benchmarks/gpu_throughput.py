@@ -34,6 +34,7 @@ Output: a table on stdout, ``<out>/gpu_throughput.json`` and ``<out>/gpu_through
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -41,6 +42,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 
@@ -87,6 +89,63 @@ def add_store_and_sampler_arguments(p: argparse.ArgumentParser, cells: int, gene
     )
 
 
+def parse_config(text: str) -> tuple[str, str, str]:
+    """``READS/API[/SYNC]`` (``--configs`` of this script and ``gpu_profile.py``) as a tuple."""
+    parts = text.strip().split("/")
+    if len(parts) == 2:
+        parts.append("device")  # the default ring sync
+    if (
+        len(parts) != 3
+        or parts[0] not in ("kvikio", "pinned")
+        or parts[1] not in ("python", "c")
+        or parts[2] not in ("device", "none")
+    ):
+        sys.exit(
+            f"--configs: {text!r} is not READS/API[/SYNC] with READS kvikio|pinned, "
+            "API python|c, SYNC device|none"
+        )
+    reads, api, sync = parts
+    return reads, api, sync
+
+
+def use_config(reads: str, api: str, sync: str) -> None:
+    """Set the switches the GPU path reads when it is built (executors, the CUDA backend)."""
+    from dali_zarr.graph.window_backends import RING_SYNC_ENV
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import READS_ENV
+
+    os.environ[READS_ENV] = reads
+    os.environ[nvcomp_batched.ENV_SWITCH] = "1" if api == "c" else "0"
+    os.environ[RING_SYNC_ENV] = sync
+
+
+@contextlib.contextmanager
+def config_env(reads: str, api: str, sync: str) -> Iterator[None]:
+    """:func:`use_config` for one contender: the switches are put back as they were after it,
+    so the rows measured next run with the user's own settings."""
+    from dali_zarr.graph.window_backends import RING_SYNC_ENV
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import READS_ENV
+
+    saved = {k: os.environ.get(k) for k in (READS_ENV, nvcomp_batched.ENV_SWITCH, RING_SYNC_ENV)}
+    use_config(reads, api, sync)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_dali_config(args, store: str, config: tuple[str, str, str]) -> dict:
+    """The GPU path under one ``--configs`` entry (how bytes reach the GPU, the nvCOMP call,
+    the ring sync), read from the same store as the default row."""
+    with config_env(*config):
+        return run_dali(args, store, device="gpu")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_store_and_sampler_arguments(p, cells=200_000, genes=62_710)
@@ -97,6 +156,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--annbatch-python", default=None, help="interpreter with annbatch (see above)")
     p.add_argument(
+        "--configs",
+        default="",
+        help="comma-separated READS/API[/SYNC] (gpu_profile.py's --configs): one more "
+        "dali_zarr gpu row each, e.g. kvikio/c,pinned/c (the first row runs as the "
+        "environment says)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="check this script without a GPU: every contender runs on the CPU (the GPU path "
@@ -104,6 +170,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--worker", choices=["annbatch"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
     return args
 
@@ -541,6 +608,10 @@ def main(argv=None) -> None:
     warm_page_cache(Path(store))
     results = {}
     contenders = [(DALI_GPU, partial(run_dali, device="gpu"))]
+    for config in args.configs:
+        reads, api, sync = config
+        name = f"{DALI_GPU}, reads {reads}, nvCOMP {api} API, ring sync {sync}"
+        contenders.append((name, partial(run_dali_config, config=config)))
     if args.stores > 1:
         contenders.append(
             (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -36,13 +37,20 @@ def test_gpu_throughput_smoke_run(tmp_path: Path) -> None:
         *("--cells", 1500, "--genes", 700, "--nnz-per-cell", 40),
         *("--batch-size", batch_size, "--chunk-size", 32, "--preload-nchunks", 8),
         *("--batches", batches, "--warmup", 1, "--out", tmp_path),
-        *("--stores", 3, "--panel", 50),
+        *("--stores", 3, "--panel", 50, "--configs", "pinned/c/none"),
     )
     assert "SMOKE RUN on the CPU" in stdout  # a smoke figure can't pass for a GPU one
     report = json.loads((tmp_path / "gpu_throughput.json").read_text())
     results = report["results"]
     each = "dali_zarr gpu, 3 stores, a 50-gene panel each"
-    gpu_rows = ("dali_zarr gpu", "dali_zarr gpu, 3 stores", "dali_zarr gpu, 50-gene panel", each)
+    config = "dali_zarr gpu, reads pinned, nvCOMP c API, ring sync none"
+    gpu_rows = (
+        "dali_zarr gpu",
+        config,
+        "dali_zarr gpu, 3 stores",
+        "dali_zarr gpu, 50-gene panel",
+        each,
+    )
     for name in (*gpu_rows, "dali_zarr cpu + .cuda()"):
         assert results[name]["rows"] == batches * batch_size, (name, results[name])
         assert results[name]["seconds"] > 0
@@ -195,3 +203,27 @@ def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> Non
         assert all(getattr(backend, name) != before[name] for name in names)
     assert device_window.window_plans is plans
     assert {name: getattr(backend, name) for name in names} == before
+
+
+def test_gpu_throughput_config_rows_put_the_switches_back(monkeypatch) -> None:
+    """A ``--configs`` row sets the GPU path's switches for itself only: the rows measured
+    after it (the collection, the panel, the CPU path) run with the user's own settings."""
+    from dali_zarr.graph.window_backends import RING_SYNC_ENV
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import READS_ENV
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_throughput = importlib.import_module("gpu_throughput")
+    monkeypatch.setenv(READS_ENV, "kvikio")
+    monkeypatch.delenv(nvcomp_batched.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(RING_SYNC_ENV, raising=False)
+    config = gpu_throughput.parse_config("pinned/c/none")
+    keys = (READS_ENV, nvcomp_batched.ENV_SWITCH, RING_SYNC_ENV)
+    with pytest.raises(RuntimeError, match="the row failed"), gpu_throughput.config_env(*config):
+        assert [os.environ.get(k) for k in keys] == ["pinned", "1", "none"]
+        raise RuntimeError("the row failed")  # a failed contender restores them too
+    assert os.environ[READS_ENV] == "kvikio"
+    assert nvcomp_batched.ENV_SWITCH not in os.environ and RING_SYNC_ENV not in os.environ
+    assert gpu_throughput.parse_config(" kvikio/python ") == ("kvikio", "python", "device")
+    with pytest.raises(SystemExit, match="'gds/c' is not READS/API"):
+        gpu_throughput.parse_config("gds/c")
