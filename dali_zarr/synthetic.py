@@ -18,16 +18,26 @@ from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
 from dali_zarr.convert import written_whole
 
-Codec = Literal["zstd", "blosc", "none"]
+Codec = Literal["zstd", "blosc", "lz4", "none"]
 
 
 def _compressors(codec: Codec, zarr_format: int) -> Any:
+    """``codec``'s compressor for ``zarr_format``: ``blosc`` is Blosc with LZ4 inside (CPU
+    decode on the GPU path), ``lz4`` bare LZ4 blocks (nvCOMP decodes them; zarr v2 only)."""
+    if codec not in ("zstd", "blosc", "lz4", "none"):
+        raise ValueError(f"codec={codec!r}: use 'zstd', 'blosc', 'lz4' or 'none'")
     if codec == "none":
         return None
     if zarr_format == 2:
         import numcodecs
 
-        return numcodecs.Zstd(level=1) if codec == "zstd" else numcodecs.Blosc(cname="lz4")
+        return {
+            "zstd": numcodecs.Zstd(level=1),
+            "blosc": numcodecs.Blosc(cname="lz4"),
+            "lz4": numcodecs.LZ4(),
+        }[codec]
+    if codec == "lz4":  # zarr v3 has no LZ4 codec of its own
+        raise ValueError("codec='lz4' needs zarr_format=2 (zarr v3 has no LZ4 codec)")
     return ZstdCodec(level=1) if codec == "zstd" else BloscCodec(cname="lz4")
 
 

@@ -16,6 +16,7 @@ import torch
 import zarr
 
 import dali_zarr as dz
+from dali_zarr import synthetic
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -514,7 +515,6 @@ def test_a_store_rewritten_while_a_loader_reads_it_is_refused(tmp_path: Path, ki
     """A loader keeps what it read at open (a CSR's row offsets, shapes, shard indexes). A
     store rewritten under it (a new convert or anndata write to the same path) gave rows of
     neither store, zeros past a smaller store's end, or a misleading "corrupted" error."""
-    from dali_zarr import synthetic
 
     path = tmp_path / "moving.zarr"
 
@@ -614,3 +614,22 @@ def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
     finally:
         loader.close()
     np.testing.assert_array_equal(got, new)
+
+
+def test_synthetic_stores_take_only_the_codecs_they_name(tmp_path):
+    """``make_single_cell(codec=...)``: an unknown name is refused, not written as Blosc (the
+    GPU tests' "v2-lz4" CSR store was Blosc for that reason, so nvCOMP's LZ4 never ran on CSR
+    there), and ``lz4`` writes bare LZ4 blocks, which zarr v3 has no codec for."""
+    with pytest.raises(ValueError, match="codec='lz5': use 'zstd', 'blosc', 'lz4' or 'none'"):
+        synthetic.make_single_cell(
+            tmp_path / "a.zarr", n_obs=10, n_features=4, n_types=2, codec="lz5"
+        )
+    with pytest.raises(ValueError, match="codec='lz4' needs zarr_format=2"):
+        synthetic.make_single_cell(
+            tmp_path / "b.zarr", n_obs=10, n_features=4, n_types=2, codec="lz4"
+        )
+    path = synthetic.make_single_cell(
+        tmp_path / "c.zarr", n_obs=10, n_features=4, n_types=2, codec="lz4", zarr_format=2
+    )
+    for name in ("data", "indices"):
+        assert type(zarr.open_array(f"{path}/X/{name}").compressors[0]).__name__ == "LZ4"

@@ -761,10 +761,13 @@ def _fake_cuda_modules(monkeypatch, log, reads: str):
     """cupy, kvikio and nvidia.nvcomp stand-ins backed by NumPy, os.pread and numcodecs; the
     executor reads with ``reads`` and copies segments with the NumPy reference."""
     from dali_zarr.graph import cuda_kernels
-    from dali_zarr.io import gpu
+    from dali_zarr.io import gpu, nvcomp_batched
     from dali_zarr.io.gpu import READS_ENV
 
     monkeypatch.setenv(READS_ENV, reads)
+    # the stand-in below is nvCOMP's Python codec; the C API (the default) calls libnvcomp
+    # with device pointers, so only the `gpu` tests run it
+    monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "0")
     monkeypatch.setattr(gpu, "COPY_PIECE_ELEMENTS", 100)  # the test's segments are cut
 
     def launch(fn, blocks, threads, stream, out, src, *seg):  # the copy kernel's reference

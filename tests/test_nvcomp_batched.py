@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dali_zarr.errors import ConfigError
+
 nvcomp_batched = pytest.importorskip("dali_zarr.io.nvcomp_batched")
 
 
@@ -124,11 +126,17 @@ def test_failed_chunks_names_bad_statuses_and_short_chunks():
     assert nvcomp_batched.failed_chunks(table, 4000) == []
 
 
-def test_off_unless_asked_for(monkeypatch):
+def test_on_unless_turned_off(monkeypatch):
+    """The C API is the default since it ran on a GPU (2026-11-26); ``0`` turns it off, and a
+    value that is neither is refused rather than read as either."""
     monkeypatch.delenv(nvcomp_batched.ENV_SWITCH, raising=False)
-    assert not nvcomp_batched.enabled()
-    monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "1")
     assert nvcomp_batched.enabled()
+    for value, want in (("1", True), (" 0 ", False), ("0", False)):
+        monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, value)
+        assert nvcomp_batched.enabled() is want
+    monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "yes")
+    with pytest.raises(ConfigError, match=r"DALI_ZARR_NVCOMP_BATCHED='yes': use 1 .* or 0"):
+        nvcomp_batched.enabled()
 
 
 def test_statuses_are_read_back_on_the_decoders_stream():

@@ -855,8 +855,8 @@ def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
         io += f", {threads} threads" if threads else ""
     if plan_kind == "none":
         return f"gpu: {io} → device, no decode (uncompressed)"
-    api = " (C API, experimental)" if nvcomp_batched.enabled() else ""
-    return f"gpu: {io} → device, nvCOMP {plan_kind}{api}"
+    api = "C API" if nvcomp_batched.enabled() else f"Python API, {nvcomp_batched.ENV_SWITCH}=0"
+    return f"gpu: {io} → device, nvCOMP {plan_kind} ({api})"
 
 
 _KVIKIO_POOL_LOCK = threading.Lock()
@@ -937,7 +937,7 @@ class GpuPlanExecutor:
             room_for_open_files()
         self._nvcomp = importlib.import_module("nvidia.nvcomp") if self.support.nvcomp else None
         self._codecs: dict[str, Any] = {}
-        # experimental: nvCOMP's C API instead of its Python codecs (see nvcomp_batched)
+        # nvCOMP's C API unless DALI_ZARR_NVCOMP_BATCHED=0 (its Python codecs; see nvcomp_batched)
         self._use_batched = nvcomp_batched.enabled()
         self._batched: dict[str, nvcomp_batched.BatchedDecoder] = {}
         #: path -> (the file's (inode, mtime, size) when opened, its kvikio CuFile)
