@@ -10,8 +10,13 @@
 #   source .gpu/install.sh && bash scripts/gpu_check.sh bench     # writes the store once
 #   source .gpu/install.sh && bash scripts/gpu_check.sh profile   # reuses it
 # `profile` times each read method x nvCOMP API (kvikio|pinned x python|c), and the C API
-# with DALI_ZARR_RING_SYNC=none; pick the fastest that the tests pass with, then `bench` with
-# it (DALI_ZARR_GPU_READS, DALI_ZARR_NVCOMP_BATCHED, DALI_ZARR_RING_SYNC).
+# with DALI_ZARR_RING_SYNC=none; `bench` takes the same as rows of one run
+# (DZ_BENCH_ARGS="--configs kvikio/python,pinned/c,kvikio/c/none").
+# What fitted 15 minutes of device time on an H200 (2026-11-26, 780 s in all): the five
+# staging calls (seconds each), then in the last one `DZ_PYTEST_ARGS="-n 6" ... tests` (pytest-
+# xdist is in the image; ~70 s instead of minutes) and `DZ_CELLS=100000 DZ_BATCHES=100 ...
+# bench` (~150 s with the store), then `profile` (~40 s) and a second `bench` on the warm
+# machine. benchmarks/results/h200-2026-11-26/README.md has the exact commands.
 # `profile` also prints the store chunk bytes read and decoded per byte used: CSR rows straddle
 # store chunks, so it is ~1 + (store rows per chunk) / --chunk-size (the GPU path decodes whole
 # chunks; `dali-zarr inspect STORE` prints rows per chunk): ~1.3 at 256 rows on ~75-row

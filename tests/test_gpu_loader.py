@@ -297,8 +297,8 @@ def test_half_outputs_take_what_a_transform_made(tmp_path, where, dtype):
         o["X"] = o["X"][:, 0]
         return o
 
-    def halve_values(o):  # float32 of int32, exactly (DALI's CPU and GPU math.log differed
-        o["X_data"] = o["X_data"] * 0.5  # in the last bit of a float32 on an H200, 2026-11-26)
+    def halve_values(o):  # float32 of int32, exactly: DALI's math.log gave other float32s
+        o["X_data"] = o["X_data"] * 0.5  # on the GPU than on the CPU (H200, 2026-11-26)
         return o
 
     cube_path = dense_store(tmp_path, 3, "zstd", 4)

@@ -33,16 +33,17 @@ that batch out, and our iterators take DALI's outputs host-synchronised (``run()
 Still, by default the device is also synchronised before a recycled slot is written
 (belt and braces: DALI's stream is not ours to wait on; this costs the reader thread a
 wait, never the consumer). ``DALI_ZARR_RING_SYNC=none`` drops that wait (``ring_sync`` in
-:mod:`dali_zarr.graph.window_backends`); a ``gpu`` test checks it and
-``benchmarks/gpu_profile.py`` times it, and it becomes the default once it has run on a
-GPU. ``prefetch_windows + prefetch_queue_depth + 3`` slots cover the windows being read
-ahead, the current one and every window DALI may still hold, so the reader never waits on
-the consumer for a slot.
+:mod:`dali_zarr.graph.window_backends`). It ran on an H200 (2026-11-26): every ``gpu``
+test passed with it and it was 4-16 % faster, but it stays opt-in, since a race would give
+wrong data silently and the wait costs a reader thread, not the consumer.
+``prefetch_windows + prefetch_queue_depth + 3`` slots cover the windows being read ahead,
+the current one and every window DALI may still hold, so the reader never waits on the
+consumer for a slot.
 
 With the host backend (``window_backends.HostBackend``) the same source, ring and graph run
 on DALI's CPU backend with the CPU kernels: that is how CI tests this module end to end
 without a GPU. The CUDA backend and the CUDA kernels inside DALI need one; they ran on an
-H100 (README "GPU path").
+H100 (2026-11-22) and an H200 (2026-11-26; README "GPU path").
 
 Windows are read on ``read_threads`` threads at once (default 4; each with its own executor,
 stream and buffers in the CUDA backend), so one window's file reads overlap another's
