@@ -160,3 +160,32 @@ def test_statuses_are_read_back_on_the_decoders_stream():
     decoder._pending = (Table(), 2, 8)
     assert decoder.check() == []
     assert seen == [stream]
+
+
+def test_a_c_api_that_does_not_load_falls_back_to_the_python_codecs(monkeypatch):
+    """The C API is the default, so a machine whose libnvcomp lacks it (or fails to load)
+    decodes with nvCOMP's Python codecs instead of failing in the first window, and
+    ``read_paths()`` says why."""
+    from dali_zarr.io.gpu import GpuSupport, describe_path
+
+    support = GpuSupport(True, True, True, False, True, "")
+    monkeypatch.delenv(nvcomp_batched.ENV_SWITCH, raising=False)
+
+    def missing(kind):
+        raise AttributeError(f"libnvcomp.so.5: undefined symbol nvcompBatched{kind}Decompress")
+
+    monkeypatch.setattr(nvcomp_batched, "functions", missing)
+    nvcomp_batched.load_error.cache_clear()
+    try:
+        assert nvcomp_batched.enabled() and not nvcomp_batched.use_c_api()
+        line = describe_path("zstd", "", support)
+        assert "nvCOMP zstd (Python API: the C API did not load (AttributeError: " in line
+        monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "0")
+        assert describe_path("zstd", "", support).endswith(
+            "(Python API, DALI_ZARR_NVCOMP_BATCHED=0)"
+        )
+    finally:
+        monkeypatch.undo()
+        nvcomp_batched.load_error.cache_clear()
+    if nvcomp_batched.load_error() is None:  # where libnvcomp is installed (CI): it loads
+        assert nvcomp_batched.use_c_api() and "(C API)" in describe_path("zstd", "", support)

@@ -855,7 +855,12 @@ def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
         io += f", {threads} threads" if threads else ""
     if plan_kind == "none":
         return f"gpu: {io} → device, no decode (uncompressed)"
-    api = "C API" if nvcomp_batched.enabled() else f"Python API, {nvcomp_batched.ENV_SWITCH}=0"
+    if nvcomp_batched.use_c_api():
+        api = "C API"
+    elif nvcomp_batched.enabled():
+        api = f"Python API: the C API did not load ({nvcomp_batched.load_error()})"
+    else:
+        api = f"Python API, {nvcomp_batched.ENV_SWITCH}=0"
     return f"gpu: {io} → device, nvCOMP {plan_kind} ({api})"
 
 
@@ -938,7 +943,7 @@ class GpuPlanExecutor:
         self._nvcomp = importlib.import_module("nvidia.nvcomp") if self.support.nvcomp else None
         self._codecs: dict[str, Any] = {}
         # nvCOMP's C API unless DALI_ZARR_NVCOMP_BATCHED=0 (its Python codecs; see nvcomp_batched)
-        self._use_batched = nvcomp_batched.enabled()
+        self._use_batched = nvcomp_batched.use_c_api()
         self._batched: dict[str, nvcomp_batched.BatchedDecoder] = {}
         #: path -> (the file's (inode, mtime, size) when opened, its kvikio CuFile)
         self._files: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()

@@ -75,8 +75,27 @@ def call_slices(n_chunks: int, chunk_nbytes: int, cap: int | None = None) -> lis
     return [slice(a, min(a + per_call, n_chunks)) for a in range(0, n_chunks, per_call)]
 
 
+def use_c_api() -> bool:
+    """Whether the GPU executor decodes with this module: asked for (:func:`enabled`) and
+    loadable here (:func:`load_error`); else it uses nvCOMP's Python codecs, and
+    ``read_paths()`` says why."""
+    return enabled() and load_error() is None
+
+
+@functools.cache
+def load_error() -> str | None:
+    """Why nvCOMP's C API cannot be called here (``None``: it can): libnvcomp missing or not
+    loading, or a batched decoder's symbol absent from it."""
+    try:
+        for kind in ALGORITHM:
+            functions(kind)
+    except (ImportError, OSError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def enabled() -> bool:
-    """Whether the GPU executor decodes with this module (:data:`ENV_SWITCH`)."""
+    """Whether :data:`ENV_SWITCH` asks for this module (unset: yes)."""
     want = os.environ.get(ENV_SWITCH, "").strip()
     if want not in ("", "0", "1"):
         raise ConfigError(
