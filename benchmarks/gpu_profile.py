@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from collections import defaultdict
@@ -66,9 +67,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --stores and --panel: each store keeps the panel's genes as other stored "
         "columns (its ids mapped per window, as for stores with different gene orders)",
     )
+    p.add_argument(
+        "--inner-chunks",
+        default="",
+        help="comma-separated elements per inner chunk: profile a synthetic store (zstd, "
+        "sharded, same shard size) written with each, instead of the default store",
+    )
     p.add_argument("--smoke", action="store_true", help="host backend, no GPU (a check)")
     args = p.parse_args(argv)
     args.configs = [parse_config(c) for c in args.configs.split(",")]
+    args.inner_chunks = [int(c) for c in args.inner_chunks.split(",") if c.strip()]
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
     return args
 
@@ -226,9 +234,21 @@ def main(argv=None) -> None:
     if not args.smoke:
         require_gpu("gpu_profile.py")
     sys.path.insert(0, ROOT)
+
+    failed = []
+    for inner_chunk in args.inner_chunks or [None]:
+        store = make_store(args, inner_chunk)
+        failed += [f"{store}: {c}" for c in profile_store(args, store)]
+    if failed:
+        sys.exit(f"configurations that failed: {', '.join(failed)}")
+
+
+def profile_store(args: argparse.Namespace, store: str) -> list[str]:
+    """Both parts for every ``--configs`` entry on one store; the configs that failed."""
+    import zarr
+
     from dali_zarr.io.gpu import kvikio_threads
 
-    store = make_store(args)
     per_store = args.per_store_panels and args.stores > 1 and args.panel > 0
     dataset = open_benchmark_dataset(
         args, store, stores=args.stores, panel=args.panel, per_store_panels=per_store
@@ -238,7 +258,9 @@ def main(argv=None) -> None:
     panel = f", a {args.panel}-gene panel" if args.panel else ""
     if per_store:
         panel += " each, over other stored columns"
-    print(f"{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows")
+    chunk = zarr.open_array(os.path.join(store, "X", "data"), mode="r").chunks[0]
+    print(f"\n{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows, ", end="")
+    print(f"inner chunks of {chunk:,} elements")
     failed = []
     for reads, api, sync in args.configs:
         use_config(reads, api, sync)
@@ -250,8 +272,7 @@ def main(argv=None) -> None:
         except Exception as e:  # one configuration failing must not hide the others
             failed.append(f"{reads}/{api}/{sync}")
             print(f"FAILED: {type(e).__name__}: {e}")
-    if failed:
-        sys.exit(f"configurations that failed: {', '.join(failed)}")
+    return failed
 
 
 if __name__ == "__main__":

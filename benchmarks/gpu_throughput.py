@@ -202,18 +202,30 @@ def require_gpu(script: str = "gpu_throughput.py") -> None:
 # ---------------------------------------------------------------------------- the store
 
 
-def make_store(args: argparse.Namespace) -> str:
-    """The store, written once and cached under ``<out>/stores`` (reused only once complete)."""
+#: inner chunks per shard of the synthetic stores (2M elements a shard at 65,536 a chunk);
+#: with ``inner_chunk`` the shards keep that many elements, so only the chunk size changes
+SHARD_ELEMENTS = 32 * 65_536
+
+
+def make_store(args: argparse.Namespace, inner_chunk: int | None = None) -> str:
+    """The store, written once and cached under ``<out>/stores`` (reused only once complete).
+
+    ``inner_chunk``: write dali_zarr's synthetic store (the AnnData layout, zstd, sharded)
+    with inner chunks of that many elements instead, for ``gpu_profile.py --inner-chunks``
+    (nvCOMP decodes a chunk per thread block, so the chunk size sets its parallelism)."""
     if args.store:
         return args.store
-    if importlib.util.find_spec("anndata") is not None:  # the CPU benchmark's writer
+    if inner_chunk is None and importlib.util.find_spec("anndata") is not None:
+        # the CPU benchmark's writer
         sizes = {"n_obs": args.cells, "n_genes": args.genes, "nnz_per_cell": args.nnz_per_cell}
         store_args = argparse.Namespace(out=args.out, seed=0, **sizes)
         return str(ensure_sparse_store(store_args, sys.executable)[0])
-    # no anndata (the GPU image): dali_zarr's own writer, the same AnnData layout
+    # no anndata (the GPU image), or a chunk size asked for: dali_zarr's own writer
     from dali_zarr.synthetic import make_single_cell
 
-    name = f"synthetic_n{args.cells}_g{args.genes}_k{args.nnz_per_cell:g}.zarr"
+    chunk = inner_chunk or 65_536
+    suffix = f"_c{inner_chunk}" if inner_chunk else ""
+    name = f"synthetic_n{args.cells}_g{args.genes}_k{args.nnz_per_cell:g}{suffix}.zarr"
     path = os.path.join(args.out, "stores", name)
     done = path + ".done"
     if not os.path.exists(done):
@@ -224,7 +236,8 @@ def make_store(args: argparse.Namespace) -> str:
             n_obs=args.cells,
             n_features=args.genes,
             density=args.nnz_per_cell / args.genes,
-            chunk_elements=65_536,
+            chunk_elements=chunk,
+            shard_chunks=max(1, SHARD_ELEMENTS // chunk),
         )
         open(done, "w").close()
     return path

@@ -17,6 +17,9 @@
 # xdist is in the image; ~70 s instead of minutes) and `DZ_CELLS=100000 DZ_BATCHES=100 ...
 # bench` (~150 s with the store), then `profile` (~40 s) and a second `bench` on the warm
 # machine. benchmarks/results/h200-2026-11-26/README.md has the exact commands.
+# Next lever (decode is ~80 % of a window there): nvCOMP's rate against the store's inner
+# chunk size, DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --configs kvikio/c" ... profile
+# (one synthetic store per size, the same shard size; DZ_CELLS=50000 halves the writing).
 # `profile` also prints the store chunk bytes read and decoded per byte used: CSR rows straddle
 # store chunks, so it is ~1 + (store rows per chunk) / --chunk-size (the GPU path decodes whole
 # chunks; `dali-zarr inspect STORE` prints rows per chunk): ~1.3 at 256 rows on ~75-row

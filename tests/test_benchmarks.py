@@ -183,6 +183,29 @@ def test_feature_selection_benchmark_runs(tmp_path: Path) -> None:
     assert all(len(v) == 1 and v[0] > 0 for v in rates.values())
 
 
+def test_gpu_profile_over_inner_chunk_sizes(tmp_path: Path) -> None:
+    """``--inner-chunks``: one synthetic store per size (same shard size), each profiled; the
+    header names the chunk size the store really has, and the stores are cached by size."""
+    import zarr
+
+    argv = (
+        *("--smoke", "--cells", 600, "--genes", 200, "--nnz-per-cell", 20, "--batch-size", 32),
+        *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 2, "--batches", 8),
+        *("--read-threads", "1", "--configs", "pinned/c", "--out", tmp_path),
+        *("--inner-chunks", "512,2048"),
+    )
+    stdout = run_script("gpu_profile.py", *argv)
+    assert "FAILED" not in stdout
+    for size, shown in ((512, "512"), (2048, "2,048")):
+        store = tmp_path / "stores" / f"synthetic_n600_g200_k20_c{size}.zarr"
+        data = zarr.open_array(str(store / "X" / "data"), mode="r")
+        assert data.chunks == (size,) and data.shards == (32 * 65_536,)  # shards alike
+        header = f"store {store}: 600 rows, inner chunks of {shown} elements"
+        part = stdout.split(header)[1].split("SMOKE RUN")[0]
+        assert re.search(r"one reader: [\d.]+ ms per window", part), stdout
+        assert "loader, read_threads=1: " in part, stdout
+
+
 def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> None:
     """The profile's stage timers (a device sync after each stage) must not stay on the
     reader for its loader runs and later configs: they had, so the ring-sync comparison was
