@@ -633,3 +633,82 @@ def test_synthetic_stores_take_only_the_codecs_they_name(tmp_path):
     )
     for name in ("data", "indices"):
         assert type(zarr.open_array(f"{path}/X/{name}").compressors[0]).__name__ == "LZ4"
+
+
+def _attributes_updated_and_chunk_broken(path: Path) -> None:
+    """A rewrite under a read: ``X/data``'s metadata file rewritten (an attribute update)
+    and its first chunk no longer a zstd frame."""
+    zarr.open_array(str(path / "X" / "data"), mode="r+").attrs["note"] = "rewritten"
+    (path / "X" / "data" / "c" / "0").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 40)
+
+
+@pytest.mark.parametrize("force_zarr", [False, True], ids=["direct", "zarr-python"])
+def test_a_read_broken_by_a_rewrite_under_it_names_the_rewrite(tmp_path: Path, force_zarr):
+    """The metadata file is checked before and after each read, but a read that the rewrite
+    broke failed first, as a corrupted chunk: the user was told to look for damage, not to
+    reopen. It now fails with the rewrite's error, the chunk's error chained to it. (The
+    rewrite happens as the read's first task is submitted: after the check before it.)"""
+    import concurrent.futures
+
+    from dali_zarr.errors import ChunkReadError
+    from dali_zarr.io.readers import open_reader
+
+    path = Path(
+        synthetic.make_single_cell(
+            tmp_path / "s.zarr", n_obs=400, n_features=30, n_types=2, chunk_elements=256,
+            shard_chunks=None,
+        )
+    )  # fmt: skip
+
+    class RewriteAtFirstTask(concurrent.futures.ThreadPoolExecutor):
+        rewritten = False
+
+        def submit(self, *args, **kwargs):
+            if not self.rewritten:
+                self.rewritten = True
+                _attributes_updated_and_chunk_broken(path)
+            return super().submit(*args, **kwargs)
+
+    with RewriteAtFirstTask(2) as executor:
+        array = zarr.open_array(str(path / "X" / "data"), mode="r")
+        reader = open_reader(array, name="s.zarr/X/data", executor=executor, force_zarr=force_zarr)
+        ranges = np.array([[0, 100], [900, 1_000]])  # chunks 0 and 3: two tasks
+        with pytest.raises(dz.DatasetError, match=r"s\.zarr/X/data: the array changed") as e:
+            reader.read_rows(ranges)
+        assert executor.rewritten and isinstance(e.value.__context__, ChunkReadError)
+
+
+def test_a_gpu_path_window_broken_by_a_rewrite_under_it_names_the_rewrite(tmp_path: Path):
+    """As above for the GPU path's window reader (run on the host backend), whose byte plans
+    bypass the readers: the rewrite happens as the window's plan starts to run."""
+    from dali_zarr.errors import ChunkReadError
+    from dali_zarr.graph.gpu_pipeline import GpuBatchSource
+    from dali_zarr.graph.window_backends import HostBackend
+
+    path = Path(
+        synthetic.make_single_cell(
+            tmp_path / "s.zarr", n_obs=400, n_features=30, n_types=2, chunk_elements=256,
+            shard_chunks=None,
+        )
+    )  # fmt: skip
+
+    class RewriteAtFirstPlan(HostBackend):
+        rewritten = False
+
+        def run_plan(self, plan, reader, out) -> None:
+            if not self.rewritten:
+                self.rewritten = True
+                _attributes_updated_and_chunk_broken(path)
+            super().run_plan(plan, reader, out)
+
+    backend = RewriteAtFirstPlan()
+    sampler = dz.ChunkSampler(chunk_size=400, preload_nchunks=1, batch_size=100, shuffle=False)
+    source = GpuBatchSource(dz.open_dataset(path), sampler, output="dense", obs=[],
+                            return_index=False, backend=backend)  # fmt: skip
+    try:
+        source.bind_epoch(0, 0)
+        with pytest.raises(dz.DatasetError, match=r"s\.zarr/X/data: the array changed") as e:
+            source.read_window((0, (0, ()), 0))
+        assert backend.rewritten and isinstance(e.value.__context__, ChunkReadError)
+    finally:
+        source.close()

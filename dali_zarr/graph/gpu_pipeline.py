@@ -270,19 +270,27 @@ class GpuBatchSource(BatchSource):
         # byte plans read the files without DirectReader.read_rows, which checks each
         # array's metadata file around the CPU path's reads: check the dataset around the
         # window instead (a store rewritten mid-epoch is refused, not read as garbage)
+        # a read that fails under a rewrite fails with the rewrite's error (the bad chunk is
+        # its symptom), the read's own error chained to it
         self.dataset.check_unchanged()
         layout = self.reader.layout(ranges)
         if layout is not None:
             lease = self.ring.acquire(layout.nbytes, self._reclaim)
             try:
                 arrays, host_indptr = self.reader.read(layout, lease.buf)
-            except BaseException:
+            except BaseException as e:
                 self.ring.abandon(lease)
+                if isinstance(e, Exception):
+                    self.dataset.check_unchanged()
                 raise
         else:
-            arrays, host_indptr, lease = self.reader.read_generic(
-                ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.abandon
-            )
+            try:
+                arrays, host_indptr, lease = self.reader.read_generic(
+                    ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.abandon
+                )
+            except Exception:
+                self.dataset.check_unchanged()
+                raise
         try:
             self.dataset.check_unchanged()
         except BaseException:

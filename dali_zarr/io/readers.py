@@ -48,11 +48,12 @@ corruption past the prefix then goes unnoticed, the rows returned are still exac
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import product
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -446,70 +447,69 @@ class DirectReader:
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
         if total == 0:
             return out
-        self._watch.check()
-        C = self.rows_per_chunk
-        nz = np.flatnonzero(lens)
-        starts, stops, outs = r[nz, 0], r[nz, 1], run_offsets(lens)[:-1][nz]
-        # global rows [lo, hi) of chunk `chunk` go to out[dst : dst + hi - lo]
-        pair_range, chunk, lo, hi = split_at_chunks(starts, stops, C)
-        dst = outs[pair_range] + lo - starts[pair_range]
+        with self._watch.around():
+            C = self.rows_per_chunk
+            nz = np.flatnonzero(lens)
+            starts, stops, outs = r[nz, 0], r[nz, 1], run_offsets(lens)[:-1][nz]
+            # global rows [lo, hi) of chunk `chunk` go to out[dst : dst + hi - lo]
+            pair_range, chunk, lo, hi = split_at_chunks(starts, stops, C)
+            dst = outs[pair_range] + lo - starts[pair_range]
 
-        # A chunk wholly inside a range is decoded straight into `out` (the first such range
-        # "owns" it); the others get a buffer and their rows are copied out afterwards.
-        covering = np.flatnonzero((lo == chunk * C) & (hi == np.minimum((chunk + 1) * C, n)))
-        owned, first_cover = np.unique(chunk[covering], return_index=True)
-        owner_pairs = covering[first_cover]
-        bufs: dict[int, np.ndarray] = {
-            c: out[d : d + h - lo_]
-            for c, d, lo_, h in zip(
-                owned.tolist(),
-                dst[owner_pairs].tolist(),
-                lo[owner_pairs].tolist(),
-                hi[owner_pairs].tolist(),
-                strict=True,
-            )
-        }
-        needed, which = np.unique(chunk, return_inverse=True)
-        # rows [0, rows_needed) of each needed chunk cover every range touching it
-        rows_needed = np.zeros(len(needed), dtype=np.int64)
-        np.maximum.at(rows_needed, which, hi - chunk * C)
-        head_pairs = np.zeros(0, dtype=np.int64)
-        if self._heads_direct:
-            # A range that starts at a chunk's first row and reaches the last row needed of
-            # it, short of its end (the tail of a range): that prefix is decoded straight into
-            # the range's place in `out` (no buffer, no copy); other ranges copy from there.
-            head_rows = hi - chunk * C
-            cand = np.flatnonzero(
-                (lo == chunk * C) & (head_rows == rows_needed[which]) & (head_rows < C)
-            )
-            head_chunks, first = np.unique(chunk[cand], return_index=True)
-            head_pairs = cand[first]
-            for c, d, k in zip(
-                head_chunks.tolist(),
-                dst[head_pairs].tolist(),
-                head_rows[head_pairs].tolist(),
-                strict=True,
-            ):
-                bufs[c] = out[d : d + k]
-        heads = set(chunk[head_pairs].tolist())
-        pieces = self._plan(needed, rows_needed, bufs, heads)
-        self.chunks_read += len(pieces)
-        if self.layout.shard is not None:
-            self._load_shard_indexes(p.coords for p in pieces)
-        _run_parallel(self.executor, pieces, self._load_piece)
+            # A chunk wholly inside a range is decoded straight into `out` (the first such range
+            # "owns" it); the others get a buffer and their rows are copied out afterwards.
+            covering = np.flatnonzero((lo == chunk * C) & (hi == np.minimum((chunk + 1) * C, n)))
+            owned, first_cover = np.unique(chunk[covering], return_index=True)
+            owner_pairs = covering[first_cover]
+            bufs: dict[int, np.ndarray] = {
+                c: out[d : d + h - lo_]
+                for c, d, lo_, h in zip(
+                    owned.tolist(),
+                    dst[owner_pairs].tolist(),
+                    lo[owner_pairs].tolist(),
+                    hi[owner_pairs].tolist(),
+                    strict=True,
+                )
+            }
+            needed, which = np.unique(chunk, return_inverse=True)
+            # rows [0, rows_needed) of each needed chunk cover every range touching it
+            rows_needed = np.zeros(len(needed), dtype=np.int64)
+            np.maximum.at(rows_needed, which, hi - chunk * C)
+            head_pairs = np.zeros(0, dtype=np.int64)
+            if self._heads_direct:
+                # A range that starts at a chunk's first row and reaches the last row needed of
+                # it, short of its end (the tail of a range): that prefix is decoded straight into
+                # the range's place in `out` (no buffer, no copy); other ranges copy from there.
+                head_rows = hi - chunk * C
+                cand = np.flatnonzero(
+                    (lo == chunk * C) & (head_rows == rows_needed[which]) & (head_rows < C)
+                )
+                head_chunks, first = np.unique(chunk[cand], return_index=True)
+                head_pairs = cand[first]
+                for c, d, k in zip(
+                    head_chunks.tolist(),
+                    dst[head_pairs].tolist(),
+                    head_rows[head_pairs].tolist(),
+                    strict=True,
+                ):
+                    bufs[c] = out[d : d + k]
+            heads = set(chunk[head_pairs].tolist())
+            pieces = self._plan(needed, rows_needed, bufs, heads)
+            self.chunks_read += len(pieces)
+            if self.layout.shard is not None:
+                self._load_shard_indexes(p.coords for p in pieces)
+            _run_parallel(self.executor, pieces, self._load_piece)
 
-        copies = np.ones(len(chunk), dtype=bool)
-        copies[owner_pairs] = False
-        copies[head_pairs] = False
-        _copy_rows(
-            out,
-            bufs,
-            chunk[copies],
-            lo[copies] - chunk[copies] * C,
-            hi[copies] - lo[copies],
-            dst[copies],
-        )
-        self._watch.check()
+            copies = np.ones(len(chunk), dtype=bool)
+            copies[owner_pairs] = False
+            copies[head_pairs] = False
+            _copy_rows(
+                out,
+                bufs,
+                chunk[copies],
+                lo[copies] - chunk[copies] * C,
+                hi[copies] - lo[copies],
+                dst[copies],
+            )
         return out
 
     def _plan(
@@ -860,6 +860,19 @@ class _MetadataWatch:
         self.file = (metadata_file(directory) if directory else None) or ""
         self.stamp = _file_stamp(self.file) if self.file else ()
 
+    @contextlib.contextmanager
+    def around(self) -> Iterator[None]:
+        """Check before and after a read; a read that fails with the file changed under it
+        fails with this error instead (the rewrite is the cause, a bad chunk its symptom),
+        the read's own error chained to it."""
+        self.check()
+        try:
+            yield
+        except Exception:
+            self.check()
+            raise
+        self.check()
+
     def check(self) -> None:
         if self.file and _file_stamp(self.file) != self.stamp:
             raise DatasetError(
@@ -949,43 +962,42 @@ class ZarrReader:
         out = _prepare_out(out, total, self.shape, self.dtype, self.name)
         if total == 0:
             return out
-        self._watch.check()
-        offs = run_offsets(lens)[:-1]
-        nz = np.flatnonzero(lens)
-        C = self.rows_per_chunk
-        # Merge ranges into spans so that no chunk is read by two zarr calls.
-        order = nz[np.argsort(r[nz, 0], kind="stable")]
-        spans: list[list[int]] = []
-        for j in order.tolist():
-            s, e = int(r[j, 0]), int(r[j, 1])
-            if spans and (s <= spans[-1][1] or s // C <= (spans[-1][1] - 1) // C):
-                spans[-1][1] = max(spans[-1][1], e)
-            else:
-                spans.append([s, e])
-        self.chunks_read += sum((e - 1) // C - s // C + 1 for s, e in spans)
-        data: list[np.ndarray | None] = [None] * len(spans)
+        with self._watch.around():
+            offs = run_offsets(lens)[:-1]
+            nz = np.flatnonzero(lens)
+            C = self.rows_per_chunk
+            # Merge ranges into spans so that no chunk is read by two zarr calls.
+            order = nz[np.argsort(r[nz, 0], kind="stable")]
+            spans: list[list[int]] = []
+            for j in order.tolist():
+                s, e = int(r[j, 0]), int(r[j, 1])
+                if spans and (s <= spans[-1][1] or s // C <= (spans[-1][1] - 1) // C):
+                    spans[-1][1] = max(spans[-1][1], e)
+                else:
+                    spans.append([s, e])
+            self.chunks_read += sum((e - 1) // C - s // C + 1 for s, e in spans)
+            data: list[np.ndarray | None] = [None] * len(spans)
 
-        def read(i: int) -> None:
-            a, b = spans[i]
-            self._check_stored(a, b)
-            try:
-                data[i] = np.asarray(self.array[a:b])
-            except Exception as e:
-                first, last = a // C, (b - 1) // C
-                chunks = f"chunk {first}" if first == last else f"chunks {first} to {last}"
-                raise ChunkReadError(
-                    f"{self.name}: zarr-python failed to read rows [{a}, {b}) ({chunks} along "
-                    f"axis 0, {C} rows each; {type(e).__name__}: {e}). {_ADVICE}"
-                ) from e
+            def read(i: int) -> None:
+                a, b = spans[i]
+                self._check_stored(a, b)
+                try:
+                    data[i] = np.asarray(self.array[a:b])
+                except Exception as e:
+                    first, last = a // C, (b - 1) // C
+                    chunks = f"chunk {first}" if first == last else f"chunks {first} to {last}"
+                    raise ChunkReadError(
+                        f"{self.name}: zarr-python failed to read rows [{a}, {b}) ({chunks} along "
+                        f"axis 0, {C} rows each; {type(e).__name__}: {e}). {_ADVICE}"
+                    ) from e
 
-        _run_parallel(self.executor, range(len(spans)), read)
-        span_starts = np.array([s for s, _ in spans], dtype=np.int64)
-        which = np.searchsorted(span_starts, r[nz, 0], side="right") - 1
-        for j, i in zip(nz.tolist(), which.tolist(), strict=True):
-            s, e, o = int(r[j, 0]), int(r[j, 1]), int(offs[j])
-            a = spans[i][0]
-            out[o : o + e - s] = data[i][s - a : e - a]  # type: ignore[index]
-        self._watch.check()
+            _run_parallel(self.executor, range(len(spans)), read)
+            span_starts = np.array([s for s, _ in spans], dtype=np.int64)
+            which = np.searchsorted(span_starts, r[nz, 0], side="right") - 1
+            for j, i in zip(nz.tolist(), which.tolist(), strict=True):
+                s, e, o = int(r[j, 0]), int(r[j, 1]), int(offs[j])
+                a = spans[i][0]
+                out[o : o + e - s] = data[i][s - a : e - a]  # type: ignore[index]
         return out
 
 
