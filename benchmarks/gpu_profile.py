@@ -218,7 +218,26 @@ def profile_loader(args: argparse.Namespace, dataset) -> None:
         synchronize(args)
         seconds = time.perf_counter() - start
         print(f"loader, read_threads={threads}: {rows / seconds:,.0f} rows/s ({rows:,} rows)")
+        print(f"  device memory: {device_memory(args)}")
         loader.close()
+        if not args.smoke:  # the next read_threads value starts from an empty pool
+            import cupy
+
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def device_memory(args: argparse.Namespace) -> str:
+    """What the loader holds on the device, for the read-threads trade-off (each reader
+    thread has its own staging, chunk and decode-scratch buffers): cupy's pool (our ring and
+    buffers) and all memory in use on the device (DALI's own pool and the contexts too)."""
+    if args.smoke:
+        return "n/a (smoke run)"
+    import cupy
+    import torch
+
+    pool = cupy.get_default_memory_pool().total_bytes()
+    free, total = torch.cuda.mem_get_info(args.device_id)
+    return f"cupy pool {pool / 1e9:.2f} GB, in use on the device {(total - free) / 1e9:.2f} GB"
 
 
 def _endless(loader):

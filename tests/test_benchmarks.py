@@ -98,6 +98,7 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         assert re.search(r"panel ids mapped per store +[\d.]+ ms", part), stdout  # its launch
         for threads in (1, 3):
             assert f"loader, read_threads={threads}: " in part
+        assert part.count("device memory: n/a (smoke run)") == 2, stdout
         assert part.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows
 
 
