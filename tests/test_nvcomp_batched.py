@@ -187,5 +187,8 @@ def test_a_c_api_that_does_not_load_falls_back_to_the_python_codecs(monkeypatch)
     finally:
         monkeypatch.undo()
         nvcomp_batched.load_error.cache_clear()
+    # the default again, whatever the caller's environment says (a run of the suite with
+    # DALI_ZARR_NVCOMP_BATCHED=0, to test the Python codecs, failed here)
+    monkeypatch.delenv(nvcomp_batched.ENV_SWITCH, raising=False)
     if nvcomp_batched.load_error() is None:  # where libnvcomp is installed (CI): it loads
         assert nvcomp_batched.use_c_api() and "(C API)" in describe_path("zstd", "", support)
