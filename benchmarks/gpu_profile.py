@@ -262,10 +262,21 @@ def main(argv=None) -> None:
         sys.exit(f"configurations that failed: {', '.join(failed)}")
 
 
-def profile_store(args: argparse.Namespace, store: str) -> list[str]:
-    """Both parts for every ``--configs`` entry on one store; the configs that failed."""
+def inner_chunks(store: str) -> str:
+    """The header's note on the store's inner chunks: of ``X/data`` (CSR), of ``X`` (dense),
+    none where the store has neither (a ``--store`` that is an array)."""
     import zarr
 
+    try:
+        x = zarr.open(os.path.join(store, "X"), mode="r")
+        array = x["data"] if isinstance(x, zarr.Group) else x
+    except (FileNotFoundError, KeyError):
+        return ""
+    return f", inner chunks of {' x '.join(f'{c:,}' for c in array.chunks)} elements"
+
+
+def profile_store(args: argparse.Namespace, store: str) -> list[str]:
+    """Both parts for every ``--configs`` entry on one store; the configs that failed."""
     from dali_zarr.io.gpu import kvikio_threads
 
     per_store = args.per_store_panels and args.stores > 1 and args.panel > 0
@@ -277,9 +288,7 @@ def profile_store(args: argparse.Namespace, store: str) -> list[str]:
     panel = f", a {args.panel}-gene panel" if args.panel else ""
     if per_store:
         panel += " each, over other stored columns"
-    chunk = zarr.open_array(os.path.join(store, "X", "data"), mode="r").chunks[0]
-    print(f"\n{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows, ", end="")
-    print(f"inner chunks of {chunk:,} elements")
+    print(f"\n{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows{inner_chunks(store)}")
     failed = []
     for reads, api, sync in args.configs:
         use_config(reads, api, sync)

@@ -207,6 +207,26 @@ def test_gpu_profile_over_inner_chunk_sizes(tmp_path: Path) -> None:
         assert "loader, read_threads=1: " in part, stdout
 
 
+def test_gpu_profile_runs_on_a_dense_anndata_store(tmp_path: Path) -> None:
+    """``--store`` with a dense ``X``: the header's chunk note had opened ``X/data``, which
+    only a CSR store has, and the profile failed before measuring anything."""
+    import zarr
+
+    store = tmp_path / "dense.zarr"
+    group = zarr.open_group(str(store), mode="w")
+    group.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+    x = group.create_array("X", shape=(600, 50), chunks=(64, 50), dtype="float32")
+    x[...] = np.random.default_rng(0).random((600, 50), dtype=np.float32)
+    stdout = run_script(
+        "gpu_profile.py",
+        *("--smoke", "--store", store, "--batch-size", 32, "--chunk-size", 16),
+        *("--preload-nchunks", 4, "--windows", 2, "--batches", 8, "--read-threads", 1),
+        *("--configs", "pinned/c", "--out", tmp_path / "out"),
+    )
+    assert f"store {store}: 600 rows, inner chunks of 64 x 50 elements" in stdout, stdout
+    assert "loader, read_threads=1: " in stdout and "FAILED" not in stdout, stdout
+
+
 def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> None:
     """The profile's stage timers (a device sync after each stage) must not stay on the
     reader for its loader runs and later configs: they had, so the ring-sync comparison was
