@@ -77,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.configs = [parse_config(c) for c in args.configs.split(",")]
     args.inner_chunks = [int(c) for c in args.inner_chunks.split(",") if c.strip()]
+    if args.inner_chunks and args.store:  # make_store returns --store whatever the size
+        p.error("--inner-chunks writes its own stores: leave --store out")
+    if any(c <= 0 for c in args.inner_chunks):
+        p.error(f"--inner-chunks: sizes must be positive, not {args.inner_chunks}")
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
     return args
 

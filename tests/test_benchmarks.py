@@ -227,6 +227,17 @@ def test_gpu_profile_runs_on_a_dense_anndata_store(tmp_path: Path) -> None:
     assert "loader, read_threads=1: " in stdout and "FAILED" not in stdout, stdout
 
 
+def test_gpu_profile_inner_chunks_refuses_a_given_store(monkeypatch) -> None:
+    """``--inner-chunks`` with ``--store`` profiled the given store once per size, each
+    header naming the same chunks: refused, as is a size that is not positive."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_profile = importlib.import_module("gpu_profile")
+    assert gpu_profile.parse_args(["--inner-chunks", "512,2048"]).inner_chunks == [512, 2048]
+    for argv in (["--inner-chunks", "512", "--store", "x.zarr"], ["--inner-chunks", "0"]):
+        with pytest.raises(SystemExit):
+            gpu_profile.parse_args(argv)
+
+
 def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> None:
     """The profile's stage timers (a device sync after each stage) must not stay on the
     reader for its loader runs and later configs: they had, so the ring-sync comparison was
