@@ -36,8 +36,8 @@ def _compressors(codec: Codec, zarr_format: int) -> Any:
             "blosc": numcodecs.Blosc(cname="lz4"),
             "lz4": numcodecs.LZ4(),
         }[codec]
-    if codec == "lz4":  # zarr v3 has no LZ4 codec of its own
-        raise ValueError("codec='lz4' needs zarr_format=2 (zarr v3 has no LZ4 codec)")
+    if codec == "lz4":  # numcodecs' v3 wrapper is not a codec of the zarr v3 spec
+        raise ValueError("codec='lz4' needs zarr_format=2 (zarr v3's own codecs have no LZ4)")
     return ZstdCodec(level=1) if codec == "zstd" else BloscCodec(cname="lz4")
 
 

@@ -619,7 +619,7 @@ def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
 def test_synthetic_stores_take_only_the_codecs_they_name(tmp_path):
     """``make_single_cell(codec=...)``: an unknown name is refused, not written as Blosc (the
     GPU tests' "v2-lz4" CSR store was Blosc for that reason, so nvCOMP's LZ4 never ran on CSR
-    there), and ``lz4`` writes bare LZ4 blocks, which zarr v3 has no codec for."""
+    there), and ``lz4`` writes bare LZ4 blocks, which zarr v3's own codecs cannot."""
     with pytest.raises(ValueError, match="codec='lz5': use 'zstd', 'blosc', 'lz4' or 'none'"):
         synthetic.make_single_cell(
             tmp_path / "a.zarr", n_obs=10, n_features=4, n_types=2, codec="lz5"
