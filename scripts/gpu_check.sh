@@ -13,10 +13,11 @@
 # with DALI_ZARR_RING_SYNC=none; `bench` takes the same as rows of one run
 # (DZ_BENCH_ARGS="--configs kvikio/python,pinned/c,kvikio/c/none").
 # What fitted 15 minutes of device time on an H200 (2026-11-26, 780 s in all): the five
-# staging calls (seconds each), then in the last one `DZ_PYTEST_ARGS="-n 6" ... tests` (pytest-
-# xdist is in the image; ~70 s instead of minutes) and `DZ_CELLS=100000 DZ_BATCHES=100 ...
-# bench` (~150 s with the store), then `profile` (~40 s) and a second `bench` on the warm
-# machine. benchmarks/results/h200-2026-11-26/README.md has the exact commands.
+# staging calls (seconds each), then in the last one `tests` (6 pytest-xdist workers, which
+# the image has: ~70 s instead of minutes) and `bench` (~150 s with the store at 100,000
+# cells), then `profile` (~40 s) and a second `bench` on the warm machine. The defaults
+# below are those sizes since then; benchmarks/results/h200-2026-11-26/README.md has the
+# exact commands of that session.
 # Next lever (decode is ~80 % of a window there): nvCOMP's rate against the store's inner
 # chunk size, DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --configs kvikio/c" ... profile
 # (one synthetic store per size, the same shard size; DZ_CELLS=50000 halves the writing).
@@ -25,9 +26,10 @@
 # chunks; `dali-zarr inspect STORE` prints rows per chunk): ~1.3 at 256 rows on ~75-row
 # chunks. DZ_BENCH_ARGS="--chunk-size 1024 --preload-nchunks 16" keeps the 16k-row window
 # and reads ~1.07 (every contender gets the same settings).
-# Each step fits one 10-minute call (bench: ~5 min the first time, most of it writing the
-# 400k-cell store). Results land in $OUT (they come back with the call): gpu_tests.txt,
-# gpu_throughput.txt/.json/.png, gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.
+# Each step fits one 10-minute call (bench: ~2.5 min the first time, about half of it writing
+# the store; DZ_CELLS=400000 for the larger store of earlier runs, ~5 min). Results land in
+# $OUT (they come back with the call): gpu_tests.txt, gpu_throughput.txt/.json/.png,
+# gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.
 set -uo pipefail
 out=${OUT:-/tmp/dz-gpu-out}
 mkdir -p "$out"
@@ -54,7 +56,10 @@ case "$step" in
       # the gene-panel ones write their stores with anndata (staged by `extra`)
       panels=$(python3 -c "import anndata" 2>/dev/null && echo tests/test_features.py)
       [ -n "$panels" ] || echo "anndata missing: the gene-panel gpu tests (test_features.py) do not run"
-      python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+      # 6 workers where pytest-xdist is installed (the image has it): device time is short
+      workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6")
+      case " ${DZ_PYTEST_ARGS:-} " in *" -n "*) workers="" ;; esac
+      python3 -m pytest -m gpu -q -rs -p no:cacheprovider $workers \
         tests/test_gpu_loader.py tests/test_gpu_pipeline.py tests/test_gpu_plan.py \
         tests/test_cuda_kernels.py $panels ${DZ_PYTEST_ARGS:-}
     } 2>&1 | tee "$out/gpu_tests.txt"
@@ -64,15 +69,18 @@ case "$step" in
     # The store is kept outside $OUT (in $DZ_BENCH_DIR) so that later calls on the same warm
     # machine reuse it; only the table, JSON and chart travel back.
     bench=${DZ_BENCH_DIR:-$HOME/dz/bench}
-    # 200 timed batches (50 windows) so that windows read during the warm-up are a small
-    # part of the clock (they are free for it), and epoch boundaries are in it.
+    # 150 timed batches (~37 windows, 6 epochs of 100,000 cells) so that windows read during
+    # the warm-up are a small part of the clock (they are free for it), and epoch boundaries
+    # are in it. DZ_CONFIGS: more dali_zarr gpu rows, one per READS/API[/SYNC] (the Python
+    # API, pinned reads and no ring sync by default; DZ_CONFIGS= drops them).
     # Three more dali_zarr rows: the cells as a collection of 14 stores (Tahoe-100M's plates),
     # a 1,000-gene panel, and the 14 stores each under its own panel map (stores written
     # with other gene orders), all read by byte plans (DZ_STORES=1 DZ_PANEL=0 drop them).
     # an earlier run's results must not travel back as this one's
     rm -f "$bench"/gpu_throughput.json "$bench"/gpu_throughput.png
-    python3 benchmarks/gpu_throughput.py --cells "${DZ_CELLS:-400000}" --genes 20000 \
-      --nnz-per-cell 2000 --batches "${DZ_BATCHES:-200}" --out "$bench" \
+    python3 benchmarks/gpu_throughput.py --cells "${DZ_CELLS:-100000}" --genes 20000 \
+      --nnz-per-cell 2000 --batches "${DZ_BATCHES:-150}" --out "$bench" \
+      --configs "${DZ_CONFIGS-kvikio/python,pinned/c,kvikio/c/none}" \
       --stores "${DZ_STORES:-14}" --panel "${DZ_PANEL:-1000}" ${DZ_BENCH_ARGS:-} 2>&1 \
       | tee "$out/gpu_throughput.txt"
     status=$?  # the benchmark's (pipefail), not the copies'
@@ -82,12 +90,12 @@ case "$step" in
     exit "$status"
     ;;
   profile)
-    python3 benchmarks/gpu_profile.py --cells "${DZ_CELLS:-400000}" --genes 20000 \
+    python3 benchmarks/gpu_profile.py --cells "${DZ_CELLS:-100000}" --genes 20000 \
       --nnz-per-cell 2000 --out "${DZ_BENCH_DIR:-$HOME/dz/bench}" ${DZ_BENCH_ARGS:-} 2>&1 \
       | tee "$out/gpu_profile.txt"
     ;;
   *)
-    sed -n '2,17p' "$0"
+    awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"  # the header above
     exit 2
     ;;
 esac
