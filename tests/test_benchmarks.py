@@ -282,3 +282,19 @@ def test_gpu_throughput_config_rows_put_the_switches_back(monkeypatch) -> None:
     assert gpu_throughput.parse_config(" kvikio/python ") == ("kvikio", "python", "device")
     with pytest.raises(SystemExit, match="'gds/c' is not READS/API"):
         gpu_throughput.parse_config("gds/c")
+
+
+def test_gpu_check_script_parses_and_prints_its_header() -> None:
+    """``scripts/gpu_check.sh`` runs only on lent GPU machines, where a syntax error would
+    waste the session's few device minutes: CI parses it, and its usage is its header."""
+    import subprocess
+
+    script = ROOT / "scripts" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    usage = subprocess.run(["bash", str(script), "help"], capture_output=True, text=True)
+    assert usage.returncode == 2, usage
+    header = [line for line in script.read_text().splitlines()[1:] if line.startswith("#")]
+    header = header[: header.index("# gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.") + 1]
+    assert usage.stdout.splitlines() == header, usage.stdout
+    extra = subprocess.run(["bash", str(script), "extra"], capture_output=True, text=True)
+    assert extra.returncode == 0 and "annbatch==" in extra.stdout, extra
