@@ -8,6 +8,7 @@ delegates the bytes to an :class:`~dali_zarr.io.ArrayReader`, so the I/O backend
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from abc import ABC, abstractmethod
@@ -32,6 +33,7 @@ from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import (
     ArrayReader,
     check_ranges,
+    checked_around,
     metadata_file,
     open_reader,
     refuse_stale_metadata,
@@ -120,6 +122,11 @@ class Dataset(ABC):
         array and give the new one's rows wrong."""
         for reader in self.readers():
             reader.check_unchanged()
+
+    def unchanged_around(self) -> contextlib.AbstractContextManager[None]:
+        """:meth:`check_unchanged` before and after a read that bypasses the readers (the
+        GPU path's byte plans), and when it fails (:func:`~dali_zarr.io.checked_around`)."""
+        return checked_around(self.check_unchanged)
 
     def categories(self, column: str) -> tuple[str, ...] | None:
         """Category names of a categorical obs column, to map batch codes back to labels."""

@@ -267,39 +267,37 @@ class GpuBatchSource(BatchSource):
         _, key, w = wkey
         plan = self.plan(*key).window(w)
         ranges = plan.row_ranges
-        # byte plans read the files without DirectReader.read_rows, which checks each
-        # array's metadata file around the CPU path's reads: check the dataset around the
-        # window instead (a store rewritten mid-epoch is refused, not read as garbage)
-        # a read that fails under a rewrite fails with the rewrite's error (the bad chunk is
-        # its symptom), the read's own error chained to it
-        self.dataset.check_unchanged()
-        layout = self.reader.layout(ranges)
-        if layout is not None:
-            lease = self.ring.acquire(layout.nbytes, self._reclaim)
-            try:
-                arrays, host_indptr = self.reader.read(layout, lease.buf)
-            except BaseException as e:
-                self.ring.abandon(lease)
-                if isinstance(e, Exception):
-                    self.dataset.check_unchanged()
-                raise
-        else:
-            try:
-                arrays, host_indptr, lease = self.reader.read_generic(
-                    ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.abandon
-                )
-            except Exception:
-                self.dataset.check_unchanged()
-                raise
+        # byte plans read the files without the readers, which check each array's metadata
+        # file around their reads: the dataset is checked around the window instead (a store
+        # rewritten mid-epoch is refused, not read as garbage)
+        lease = None
         try:
-            self.dataset.check_unchanged()
+            with self.dataset.unchanged_around():
+                arrays, host_indptr, lease = self._read_into_slot(ranges)
         except BaseException:
-            self.ring.abandon(lease)
+            if lease is not None:  # read, but the store changed meanwhile
+                self.ring.abandon(lease)
             raise
         lease.key = wkey
         with self._lease_lock:
             self._leases.append(lease)
         return DeviceWindow(plan, arrays, host_indptr, lease)
+
+    def _read_into_slot(self, ranges: np.ndarray) -> tuple[tuple, np.ndarray | None, Any]:
+        """The window's arrays read into a ring slot: (arrays, host indptr, the slot's lease);
+        a failed read gives its slot back itself."""
+        layout = self.reader.layout(ranges)
+        if layout is None:
+            return self.reader.read_generic(
+                ranges, lambda n: self.ring.acquire(n, self._reclaim), self.ring.abandon
+            )
+        lease = self.ring.acquire(layout.nbytes, self._reclaim)
+        try:
+            arrays, host_indptr = self.reader.read(layout, lease.buf)
+        except BaseException:
+            self.ring.abandon(lease)
+            raise
+        return arrays, host_indptr, lease
 
     def _reclaim(self) -> None:
         """Release slots DALI can no longer read: served long enough ago, or never served and

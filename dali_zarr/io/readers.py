@@ -847,6 +847,21 @@ def metadata_file(directory: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def checked_around(check: Callable[[], None]) -> Iterator[None]:
+    """Run ``check`` (raising where a store changed since it was opened) before and after
+    a read; a read that fails with the store changed under it fails with the check's error
+    instead (the rewrite is the cause, a bad chunk its symptom), the read's own error
+    chained to it. Only ``Exception``s are re-checked: an interrupt passes as it is."""
+    check()
+    try:
+        yield
+    except Exception:
+        check()
+        raise
+    check()
+
+
 class _MetadataWatch:
     """The metadata file of a local array, as it was when the array was opened: a loader
     checks it before each epoch and a reader around each read, since what was read at open
@@ -860,18 +875,9 @@ class _MetadataWatch:
         self.file = (metadata_file(directory) if directory else None) or ""
         self.stamp = _file_stamp(self.file) if self.file else ()
 
-    @contextlib.contextmanager
-    def around(self) -> Iterator[None]:
-        """Check before and after a read; a read that fails with the file changed under it
-        fails with this error instead (the rewrite is the cause, a bad chunk its symptom),
-        the read's own error chained to it."""
-        self.check()
-        try:
-            yield
-        except Exception:
-            self.check()
-            raise
-        self.check()
+    def around(self) -> contextlib.AbstractContextManager[None]:
+        """:func:`checked_around` with this file's check."""
+        return checked_around(self.check)
 
     def check(self) -> None:
         if self.file and _file_stamp(self.file) != self.stamp:
