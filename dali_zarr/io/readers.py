@@ -517,7 +517,7 @@ class DirectReader:
         needed: np.ndarray,
         rows_needed: np.ndarray,
         bufs: dict[int, np.ndarray],
-        heads: set[int] = frozenset(),  # type: ignore[assignment]
+        heads: set[int],
     ) -> list[_Piece]:
         shape, chunk = self.shape, self.layout.chunk_shape
         n, C = shape[0], chunk[0]
