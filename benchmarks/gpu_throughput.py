@@ -108,27 +108,32 @@ def parse_config(text: str) -> tuple[str, str, str]:
     return reads, api, sync
 
 
-def use_config(reads: str, api: str, sync: str) -> None:
-    """Set the switches the GPU path reads when it is built (executors, the CUDA backend)."""
+def config_values(reads: str, api: str, sync: str) -> dict[str, str]:
+    """The switches the GPU path reads when it is built (executors, the CUDA backend) for
+    one ``READS/API/SYNC`` config, by environment variable."""
     from dali_zarr.graph.window_backends import RING_SYNC_ENV
     from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import READS_ENV
 
-    os.environ[READS_ENV] = reads
-    os.environ[nvcomp_batched.ENV_SWITCH] = "1" if api == "c" else "0"
-    os.environ[RING_SYNC_ENV] = sync
+    return {
+        READS_ENV: reads,
+        nvcomp_batched.ENV_SWITCH: "1" if api == "c" else "0",
+        RING_SYNC_ENV: sync,
+    }
+
+
+def use_config(reads: str, api: str, sync: str) -> None:
+    """Set the switches of one config for whatever is built next."""
+    os.environ.update(config_values(reads, api, sync))
 
 
 @contextlib.contextmanager
 def config_env(reads: str, api: str, sync: str) -> Iterator[None]:
     """:func:`use_config` for one contender: the switches are put back as they were after it,
     so the rows measured next run with the user's own settings."""
-    from dali_zarr.graph.window_backends import RING_SYNC_ENV
-    from dali_zarr.io import nvcomp_batched
-    from dali_zarr.io.gpu import READS_ENV
-
-    saved = {k: os.environ.get(k) for k in (READS_ENV, nvcomp_batched.ENV_SWITCH, RING_SYNC_ENV)}
-    use_config(reads, api, sync)
+    values = config_values(reads, api, sync)
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:

@@ -10,8 +10,8 @@
 #   source .gpu/install.sh && bash scripts/gpu_check.sh bench     # writes the store once
 #   source .gpu/install.sh && bash scripts/gpu_check.sh profile   # reuses it
 # `profile` times each read method x nvCOMP API (kvikio|pinned x python|c), and the C API
-# with DALI_ZARR_RING_SYNC=none; `bench` takes the same as rows of one run
-# (DZ_BENCH_ARGS="--configs kvikio/python,pinned/c,kvikio/c/none").
+# with DALI_ZARR_RING_SYNC=none; `bench` measures such configs as rows of one run
+# (DZ_CONFIGS, below).
 # What fitted 15 minutes of device time on an H200 (2026-11-26, 780 s in all): the five
 # staging calls (seconds each), then in the last one `tests` (6 pytest-xdist workers, which
 # the image has: ~70 s instead of minutes) and `bench` (~150 s with the store at 100,000
