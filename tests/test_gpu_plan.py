@@ -1035,6 +1035,45 @@ def test_gpu_executor_runs_a_joint_plan_with_faked_cuda(tmp_path, monkeypatch, r
     executor.close()
 
 
+def test_a_c_api_that_does_not_load_falls_back_to_the_python_codecs(tmp_path, monkeypatch):
+    """The C API is the default, so a machine whose libnvcomp lacks it (or fails to load)
+    decodes with nvCOMP's Python codecs (here the stand-in) instead of failing in the first
+    window, and ``read_paths()`` says why."""
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import GpuPlanExecutor, GpuSupport, describe_path
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log, "kvikio")
+    monkeypatch.delenv(nvcomp_batched.ENV_SWITCH)  # the default: the C API asked for
+
+    def missing(kind):
+        raise AttributeError(f"libnvcomp.so.5: undefined symbol nvcompBatched{kind}Decompress")
+
+    monkeypatch.setattr(nvcomp_batched, "functions", missing)
+    nvcomp_batched.load_error.cache_clear()
+    try:
+        data = np.random.default_rng(1).poisson(2, 8 * 1024).astype(np.float32)
+        arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
+        reader = open_reader(arr, name="arr")
+        executor = GpuPlanExecutor(0)
+        plan = plan_rows(reader, np.array([[0, data.size]]))
+        out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
+        executor.run(plan, reader, out)
+        np.testing.assert_array_equal(out, data)
+        assert [e for e in log if e[0] == "decode"] == [("decode", "Zstd", len(plan.reads))]
+        executor.close()
+        support = GpuSupport(True, True, True, False, True, "")
+        line = describe_path("zstd", "", support)
+        assert "nvCOMP zstd (Python API: the C API did not load (AttributeError: " in line
+        monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "0")
+        assert describe_path("zstd", "", support).endswith(
+            "(Python API, DALI_ZARR_NVCOMP_BATCHED=0)"
+        )
+    finally:
+        monkeypatch.undo()
+        nvcomp_batched.load_error.cache_clear()
+
+
 @pytest.mark.parametrize("reads", ["kvikio", "pinned"])
 def test_gpu_executor_checks_frames_first_and_caps_decode_calls(tmp_path, monkeypatch, reads):
     """With the same stand-ins: nvCOMP gets a window in calls of at most CALL_NBYTES decoded
