@@ -635,6 +635,16 @@ def test_synthetic_stores_take_only_the_codecs_they_name(tmp_path):
         assert type(zarr.open_array(f"{path}/X/{name}").compressors[0]).__name__ == "LZ4"
 
 
+def _unsharded_store(tmp_path: Path) -> Path:
+    """400 cells in unsharded chunks of 256 values (chunk files ``X/data/c/0``, ...)."""
+    return Path(
+        synthetic.make_single_cell(
+            tmp_path / "s.zarr", n_obs=400, n_features=30, n_types=2, chunk_elements=256,
+            shard_chunks=None,
+        )
+    )  # fmt: skip
+
+
 def _attributes_updated_and_chunk_broken(path: Path) -> None:
     """A rewrite under a read: ``X/data``'s metadata file rewritten (an attribute update)
     and its first chunk no longer a zstd frame."""
@@ -653,12 +663,7 @@ def test_a_read_broken_by_a_rewrite_under_it_names_the_rewrite(tmp_path: Path, f
     from dali_zarr.errors import ChunkReadError
     from dali_zarr.io.readers import open_reader
 
-    path = Path(
-        synthetic.make_single_cell(
-            tmp_path / "s.zarr", n_obs=400, n_features=30, n_types=2, chunk_elements=256,
-            shard_chunks=None,
-        )
-    )  # fmt: skip
+    path = _unsharded_store(tmp_path)
 
     class RewriteAtFirstTask(concurrent.futures.ThreadPoolExecutor):
         rewritten = False
@@ -685,12 +690,7 @@ def test_a_gpu_path_window_broken_by_a_rewrite_under_it_names_the_rewrite(tmp_pa
     from dali_zarr.graph.gpu_pipeline import GpuBatchSource
     from dali_zarr.graph.window_backends import HostBackend
 
-    path = Path(
-        synthetic.make_single_cell(
-            tmp_path / "s.zarr", n_obs=400, n_features=30, n_types=2, chunk_elements=256,
-            shard_chunks=None,
-        )
-    )  # fmt: skip
+    path = _unsharded_store(tmp_path)
 
     class RewriteAtFirstPlan(HostBackend):
         rewritten = False
