@@ -164,3 +164,19 @@ def write_layout(
 def batch_info(epoch_idx: int, iteration: int) -> SimpleNamespace:
     """What DALI passes an external source callback (``batch_info=True``)."""
     return SimpleNamespace(epoch_idx=epoch_idx, iteration=iteration)
+
+
+def epoch_outputs(source, other, epoch: int):
+    """``(iteration, outputs)`` of external-source callback ``source`` over DALI epoch
+    ``epoch``, as DALI calls it, until it raises StopIteration; ``other``, a callback
+    compared with it, must end at the same iteration."""
+    it = 0
+    while True:
+        try:
+            outputs = source(batch_info(epoch, it))
+        except StopIteration:
+            with pytest.raises(StopIteration):
+                other(batch_info(epoch, it))
+            return
+        yield it, outputs
+        it += 1

@@ -29,7 +29,7 @@ from dali_zarr.graph.gpu_pipeline import (
 from dali_zarr.graph.source import BatchSource
 from dali_zarr.graph.window_backends import RING_SYNC_ENV, HostBackend, ring_sync
 from dali_zarr.synthetic import make_single_cell
-from tests.stores import batch_info, has_cuda, needs_cuda
+from tests.stores import batch_info, epoch_outputs, has_cuda, needs_cuda
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -93,14 +93,7 @@ def _run_epochs(
         if cut is not None and epoch == 0:
             cpu.cut_epoch(0, cut)
             gpu.cut_epoch(0, cut)
-        it = 0
-        while True:
-            try:
-                want = cpu(batch_info(epoch, it))
-            except StopIteration:
-                with pytest.raises(StopIteration):
-                    gpu.device_source(batch_info(epoch, it))
-                break
+        for it, want in epoch_outputs(cpu, gpu.device_source, epoch):
             # DALI may call the two sources in either order
             first, second = (
                 (gpu.host_source, gpu.device_source)
@@ -118,7 +111,6 @@ def _run_epochs(
             for when, live, copies in history[-(2 + 2) :]:
                 for x, c in zip(live, copies, strict=True):
                     np.testing.assert_array_equal(x, c, err_msg=f"batch {when} overwritten")
-            it += 1
     gpu.close()
     cpu.close()
     return gpu, served
