@@ -1035,12 +1035,29 @@ def test_gpu_executor_runs_a_joint_plan_with_faked_cuda(tmp_path, monkeypatch, r
     executor.close()
 
 
+def _zstd_array_read_whole(tmp_path, n_values: int):
+    """A zstd array of ``n_values`` float32 counts in chunks of 1,024, read whole by a
+    GpuPlanExecutor (run with the stand-ins active) and checked against what was written:
+    ``(data, reader, executor, plan, out)``."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    data = np.random.default_rng(0).poisson(2, n_values).astype(np.float32)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="arr")
+    executor = GpuPlanExecutor(0)
+    plan = plan_rows(reader, np.array([[0, data.size]]))
+    out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
+    assert executor.run(plan, reader, out) is out
+    np.testing.assert_array_equal(out, data)
+    return data, reader, executor, plan, out
+
+
 def test_a_c_api_that_does_not_load_falls_back_to_the_python_codecs(tmp_path, monkeypatch):
     """The C API is the default, so a machine whose libnvcomp lacks it (or fails to load)
     decodes with nvCOMP's Python codecs (here the stand-in) instead of failing in the first
     window, and ``read_paths()`` says why."""
     from dali_zarr.io import nvcomp_batched
-    from dali_zarr.io.gpu import GpuPlanExecutor, GpuSupport, describe_path
+    from dali_zarr.io.gpu import GpuSupport, describe_path
 
     log: list = []
     _fake_cuda_modules(monkeypatch, log, "kvikio")
@@ -1052,14 +1069,7 @@ def test_a_c_api_that_does_not_load_falls_back_to_the_python_codecs(tmp_path, mo
     monkeypatch.setattr(nvcomp_batched, "functions", missing)
     nvcomp_batched.load_error.cache_clear()
     try:
-        data = np.random.default_rng(1).poisson(2, 8 * 1024).astype(np.float32)
-        arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
-        reader = open_reader(arr, name="arr")
-        executor = GpuPlanExecutor(0)
-        plan = plan_rows(reader, np.array([[0, data.size]]))
-        out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
-        executor.run(plan, reader, out)
-        np.testing.assert_array_equal(out, data)
+        _, _, executor, plan, _ = _zstd_array_read_whole(tmp_path, 8 * 1024)
         assert [e for e in log if e[0] == "decode"] == [("decode", "Zstd", len(plan.reads))]
         executor.close()
         support = GpuSupport(True, True, True, False, True, "")
@@ -1079,19 +1089,11 @@ def test_gpu_executor_checks_frames_first_and_caps_decode_calls(tmp_path, monkey
     """With the same stand-ins: nvCOMP gets a window in calls of at most CALL_NBYTES decoded
     bytes, and a chunk that is not a zstd frame is named before nvCOMP sees any chunk."""
     from dali_zarr.io import nvcomp_batched
-    from dali_zarr.io.gpu import GpuPlanExecutor
 
     log: list = []
     _fake_cuda_modules(monkeypatch, log, reads)
     monkeypatch.setattr(nvcomp_batched, "CALL_NBYTES", 3 * 4096)  # three 4 KiB chunks a call
-    data = np.random.default_rng(0).poisson(2, 16 * 1024).astype(np.float32)
-    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=compressors("zstd", 3))
-    reader = open_reader(arr, name="arr")
-    executor = GpuPlanExecutor(0)
-    plan = plan_rows(reader, np.array([[0, data.size]]))
-    out = np.full(plan.out_shape, np.nan, plan.dtype).view(_Dev)
-    executor.run(plan, reader, out)
-    np.testing.assert_array_equal(out, data)
+    data, reader, executor, _, out = _zstd_array_read_whole(tmp_path, 16 * 1024)
     assert [e[2] for e in log if e[0] == "decode"] == [3, 3, 3, 3, 3, 1]
 
     (tmp_path / "a.zarr" / "c" / "5").write_bytes(numcodecs.GZip().encode(data[:1024]))
