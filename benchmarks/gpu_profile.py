@@ -23,6 +23,12 @@ SYNC what a recycled ring slot waits for (``device``, the default, or ``none``; 
 ``DALI_ZARR_RING_SYNC``). One call of this script on a GPU machine compares them all on the
 same store.
 
+Two sweeps measure the decode, ~80 % of a window on the H200 (2026-11-26), each value a
+full profile: ``--inner-chunks`` (stores written with other inner chunk sizes) and
+``--call-mb`` (the decoded bytes one nvCOMP call may cover, ``nvcomp_batched.CALL_NBYTES``:
+fewer, larger calls per window against ~3x their size in scratch memory per reader thread).
+Part 1 prints the decode calls per window and their chunks.
+
 ``--smoke`` runs both parts on the host backend (no GPU): a check that the script works, not
 a measurement of anything the GPU does.
 """
@@ -73,6 +79,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated elements per inner chunk: profile a synthetic store (zstd, "
         "sharded, same shard size) written with each, instead of the default store",
     )
+    p.add_argument(
+        "--call-mb",
+        default="",
+        help="comma-separated MiB of decoded bytes one nvCOMP call may cover (default: "
+        "dali_zarr's CALL_NBYTES): a full profile per value",
+    )
     p.add_argument("--smoke", action="store_true", help="host backend, no GPU (a check)")
     args = p.parse_args(argv)
     args.configs = [parse_config(c) for c in args.configs.split(",")]
@@ -81,6 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--inner-chunks writes its own stores: leave --store out")
     if any(c <= 0 for c in args.inner_chunks):
         p.error(f"--inner-chunks: sizes must be positive, not {args.inner_chunks}")
+    args.call_mb = [int(c) for c in args.call_mb.split(",") if c.strip()]
+    if any(c <= 0 for c in args.call_mb):
+        p.error(f"--call-mb: sizes must be positive, not {args.call_mb}")
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
     return args
 
@@ -91,6 +106,7 @@ def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]
     it) to the yielded dict, keyed by stage name; every wrapper is removed on exit, so the
     loader runs after part 1 (and the next config) are timed without these syncs."""
     import dali_zarr.graph.device_window as device_window
+    from dali_zarr.io import nvcomp_batched
 
     totals: dict[str, float] = defaultdict(float)
     undo: list[tuple[object, str, object]] = []
@@ -131,6 +147,15 @@ def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]
         return run_into(*a, **kw)
 
     patch(backend, "run_into", counting_runs)
+    slices = nvcomp_batched.call_slices  # the decode calls a plan's chunks are split into
+
+    def counting_calls(n_chunks: int, chunk_nbytes: int, cap: int | None = None):
+        calls = slices(n_chunks, chunk_nbytes, cap)
+        totals["decode calls"] += len(calls)
+        totals["decode call chunks"] += n_chunks
+        return calls
+
+    patch(nvcomp_batched, "call_slices", counting_calls)
     # a gene panel, one launch: a CSR store's ids mapped (and, for CSR output, rows cut),
     # a dense store's panel columns copied out of its stored rows
     timed(backend, "remap_columns", "panel ids mapped per store")
@@ -190,9 +215,15 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
     print(f"one reader: {per * seconds:.1f} ms per window, {rows / seconds:,.0f} rows/s")
     decoded, used = totals.pop("decoded bytes", 0.0), totals.pop("used bytes", 0.0)
     plans_run = totals.pop("plans run", 0.0)
+    calls, call_chunks = totals.pop("decode calls", 0.0), totals.pop("decode call chunks", 0.0)
     for label, total in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:38s} {per * total:8.1f} ms per window")
     print(f"  byte plans run per window: {plans_run / args.windows:.1f}")
+    if calls:
+        print(
+            f"  nvCOMP decode calls per window: {calls / args.windows:.1f}, "
+            f"{call_chunks / calls:.0f} chunks each on average"
+        )
     if used:  # CSR rows straddle store chunks: the chunks at both ends are decoded whole
         print(f"  store chunk bytes read and decoded per byte used: {decoded / used:.2f}")
     source.close()
@@ -258,10 +289,17 @@ def main(argv=None) -> None:
         require_gpu("gpu_profile.py")
     sys.path.insert(0, ROOT)
 
+    from dali_zarr.io import nvcomp_batched
+
     failed = []
+    default_call = nvcomp_batched.CALL_NBYTES
     for inner_chunk in args.inner_chunks or [None]:
         store = make_store(args, inner_chunk)
-        failed += [f"{store}: {c}" for c in profile_store(args, store)]
+        for call_mb in args.call_mb or [None]:
+            nvcomp_batched.CALL_NBYTES = default_call if call_mb is None else call_mb << 20
+            calls = f"calls of {nvcomp_batched.CALL_NBYTES >> 20} MiB"
+            failed += [f"{store}, {calls}: {c}" for c in profile_store(args, store)]
+        nvcomp_batched.CALL_NBYTES = default_call
     if failed:
         sys.exit(f"configurations that failed: {', '.join(failed)}")
 
@@ -281,6 +319,7 @@ def inner_chunks(store: str) -> str:
 
 def profile_store(args: argparse.Namespace, store: str) -> list[str]:
     """Both parts for every ``--configs`` entry on one store; the configs that failed."""
+    from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import kvikio_threads
 
     per_store = args.per_store_panels and args.stores > 1 and args.panel > 0
@@ -293,6 +332,7 @@ def profile_store(args: argparse.Namespace, store: str) -> list[str]:
     if per_store:
         panel += " each, over other stored columns"
     print(f"\n{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows{inner_chunks(store)}")
+    print(f"nvCOMP calls of at most {nvcomp_batched.CALL_NBYTES >> 20} MiB of decoded bytes")
     failed = []
     for reads, api, sync in args.configs:
         use_config(reads, api, sync)

@@ -19,8 +19,12 @@
 # below are those sizes since then; benchmarks/results/h200-2026-11-26/README.md has the
 # exact commands of that session.
 # Next lever (decode is ~80 % of a window there): nvCOMP's rate against the store's inner
-# chunk size, DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --configs kvikio/c" ... profile
-# (one synthetic store per size, the same shard size; DZ_CELLS=50000 halves the writing).
+# chunk size and against the chunks one nvCOMP call decodes (calls of at most 128 MiB: a
+# window's array, ~175 MB decoded, takes two there), 3 x 2 profiles in one call (untimed: with
+# DZ_CELLS=50000 the stores take half the writing):
+#   DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --call-mb 128,1024 --configs kvikio/c
+#   --read-threads 4,8" ... profile
+# Each profile prints the decode calls per window and the device memory per read_threads.
 # `profile` also prints the store chunk bytes read and decoded per byte used: CSR rows straddle
 # store chunks, so it is ~1 + (store rows per chunk) / --chunk-size (the GPU path decodes whole
 # chunks; `dali-zarr inspect STORE` prints rows per chunk): ~1.3 at 256 rows on ~75-row

@@ -193,7 +193,7 @@ def test_gpu_profile_over_inner_chunk_sizes(tmp_path: Path) -> None:
         *("--smoke", "--cells", 600, "--genes", 200, "--nnz-per-cell", 20, "--batch-size", 32),
         *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 2, "--batches", 8),
         *("--read-threads", "1", "--configs", "pinned/c", "--out", tmp_path),
-        *("--inner-chunks", "512,2048"),
+        *("--inner-chunks", "512,2048", "--call-mb", "1,3"),
     )
     stdout = run_script("gpu_profile.py", *argv)
     assert "FAILED" not in stdout
@@ -202,9 +202,15 @@ def test_gpu_profile_over_inner_chunk_sizes(tmp_path: Path) -> None:
         data = zarr.open_array(str(store / "X" / "data"), mode="r")
         assert data.chunks == (size,) and data.shards == (32 * 65_536,)  # shards alike
         header = f"store {store}: 600 rows, inner chunks of {shown} elements"
-        part = stdout.split(header)[1].split("SMOKE RUN")[0]
-        assert re.search(r"one reader: [\d.]+ ms per window", part), stdout
-        assert "loader, read_threads=1: " in part, stdout
+        parts = stdout.split(header)[1:]
+        # --call-mb: each store profiled once per call size, in the order given
+        assert [p.split("\n")[1] for p in parts] == [
+            f"nvCOMP calls of at most {mb} MiB of decoded bytes" for mb in (1, 3)
+        ], stdout
+        for part in parts:
+            part = part.split("SMOKE RUN")[0]
+            assert re.search(r"one reader: [\d.]+ ms per window", part), stdout
+            assert "loader, read_threads=1: " in part, stdout
 
 
 def test_gpu_profile_runs_on_a_dense_anndata_store(tmp_path: Path) -> None:
@@ -233,7 +239,9 @@ def test_gpu_profile_inner_chunks_refuses_a_given_store(monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu_profile = importlib.import_module("gpu_profile")
     assert gpu_profile.parse_args(["--inner-chunks", "512,2048"]).inner_chunks == [512, 2048]
-    for argv in (["--inner-chunks", "512", "--store", "x.zarr"], ["--inner-chunks", "0"]):
+    assert gpu_profile.parse_args(["--call-mb", "32, 512"]).call_mb == [32, 512]
+    refused = (["--inner-chunks", "512", "--store", "x.zarr"], ["--inner-chunks", "0"])
+    for argv in (*refused, ["--call-mb", "0"]):
         with pytest.raises(SystemExit):
             gpu_profile.parse_args(argv)
 
@@ -246,17 +254,21 @@ def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> Non
 
     import dali_zarr.graph.device_window as device_window
     from dali_zarr.graph.window_backends import HostBackend
+    from dali_zarr.io import nvcomp_batched
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu_profile = importlib.import_module("gpu_profile")
     backend = HostBackend()
     names = ("run_into", "remap_columns", "keep_panel_rows", "select_columns", "run_plan")
     before = {name: getattr(backend, name) for name in names}
-    plans = device_window.window_plans
-    with gpu_profile.stage_timers(argparse.Namespace(smoke=True), backend):
+    plans, slices = device_window.window_plans, nvcomp_batched.call_slices
+    with gpu_profile.stage_timers(argparse.Namespace(smoke=True), backend) as totals:
         assert device_window.window_plans is not plans
         assert all(getattr(backend, name) != before[name] for name in names)
-    assert device_window.window_plans is plans
+        # the decode calls are counted where the executor splits a plan (both nvCOMP APIs)
+        assert nvcomp_batched.call_slices(10, 100, cap=250) == slices(10, 100, cap=250)
+        assert (totals["decode calls"], totals["decode call chunks"]) == (5, 10)
+    assert device_window.window_plans is plans and nvcomp_batched.call_slices is slices
     assert {name: getattr(backend, name) for name in names} == before
 
 
