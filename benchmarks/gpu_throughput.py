@@ -173,8 +173,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="check this script without a GPU: every contender runs on the CPU (the GPU path "
         "on dali_zarr's host backend), the GPU ceilings are left out; not GPU figures",
     )
+    p.add_argument(
+        "--inner-chunk",
+        type=int,
+        default=None,
+        help="write dali_zarr's synthetic store with inner chunks of this many elements "
+        "(gpu_profile.py --inner-chunks measures the decode against it) and measure every "
+        "contender on it",
+    )
     p.add_argument("--worker", choices=["annbatch"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.inner_chunk is not None and (args.inner_chunk <= 0 or args.store):
+        p.error("--inner-chunk: a positive size, and no --store (it writes its own store)")
     args.configs = [parse_config(c) for c in args.configs.split(",") if c.strip()]
     args.target = "cpu" if args.smoke else f"cuda:{args.device_id}"
     return args
@@ -621,7 +631,7 @@ def main(argv=None) -> None:
     if not args.smoke:
         require_gpu()
     sys.path.insert(0, ROOT)
-    store = make_store(args)
+    store = make_store(args, args.inner_chunk)
     # every contender reads from the page cache: the first one would otherwise pay cold reads
     warm_page_cache(Path(store))
     results = {}

@@ -25,6 +25,8 @@
 #   DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --call-mb 128,1024 --configs kvikio/c
 #   --read-threads 4,8" ... profile
 # Each profile prints the decode calls per window and the device memory per read_threads.
+# Then the table on the best size, every contender on that store:
+#   DZ_BENCH_ARGS="--inner-chunk 65536" ... bench
 # `profile` also prints the store chunk bytes read and decoded per byte used: CSR rows straddle
 # store chunks, so it is ~1 + (store rows per chunk) / --chunk-size (the GPU path decodes whole
 # chunks; `dali-zarr inspect STORE` prints rows per chunk): ~1.3 at 256 rows on ~75-row

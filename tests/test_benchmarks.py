@@ -292,6 +292,11 @@ def test_gpu_throughput_config_rows_put_the_switches_back(monkeypatch) -> None:
     assert os.environ[READS_ENV] == "kvikio"
     assert nvcomp_batched.ENV_SWITCH not in os.environ and RING_SYNC_ENV not in os.environ
     assert gpu_throughput.parse_config(" kvikio/python ") == ("kvikio", "python", "device")
+    # --inner-chunk: every contender on a synthetic store of that chunk size, none given
+    assert gpu_throughput.parse_args(["--inner-chunk", "16384"]).inner_chunk == 16384
+    for argv in (["--inner-chunk", "0"], ["--inner-chunk", "512", "--store", "x.zarr"]):
+        with pytest.raises(SystemExit):
+            gpu_throughput.parse_args(argv)
     with pytest.raises(SystemExit, match="'gds/c' is not READS/API"):
         gpu_throughput.parse_config("gds/c")
 
