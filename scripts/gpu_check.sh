@@ -65,9 +65,10 @@ case "$step" in
       # 6 workers where pytest-xdist is installed (the image has it): device time is short
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6")
       case " ${DZ_PYTEST_ARGS:-} " in *" -n "*) workers="" ;; esac
+      # test_bad_input.py: stores rewritten under the GPU path's reads (kvikio handles)
       python3 -m pytest -m gpu -q -rs -p no:cacheprovider $workers \
         tests/test_gpu_loader.py tests/test_gpu_pipeline.py tests/test_gpu_plan.py \
-        tests/test_cuda_kernels.py $panels ${DZ_PYTEST_ARGS:-}
+        tests/test_cuda_kernels.py tests/test_bad_input.py $panels ${DZ_PYTEST_ARGS:-}
     } 2>&1 | tee "$out/gpu_tests.txt"
     ;;
   bench)

@@ -17,6 +17,7 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr import synthetic
+from tests.stores import needs_cuda
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -541,13 +542,26 @@ def test_a_store_rewritten_while_a_loader_reads_it_is_refused(tmp_path: Path, ki
         loader.close()
 
 
-@pytest.mark.parametrize("where", ["cpu", "gpu-path-on-host"])
+#: where a rewrite test runs its loader: the CPU path, the GPU path's window reader on the
+#: host backend (CI), and the GPU path itself (kvikio, nvCOMP; on a GPU only)
+WHERE = ["cpu", "gpu-path-on-host", pytest.param("gpu", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+def _device(where: str) -> dict:
+    """The loader's device arguments for a :data:`WHERE` entry."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    if where == "gpu-path-on-host":
+        return {"device": "gpu", "gpu_backend": HostBackend()}
+    return {"device": where}
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_a_store_rewritten_in_the_middle_of_an_epoch_is_refused(tmp_path: Path, where) -> None:
     """The check ran only as an epoch started: a store rewritten during the epoch served the
     rest of it as rows of neither store. Each window is now checked before and after it is
     read; what came before the rewrite is the old store's rows, then the loader refuses."""
     from dali_zarr import synthetic
-    from dali_zarr.graph.window_backends import HostBackend
 
     path = tmp_path / "moving.zarr"
 
@@ -568,17 +582,17 @@ def test_a_store_rewritten_in_the_middle_of_an_epoch_is_refused(tmp_path: Path, 
     old_x = sp.csr_matrix(
         (old["X/data"][...], old["X/indices"][...], old["X/indptr"][...]), shape=(2_000, 30)
     ).toarray()
-    device = {"device": "gpu", "gpu_backend": HostBackend()} if where != "cpu" else {}
     loader = dz.Loader(
         dz.open_dataset(path), sampler(), num_threads=1, return_index=True, prefetch_windows=1,
-        **device,
+        **_device(where),
     )  # fmt: skip
     served = 0
     try:
         with pytest.raises(dz.DatasetError, match=r"moving\.zarr.*changed since the store"):
             for i, batch in enumerate(loader):
-                np.testing.assert_array_equal(batch["X"].numpy(), old_x[batch["index"].numpy()])
-                served += len(batch["index"])
+                index = batch["index"].cpu().numpy()
+                np.testing.assert_array_equal(batch["X"].cpu().numpy(), old_x[index])
+                served += len(index)
                 if i == 0:
                     write(1)
     finally:
@@ -586,23 +600,22 @@ def test_a_store_rewritten_in_the_middle_of_an_epoch_is_refused(tmp_path: Path, 
     assert 0 < served < 2_000, served  # a few windows read ahead of the rewrite, not the epoch
 
 
-@pytest.mark.parametrize("where", ["cpu", "gpu-path-on-host"])
+@pytest.mark.parametrize("where", WHERE)
 def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
     tmp_path: Path, where: str
 ) -> None:
     """zarr rewrites a whole shard when its values change (``z[:] = new``), with other
     offsets, but not the array's metadata; the reader's cached shard indexes then cut the
     new files at the old offsets ("corrupted"). A shard file that changed is indexed again."""
-    from dali_zarr.graph.window_backends import HostBackend
-
     path = tmp_path / "inplace.zarr"
     z = zarr.create_array(
         path, shape=(400, 16), chunks=(10, 16), shards=(100, 16), dtype="float32",
         compressors=zarr.codecs.ZstdCodec(),
     )  # fmt: skip
     z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16)  # compressible
-    on = {"device": "gpu", "gpu_backend": HostBackend()} if where != "cpu" else {"device": "cpu"}
-    loader = dz.Loader(dz.open_dataset(path), sampler(), return_index=True, num_threads=1, **on)
+    loader = dz.Loader(
+        dz.open_dataset(path), sampler(), return_index=True, num_threads=1, **_device(where)
+    )
     new = np.random.default_rng(0).standard_normal((400, 16)).astype(np.float32)
     try:
         assert sum(len(b["X"]) for b in loader) == 400
@@ -610,7 +623,7 @@ def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
         loader.set_epoch(1)
         got = np.zeros_like(new)
         for batch in loader:
-            got[batch["index"].numpy()] = batch["X"].numpy()
+            got[batch["index"].cpu().numpy()] = batch["X"].cpu().numpy()
     finally:
         loader.close()
     np.testing.assert_array_equal(got, new)
@@ -683,16 +696,20 @@ def test_a_read_broken_by_a_rewrite_under_it_names_the_rewrite(tmp_path: Path, f
         assert executor.rewritten and isinstance(e.value.__context__, ChunkReadError)
 
 
-def test_a_gpu_path_window_broken_by_a_rewrite_under_it_names_the_rewrite(tmp_path: Path):
-    """As above for the GPU path's window reader (run on the host backend), whose byte plans
-    bypass the readers: the rewrite happens as the window's plan starts to run."""
+@pytest.mark.parametrize("where", WHERE[1:])
+def test_a_gpu_path_window_broken_by_a_rewrite_under_it_names_the_rewrite(
+    tmp_path: Path, where: str
+):
+    """As above for the GPU path's window reader (on the host backend, and on a GPU), whose
+    byte plans bypass the readers: the rewrite happens as the window's plan starts to run."""
     from dali_zarr.errors import ChunkReadError
     from dali_zarr.graph.gpu_pipeline import GpuBatchSource
-    from dali_zarr.graph.window_backends import HostBackend
+    from dali_zarr.graph.window_backends import CudaBackend, HostBackend
 
     path = _unsharded_store(tmp_path)
+    base = HostBackend if where == "gpu-path-on-host" else CudaBackend
 
-    class RewriteAtFirstPlan(HostBackend):
+    class RewriteAtFirstPlan(base):
         rewritten = False
 
         def run_plan(self, plan, reader, out) -> None:
