@@ -9,6 +9,7 @@
 # and, on the same warm machine, carry=[".gpu/install.sh"]:
 #   source .gpu/install.sh && bash scripts/gpu_check.sh bench     # writes the store once
 #   source .gpu/install.sh && bash scripts/gpu_check.sh profile   # reuses it
+#   source .gpu/install.sh && bash scripts/gpu_check.sh demo      # the DDP demo, GPU path
 # `profile` times each read method x nvCOMP API (kvikio|pinned x python|c), and the C API
 # with DALI_ZARR_RING_SYNC=none; `bench` measures such configs as rows of one run
 # (DZ_CONFIGS, below).
@@ -35,7 +36,7 @@
 # Each step fits one 10-minute call (bench: ~2.5 min the first time, about half of it writing
 # the store; DZ_CELLS=400000 for the larger store of earlier runs, ~5 min). Results land in
 # $OUT (they come back with the call): gpu_tests.txt, gpu_throughput.txt/.json/.png,
-# gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.
+# gpu_demo.txt/.jsonl, gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.
 set -uo pipefail
 out=${OUT:-/tmp/dz-gpu-out}
 mkdir -p "$out"
@@ -95,6 +96,18 @@ case "$step" in
       [ -f "$bench/$f" ] && cp "$bench/$f" "$out"/
     done
     exit "$status"
+    ;;
+  demo)
+    # README's main job on the GPU path: pipelines/ddp_train.py under torchrun (nccl), one
+    # rank per GPU here (DZ_NPROC), on a 50,000-cell store it writes once beside the bench
+    # stores; each rank prints its read paths and rows/s per epoch (gpu_demo.txt, .jsonl).
+    # DZ_DEMO_ARGS goes last (e.g. "--epochs 5"; a later --device wins).
+    gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+    rm -f "$out/gpu_demo.jsonl"
+    python3 -m torch.distributed.run --standalone --nproc_per_node="${DZ_NPROC:-$gpus}" \
+      pipelines/ddp_train.py --data "${DZ_BENCH_DIR:-$HOME/dz/bench}/demo.zarr" --generate \
+      --device gpu --log-json "$out/gpu_demo.jsonl" ${DZ_DEMO_ARGS:-} 2>&1 \
+      | tee "$out/gpu_demo.txt"
     ;;
   profile)
     python3 benchmarks/gpu_profile.py --cells "${DZ_CELLS:-100000}" --genes 20000 \

@@ -311,7 +311,34 @@ def test_gpu_check_script_parses_and_prints_its_header() -> None:
     usage = subprocess.run(["bash", str(script), "help"], capture_output=True, text=True)
     assert usage.returncode == 2, usage
     header = [line for line in script.read_text().splitlines()[1:] if line.startswith("#")]
-    header = header[: header.index("# gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.") + 1]
+    header = header[
+        : header.index("# gpu_demo.txt/.jsonl, gpu_profile.txt. Stores stay in $DZ_BENCH_DIR.") + 1
+    ]
     assert usage.stdout.splitlines() == header, usage.stdout
     extra = subprocess.run(["bash", str(script), "extra"], capture_output=True, text=True)
     assert extra.returncode == 0 and "annbatch==" in extra.stdout, extra
+
+
+def test_gpu_check_demo_step_trains_under_torchrun(tmp_path: Path) -> None:
+    """``gpu_check.sh demo`` (the DDP demo on a lent GPU) with its GPU choices overridden
+    (one rank, ``--device cpu`` last): the torchrun call, the store it writes and the
+    per-epoch log it sends back work, so a GPU session does not find them broken."""
+    import subprocess
+
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "OUT": str(tmp_path / "out"),
+        "DZ_BENCH_DIR": str(tmp_path / "bench"),
+        "DZ_NPROC": "1",
+        "DZ_DEMO_ARGS": "--device cpu --n-obs 2000 --n-features 50 --epochs 2",
+    }
+    run = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "demo"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (tmp_path / "bench" / "demo.zarr").is_dir()
+    epochs = [json.loads(line) for line in (tmp_path / "out" / "gpu_demo.jsonl").open()]
+    assert [e["epoch"] for e in epochs] == [0, 1], epochs
+    assert (tmp_path / "out" / "gpu_demo.txt").read_text() == run.stdout
