@@ -10,7 +10,10 @@ Same store as ``gpu_throughput.py`` (same arguments, same cache under ``--out``)
    the byte plan (host), the reads into device memory, the nvCOMP decode and the row
    copies. Prints milliseconds per window for each stage and the reader's rows/s.
 2. **The loader end to end** for each ``--read-threads`` value: rows/s of dense batches over
-   ``--batches`` batches after ``--warmup``. Keep ``--batches`` far above the batches of the
+   ``--batches`` batches after ``--warmup``, and where the reader threads' time went, per
+   window (:data:`THREAD_STAGES`, timed without added syncs: waiting in a sync is waiting
+   for the device, in the reads for the files, the rest is host work), and the device
+   memory in use. Keep ``--batches`` far above the batches of the
    windows read ahead: reads done during the warm-up are free for the clock. (On 2026-11-22
    an 18-batch measurement of a 6-window epoch gave 919k rows/s where the 50-batch
    benchmark gave 214k.)
@@ -100,6 +103,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+class Patches:
+    """Attributes replaced for a measurement, each put back by :meth:`restore` (in reverse
+    order; an attribute that was not the owner's own, a method of its class, is deleted)."""
+
+    _MISSING = object()
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[object, str, object]] = []
+
+    def patch(self, owner, name: str, value) -> None:
+        self._undo.append((owner, name, vars(owner).get(name, self._MISSING)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            if original is self._MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+        self._undo.clear()
+
+
 @contextlib.contextmanager
 def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]]:
     """Wrap the reader's stages so that each adds its own time (device synchronised after
@@ -109,12 +134,8 @@ def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]
     from dali_zarr.io import nvcomp_batched
 
     totals: dict[str, float] = defaultdict(float)
-    undo: list[tuple[object, str, object]] = []
-    missing = object()  # an instance attribute that was not there (a method of its class)
-
-    def patch(owner, name: str, value) -> None:
-        undo.append((owner, name, vars(owner).get(name, missing)))
-        setattr(owner, name, value)
+    patches = Patches()
+    patch = patches.patch
 
     def timed(owner, name: str, label: str) -> None:
         inner = getattr(owner, name)
@@ -171,11 +192,7 @@ def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]
     try:
         yield totals
     finally:
-        for owner, name, original in reversed(undo):
-            if original is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
+        patches.restore()
 
 
 def profile_reader(args: argparse.Namespace, dataset) -> None:
@@ -229,6 +246,81 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
     source.close()
 
 
+#: what the reader threads' time per window is split into in part 2, without added syncs:
+#: (module, class or None, attribute, label); the executor's parts are inside "plan runs"
+THREAD_STAGES = (
+    ("dali_zarr.graph.device_window", "DeviceWindowReader", "read", "window read, in all"),
+    ("dali_zarr.graph.device_window", None, "window_plans", "byte plans (host)"),
+    ("dali_zarr.io.gpu", "GpuPlanExecutor", "run", "plan runs, in all"),
+    ("dali_zarr.io.gpu", "GpuPlanExecutor", "_read_to_device", "  reads (the thread waits)"),
+    ("dali_zarr.io.gpu", "GpuPlanExecutor", "_frame_heads", "  frame checks (device to host)"),
+    ("dali_zarr.io.gpu", "GpuPlanExecutor", "_nvcomp_decode", "  decode calls (enqueue)"),
+    ("dali_zarr.io.gpu", "GpuPlanExecutor", "copy_segments", "  row copy launches"),
+    ("dali_zarr.graph.window_backends", "HostBackend", "run_plan", "plan runs (host backend)"),
+    ("dali_zarr.graph.window_backends", "CudaBackend", "minmax", "column-id check (a sync)"),
+    ("dali_zarr.graph.window_backends", "CudaBackend", "finish", "window sync"),
+    ("dali_zarr.graph.window_backends", "CudaBackend", "before_reuse", "ring slot wait"),
+)
+
+
+@contextlib.contextmanager
+def thread_timers() -> Iterator[dict[str, float]]:
+    """Seconds the reader threads spent in each of :data:`THREAD_STAGES` (summed over the
+    threads; calls counted under ``"calls: <label>"``), while the loader runs as it always
+    does: no syncs are added, so a stage's time is what its thread waited there. Where the
+    threads wait tells what bounds the loader: the device (syncs), the reads, or the host."""
+    import importlib
+    import threading
+
+    totals: dict[str, float] = defaultdict(float)
+    lock = threading.Lock()
+    patches = Patches()
+    for module, cls, name, label in THREAD_STAGES:
+        owner = importlib.import_module(module)
+        owner = getattr(owner, cls) if cls else owner
+        inner = getattr(owner, name)
+
+        def wrapper(*a, _inner=inner, _label=label, **kw):
+            start = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                took = time.perf_counter() - start
+                with lock:
+                    totals[_label] += took
+                    totals[f"calls: {_label}"] += 1
+
+        patches.patch(owner, name, wrapper)
+    try:
+        yield totals
+    finally:
+        patches.restore()
+
+
+#: the part of "plan runs, in all" outside the executor's timed parts
+REST = "  stream syncs, fills and the rest"
+
+
+def print_thread_times(totals: dict[str, float], threads: int, seconds: float) -> None:
+    """Part 2's split of the reader threads' time, per window read."""
+    windows = totals.get("calls: window read, in all", 0)
+    if not windows:
+        return
+    busy = totals["window read, in all"] / (threads * seconds)
+    print(
+        f"  reader threads: {windows:.0f} windows read, busy {busy:.0%} of {threads} x "
+        f"{seconds:.2f} s; ms per window (no added syncs: a sync's time is the device work "
+        "it waited for)"
+    )
+    run = totals.get("plan runs, in all", 0.0)
+    inside = sum(v for k, v in totals.items() if k.startswith("  "))
+    if run:
+        totals[REST] = run - inside
+    for label in (*(stage[3] for stage in THREAD_STAGES), REST):
+        if totals.get(label):
+            print(f"    {label:40s} {1e3 * totals[label] / windows:8.1f}")
+
+
 def profile_loader(args: argparse.Namespace, dataset) -> None:
     import dali_zarr as dz
     from dali_zarr.graph.window_backends import HostBackend
@@ -247,12 +339,14 @@ def profile_loader(args: argparse.Namespace, dataset) -> None:
         for _ in range(args.warmup):
             next(batches)
         synchronize(args)
-        rows, start = 0, time.perf_counter()
-        for _ in range(args.batches):
-            rows += next(batches)["X"].shape[0]
-        synchronize(args)
-        seconds = time.perf_counter() - start
+        with thread_timers() as thread_totals:
+            rows, start = 0, time.perf_counter()
+            for _ in range(args.batches):
+                rows += next(batches)["X"].shape[0]
+            synchronize(args)
+            seconds = time.perf_counter() - start
         print(f"loader, read_threads={threads}: {rows / seconds:,.0f} rows/s ({rows:,} rows)")
+        print_thread_times(thread_totals, threads, seconds)
         print(f"  device memory: {device_memory(args)}")
         loader.close()
         if not args.smoke:  # the next read_threads value starts from an empty pool

@@ -98,6 +98,11 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         assert re.search(r"panel ids mapped per store +[\d.]+ ms", part), stdout  # its launch
         for threads in (1, 3):
             assert f"loader, read_threads={threads}: " in part
+            # where the reader threads' time went, timed without added syncs
+            loader = part.split(f"loader, read_threads={threads}: ")[1]
+            assert re.search(rf"reader threads: \d+ windows read, busy \d+% of {threads} x", loader)
+            for stage in ("window read, in all", "byte plans (host)", "plan runs (host backend)"):
+                assert re.search(rf"\n    {re.escape(stage)} +[\d.]+\n", loader), loader
         assert part.count("device memory: n/a (smoke run)") == 2, stdout
         assert part.count("(1,920 rows)") == 2  # each loader timed 30 full batches of 64 rows
 
@@ -270,6 +275,31 @@ def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> Non
         assert (totals["decode calls"], totals["decode call chunks"]) == (5, 10)
     assert device_window.window_plans is plans and nvcomp_batched.call_slices is slices
     assert {name: getattr(backend, name) for name in names} == before
+
+
+def test_gpu_profile_thread_timers_count_every_thread_and_are_removed(monkeypatch) -> None:
+    """Part 2's thread timers wrap the stages of every reader thread (class and module
+    attributes, not one executor's), sum them across threads, and leave nothing behind."""
+    import threading
+
+    from dali_zarr.graph import device_window
+    from dali_zarr.graph.window_backends import HostBackend
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_profile = importlib.import_module("gpu_profile")
+    before = (HostBackend.__dict__["run_plan"], device_window.window_plans)
+    with gpu_profile.thread_timers() as totals:
+        assert device_window.window_plans is not before[1]
+        threads = [
+            threading.Thread(target=device_window.window_plans, args=([],), kwargs={"out_rows": 0})
+            for _ in range(3)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert totals["calls: byte plans (host)"] == 3 and totals["byte plans (host)"] > 0
+    assert (HostBackend.__dict__["run_plan"], device_window.window_plans) == before
 
 
 def test_gpu_throughput_config_rows_put_the_switches_back(monkeypatch) -> None:
