@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -505,6 +506,27 @@ def test_sampler_validation(kwargs: dict, match: str) -> None:
     args = {"chunk_size": 8, "preload_nchunks": 2, "batch_size": 4, **kwargs}
     with pytest.raises(ConfigError, match=match):
         ChunkSampler(**args)
+
+
+@pytest.mark.parametrize(
+    ("n_obs", "chunk_size", "world_size"), [(150, 64, 4), (10, 4, 1000), (3, 1, 5), (7, 8, 7)]
+)
+def test_more_ranks_than_chunks_gives_advice_that_works(
+    n_obs: int, chunk_size: int, world_size: int
+) -> None:
+    """Every way out the refusal names plans: with fewer rows than ranks no chunk_size
+    does, so it must not suggest lowering it (it said "at most 1", refused again)."""
+    s = ChunkSampler(chunk_size=chunk_size, preload_nchunks=4, batch_size=1, seed=0)
+    with pytest.raises(ConfigError, match="more ranks than chunks") as info:
+        DistributedSampler(s, dist_info=world(0, world_size)).plan_epoch(n_obs, 0)
+    text = str(info.value)
+    ranks = int(re.search(r"run on at most (\d+) ranks", text).group(1))
+    DistributedSampler(s, dist_info=world(0, ranks)).plan_epoch(n_obs, 0)
+    lower = re.search(r"lower chunk_size to at most (\d+)", text)
+    assert (lower is not None) == (n_obs >= world_size), text
+    if lower is not None:
+        fixed = dataclasses.replace(s, chunk_size=int(lower.group(1)))
+        DistributedSampler(fixed, dist_info=world(0, world_size)).plan_epoch(n_obs, 0)
 
 
 def test_plan_time_validation() -> None:

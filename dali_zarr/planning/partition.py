@@ -123,10 +123,14 @@ def validate_plan_inputs(
         raise ConfigError(f"rank must be in [0, world_size={world_size}), got rank={rank}")
     n_chunks = n_chunks_of(n_obs, chunk_size)
     if world_size > n_chunks:
+        # with fewer rows than ranks no chunk_size gives every rank a chunk: do not offer one
+        lower = (
+            f"lower chunk_size to at most {n_obs // world_size} or " if n_obs >= world_size else ""
+        )
         raise ConfigError(
             f"more ranks than chunks: n_obs={n_obs} with chunk_size={chunk_size} gives "
-            f"{n_chunks} chunk(s) for world_size={world_size} ranks; lower chunk_size to at most "
-            f"{max(1, n_obs // world_size)} or run on at most {n_chunks} ranks"
+            f"{n_chunks} chunk(s) for world_size={world_size} ranks; {lower}run on at most "
+            f"{n_chunks} ranks"
         )
     if world_size > 1 and enforce_equal_batches and (n_obs // world_size) // batch_size == 0:
         raise ConfigError(
