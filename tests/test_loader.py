@@ -367,6 +367,20 @@ def test_a_dataset_without_observations_is_named(sc_store: Path) -> None:
         dz.Loader(empty, sampler())
 
 
+def test_a_sampler_that_cannot_plan_the_dataset_names_it(tmp_path: Path) -> None:
+    """A refusal of the plan (too many ranks for this dataset's chunks) names the dataset:
+    with a train and a validation loader the user must know which one to change."""
+    path = tmp_path / "small_val.zarr"
+    zarr.create_array(str(path), shape=(20, 3), dtype="float32", chunks=(8, 3))[...] = 1.0
+    ds = dz.open_dataset(path)
+    ranks = dz.DistributedSampler(sampler(batch_size=4), dist_info=lambda: (0, 4))
+    loader = dz.Loader(ds, ranks)
+    for use in (len, lambda ld: next(iter(ld)), lambda ld: ld.plan()):
+        with pytest.raises(dz.ConfigError, match=r"small_val\.zarr.*more ranks than chunks"):
+            use(loader)
+    loader.close()
+
+
 def test_open_dataset_errors(tmp_path: Path, sc_store: Path) -> None:
     with pytest.raises(dz.DatasetError, match="no such file"):
         dz.open_dataset(tmp_path / "nope.zarr")

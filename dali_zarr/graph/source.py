@@ -228,17 +228,20 @@ class BatchSource:
         with self._lock:
             plan = self._plans.get(key)
             if plan is None:
-                if history:
-                    plan = plan_resumed_epoch(
-                        PlanSettings.of(self.sampler),
-                        n_obs=self.dataset.n_obs,
-                        epoch=epoch,
-                        history=history,
-                        rank=self.sampler.rank,  # type: ignore[attr-defined]
-                        world_size=self.sampler.world_size,  # type: ignore[attr-defined]
-                    )
-                else:
-                    plan = self.sampler.plan_epoch(self.dataset.n_obs, epoch)
+                try:
+                    if history:
+                        plan = plan_resumed_epoch(
+                            PlanSettings.of(self.sampler),
+                            n_obs=self.dataset.n_obs,
+                            epoch=epoch,
+                            history=history,
+                            rank=self.sampler.rank,  # type: ignore[attr-defined]
+                            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
+                        )
+                    else:
+                        plan = self.sampler.plan_epoch(self.dataset.n_obs, epoch)
+                except ConfigError as exc:  # the planner knows n_obs, not which dataset
+                    raise ConfigError(f"{self.dataset.name}: {exc}") from exc
                 self._plans[key] = plan
                 while len(self._plans) > 3:  # this epoch's, the next one's, a resumed one
                     self._plans.popitem(last=False)
