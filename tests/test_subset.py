@@ -103,6 +103,23 @@ def test_masks_unsorted_ids_nesting_and_errors(csr_store: str) -> None:
         dz.Subset(parent, np.array([0.5, 1.5]))
 
 
+def test_a_mask_of_zeros_and_ones_is_not_taken_for_ids(csr_store: str) -> None:
+    """A 0/1 mask as integers (``(x > 0).astype(np.uint8)``) reads as the ids 0 and 1 many
+    times over: the refusal said to apply np.unique, which silently gives a subset of rows
+    0 and 1. It names the mask instead, and the boolean mask is the way out."""
+    parent = dz.open_dataset(csr_store)
+    mask = np.zeros(parent.n_obs, dtype=np.uint8)
+    mask[[3, 7, 500]] = 1
+    with pytest.raises(dz.DatasetError, match=r"0/1 mask.*astype\(bool\)") as info:
+        dz.Subset(parent, mask)
+    assert "np.unique" not in str(info.value)
+    with pytest.raises(dz.DatasetError, match="0/1 mask"):  # a mask that selects nothing
+        dz.Subset(parent, np.zeros(parent.n_obs, dtype=np.int64))
+    np.testing.assert_array_equal(dz.Subset(parent, mask.astype(bool)).parent_rows, [3, 7, 500])
+    with pytest.raises(dz.DatasetError, match=r"np\.unique"):  # real ids keep their hint
+        dz.Subset(parent, [4, 2, 4])
+
+
 def test_dense_and_collection_subsets(tmp_path: Path) -> None:
     cube = synthetic.make_dense_cube(tmp_path / "c.zarr", n_obs=300, shape=(3, 4), chunk_obs=16)
     reference = zarr.open_array(cube)[...]

@@ -58,6 +58,13 @@ def _select(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarra
     if np.any(rows[1:] <= rows[:-1]):
         rows = np.sort(rows)
         dup = np.flatnonzero(rows[1:] == rows[:-1])
+        if len(dup) and len(rows) == n_obs and rows[0] >= 0 and rows[-1] <= 1:
+            # np.unique would turn it into the subset of rows 0 and 1, silently
+            raise DatasetError(
+                f"{name}: rows holds only 0s and 1s, one per observation: a 0/1 mask "
+                "given as integers is read as row ids (0 and 1, many times over); pass it "
+                "as booleans, rows.astype(bool)."
+            )
         if len(dup):
             raise DatasetError(
                 f"{name}: row id {int(rows[dup[0]])} is selected more than once; a subset "
