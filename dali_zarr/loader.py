@@ -688,11 +688,14 @@ def _check_batch_fits(dataset: Dataset, sampler: Planner, output: str) -> None:
     except (ValueError, OSError, AttributeError):
         return
     width = int(np.prod(dataset.feature_shape))
+    # no window or batch holds more rows than the dataset (chunk_size may exceed n_obs)
     if dataset.layout == "dense":  # the window, as stored
-        rows = getattr(sampler, "window_rows", getattr(sampler, "batch_size", 0))
+        rows = min(
+            getattr(sampler, "window_rows", getattr(sampler, "batch_size", 0)), dataset.n_obs
+        )
         what, itemsize = f"a window of {rows} rows", np.dtype(dataset.dtype).itemsize
     elif output == "dense":  # the batch, in the float32 the graph densifies into
-        rows = getattr(sampler, "batch_size", 0)
+        rows = min(getattr(sampler, "batch_size", 0), dataset.n_obs)
         what, itemsize = f"a dense batch of {rows} rows", 4
     else:
         return

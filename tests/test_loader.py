@@ -381,6 +381,23 @@ def test_a_sampler_that_cannot_plan_the_dataset_names_it(tmp_path: Path) -> None
     loader.close()
 
 
+def test_a_chunk_larger_than_the_dataset_is_not_refused_for_memory(tmp_path: Path) -> None:
+    """chunk_size past n_obs (one chunk: the whole dataset) was refused as "a window of
+    2**40 rows x 1,000 features" larger than memory, for a 100-row store: no window or
+    batch holds more rows than the dataset has."""
+    path = tmp_path / "hundred.zarr"
+    values = np.arange(100 * 1000, dtype=np.float32).reshape(100, 1000)
+    zarr.create_array(str(path), shape=values.shape, dtype="float32", chunks=(50, 1000))[...] = (
+        values
+    )
+    huge = dz.ChunkSampler(chunk_size=2**40, preload_nchunks=1, batch_size=2**40, seed=0)
+    with dz.Loader(dz.open_dataset(path), huge, return_index=True, num_threads=1) as loader:
+        got = run_epoch(loader)
+    assert got["sizes"].tolist() == [100]
+    np.testing.assert_array_equal(got["X"], values[got["index"]])
+    assert np.array_equal(np.sort(got["index"]), np.arange(100))
+
+
 def test_open_dataset_errors(tmp_path: Path, sc_store: Path) -> None:
     with pytest.raises(dz.DatasetError, match="no such file"):
         dz.open_dataset(tmp_path / "nope.zarr")
