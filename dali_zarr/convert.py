@@ -565,6 +565,13 @@ def _combined_obs(inputs: Sequence[_Input]):
     columns = {}
     for c in common:
         parts = [f[c] for f in frames]
+        kinds = [_column_kind(p, pd) for p in parts]
+        if set(kinds) == {"categorical", "text"}:
+            # anndata writes a text column as categorical where values repeat, as text where
+            # they do not: merged as categories (concatenated as text, missing values of the
+            # categorical parts became the string 'nan')
+            parts = [p if k == "categorical" else p.astype("category")
+                     for p, k in zip(parts, kinds, strict=True)]  # fmt: skip
         if all(isinstance(p.dtype, pd.CategoricalDtype) for p in parts):
             # one order kept where every input has the same ordered categories
             same = all(p.dtype == parts[0].dtype for p in parts) and parts[0].cat.ordered
@@ -576,10 +583,32 @@ def _combined_obs(inputs: Sequence[_Input]):
                     f"{', '.join(i.path for i in inputs)} ({e}); make them the same type "
                     "(e.g. text everywhere) before converting."
                 ) from None
-        else:  # kept as pandas arrays: nullable integers and booleans stay nullable
-            columns[c] = pd.concat(parts, ignore_index=True).array
+            continue
+        # kept as pandas arrays: nullable integers and booleans stay nullable
+        merged = pd.concat(parts, ignore_index=True).array
+        # pandas makes objects of mixed types (written as text: 1 became '1', a missing
+        # value 'nan') and nullable floats of Int64 with floats (anndata writes none)
+        nullable_float = isinstance(merged.dtype, pd.Float32Dtype | pd.Float64Dtype)
+        if nullable_float or (
+            pd.api.types.is_object_dtype(merged.dtype) and set(kinds) != {"text"}
+        ):
+            types = ", ".join(f"{i.path} ({p.dtype})" for i, p in zip(inputs, parts, strict=True))
+            raise DatasetError(
+                f"obs column {c!r}: has types no one column keeps exact in the inputs "
+                f"({types}); make it the same type in every input (or drop it from some "
+                "input) before converting."
+            )
+        columns[c] = merged
     index = pd.Index(np.concatenate([np.asarray(f.index, dtype=object) for f in frames]))
     return pd.DataFrame(columns, index=index.astype(str)), dropped
+
+
+def _column_kind(column, pd) -> str:
+    """What an obs column holds, for concatenating it with the same column of another
+    input: "categorical", "text" or "other" (numbers, booleans, ...)."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        return "categorical"
+    return "text" if pd.api.types.is_string_dtype(column.dtype) else "other"
 
 
 def _check_var(inputs: Sequence[_Input]):

@@ -756,6 +756,37 @@ def test_concatenated_obs_keeps_nullable_and_ordered_columns(tmp_path, capsys):
     assert "obs column 'batch': its categories have different types" in one_line_error(capsys)
 
 
+def test_concatenated_obs_text_beside_categories_keeps_missing_values(tmp_path, capsys):
+    """anndata writes a text column as categorical where values repeat and as text where
+    they do not: merged as categories, a missing value stays missing (it was the text
+    'nan'); types no column keeps (booleans beside integers became the text '1') are
+    refused in one line, nothing written."""
+
+    def write(name, column):
+        n = len(column)
+        x = sp.random(n, 4, density=0.5, format="csr", dtype=np.float32, random_state=n)
+        obs = pd.DataFrame({"c": column}, index=[f"{name}{i}" for i in range(n)])
+        ad.AnnData(x, obs=obs, var=pd.DataFrame(index=list("abcd"))).write_h5ad(
+            tmp_path / f"{name}.h5ad"
+        )
+
+    write("a", pd.Categorical(["x", None, "x", "y"]))
+    write("b", ["u", "v", "w"])
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "b.h5ad", tmp_path / "ab.zarr", "-q") == 0
+    got = ad.read_zarr(tmp_path / "ab.zarr").obs["c"]
+    assert got.isna().tolist() == [False, True, False, False, False, False, False]
+    assert isinstance(got.dtype, pd.CategoricalDtype)
+    assert got.astype(object).where(got.notna(), None).tolist() == [
+        "x", None, "x", "y", "u", "v", "w"
+    ]  # fmt: skip
+    write("t", np.array([True, False]))
+    write("i", np.array([1, 2, 3]))
+    assert run("convert", tmp_path / "t.h5ad", tmp_path / "i.h5ad", tmp_path / "ti.zarr") == 2
+    err = one_line_error(capsys)
+    assert "obs column 'c'" in err and "t.h5ad (bool)" in err and "i.h5ad (int64)" in err
+    assert not (tmp_path / "ti.zarr").exists()
+
+
 def test_inputs_without_a_dtype_that_keeps_them_exact_are_refused(tmp_path, capsys):
     """uint64 beside int64 promotes to float64, which rounds 2**63 + 1: refused."""
     for name, values in {"u": np.array([2**63 + 1, 2**64 - 1], np.uint64),
