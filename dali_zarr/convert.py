@@ -513,7 +513,9 @@ def _create(
     kwargs: dict[str, Any] = dict(
         shape=shape,
         dtype=dtype,
-        chunks=(chunk, *shape[1:]),
+        # an axis of length 0 still gets chunks of 1 (as zarr's own default): a chunk of
+        # length 0 has no chunk grid, and readers (ours included) divide by it
+        chunks=(chunk, *(max(1, s) for s in shape[1:])),
         shards=None if shard is None else (shard, *shape[1:]),
         compressors=_compressors(codec),
         fill_value=0,

@@ -173,6 +173,9 @@ def test_convert_plain_array(tmp_path):
         == 0
     )
     assert zarr.open_array(tmp_path / "w0_out.zarr", mode="r").shape == (20, 0)
+    # ... and our own reader opens it (chunks of (7, 0) made it divide by zero)
+    ds = dz.open_dataset(tmp_path / "w0_out.zarr")
+    assert ds.n_obs == 20 and ds.read_rows(np.array([[3, 17]])).values.shape == (14, 0)
 
 
 def test_convert_concatenates_inputs(tmp_path):
