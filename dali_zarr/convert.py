@@ -46,7 +46,7 @@ from dali_zarr.data.elements import (
     var_key,
 )
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
-from dali_zarr.io import metadata_file
+from dali_zarr.io import metadata_file, refuse_stale_metadata
 from dali_zarr.planning.partition import (
     concat_aranges,
     order_digest,
@@ -261,6 +261,7 @@ def _open_input(path: str, element: str | None = None) -> _Input:
     picked = pick_element(node, element, store=path)
     if not picked.anndata:  # a plain array, or one array of a plain group
         where = path if picked.key is None else os.path.join(path, picked.key)
+        refuse_stale_metadata(picked.node, name=where)  # as open_dataset: no garbage values
         inp = _dense_input(where, picked.node, anndata=False, root=None)
         inp.element = picked.key
         return inp
@@ -303,12 +304,16 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
             f"element={key!r}) (N-D rows are batched whole), or reshape it to 2-D first."
         )
     if matrix_layout(x, where=where) == "dense":
+        refuse_stale_metadata(x, name=where)
         inp = _dense_input(path, x, anndata=True, root=root)
         inp.handle, inp.element, inp.var_key = handle, key, var_key(key)
         return inp
     for part in ("data", "indices", "indptr"):
         if part not in x or not is_array(x[part]):
             raise DatasetError(f"{where}: csr_matrix group has no array {part!r}; re-write it.")
+        # consolidated metadata older than the array (rewritten in place) decodes its chunks
+        # as another dtype or shape: refused, as open_dataset does (h5py: nothing to check)
+        refuse_stale_metadata(x[part], name=f"{where}/{part}")
     n_obs, n_features = shape_attribute(x, where=where)
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
     if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(indptr[1:] < indptr[:-1]):

@@ -801,6 +801,26 @@ def test_inputs_without_a_dtype_that_keeps_them_exact_are_refused(tmp_path, caps
     assert not (tmp_path / "ui.zarr").exists()
 
 
+def test_convert_refuses_an_array_rewritten_after_consolidation(tmp_path, capsys):
+    """X/data rewritten in place as float32 (normalised counts) without consolidating the
+    store again: zarr.open reads the consolidated int32 metadata, and convert wrote the
+    float bytes as garbage integers where open_dataset refuses the store: refused alike."""
+    x = sp.random(50, 10, density=0.4, format="csr", dtype=np.float32, random_state=0)
+    x.data[:] = np.arange(1, x.nnz + 1)
+    ad.AnnData(x.astype(np.int32)).write_zarr(tmp_path / "a.zarr")
+    group = zarr.open_group(tmp_path / "a.zarr", mode="a", use_consolidated=False)
+    old = group["X/data"]
+    new = group.create_array(
+        "X/data", shape=old.shape, chunks=old.chunks, dtype="float32", overwrite=True,
+        compressors=old.compressors,
+    )  # fmt: skip
+    new[...] = x.data / 7
+    assert run("convert", tmp_path / "a.zarr", tmp_path / "o.zarr", "-q") == 2
+    err = one_line_error(capsys)
+    assert "a.zarr/X/data: the store's consolidated metadata" in err and "dtype" in err
+    assert not (tmp_path / "o.zarr").exists()
+
+
 def test_legacy_h5sparse_x_converts(tmp_path):
     """anndata before 0.7 wrote sparse X with h5sparse_format / h5sparse_shape attributes."""
     import anndata as ad
