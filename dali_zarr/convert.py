@@ -315,6 +315,12 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
         # as another dtype or shape: refused, as open_dataset does (h5py: nothing to check)
         refuse_stale_metadata(x[part], name=f"{where}/{part}")
     n_obs, n_features = shape_attribute(x, where=where)
+    if np.dtype(x["indptr"].dtype).kind not in "iu":  # the cast would truncate 2.5 to 2
+        raise DatasetError(
+            f"{where}/indptr: dtype {x['indptr'].dtype} is not an integer dtype; row offsets "
+            "must be integers (anndata and scipy refuse others too). Re-write the matrix with "
+            "an integer indptr (e.g. X.indptr = X.indptr.astype(np.int64))."
+        )
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
     if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(indptr[1:] < indptr[:-1]):
         raise DatasetError(

@@ -821,6 +821,21 @@ def test_convert_refuses_an_array_rewritten_after_consolidation(tmp_path, capsys
     assert not (tmp_path / "o.zarr").exists()
 
 
+def test_convert_refuses_a_float_indptr(tmp_path, capsys):
+    """Row offsets of a float dtype were cast to int64, truncating 2.5 to 2 (rows shifted
+    silently) where open_dataset refuses them: refused alike."""
+    x = sp.random(6, 4, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    ad.AnnData(x).write_zarr(tmp_path / "a.zarr")
+    indptr = x.indptr.astype(np.float64)
+    indptr[2] += 0.5
+    group = zarr.open_group(tmp_path / "a.zarr", mode="a", use_consolidated=False)
+    group.create_array("X/indptr", data=indptr, overwrite=True)
+    zarr.consolidate_metadata(tmp_path / "a.zarr")
+    assert run("convert", tmp_path / "a.zarr", tmp_path / "o.zarr", "-q") == 2
+    assert "a.zarr/X/indptr: dtype float64 is not an integer dtype" in one_line_error(capsys)
+    assert not (tmp_path / "o.zarr").exists()
+
+
 def test_legacy_h5sparse_x_converts(tmp_path):
     """anndata before 0.7 wrote sparse X with h5sparse_format / h5sparse_shape attributes."""
     import anndata as ad
