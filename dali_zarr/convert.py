@@ -229,6 +229,24 @@ class _Input:
                 "corrupted or truncated: restore it from an intact copy, or re-write the input."
             ) from exc
 
+    def check_indices(self, ids: np.ndarray, start: int) -> None:
+        """Refuse column ids outside ``[0, n_features)`` (``ids``: elements from ``start``):
+        copied as they are, they made a store the loader refuses only when it reads them."""
+        n = self.feature_shape[0]
+        if not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < n):
+            return
+        at = int(np.flatnonzero((ids < 0) | (ids >= n))[0])
+        element = start + at
+        row = int(np.searchsorted(self.indptr, element, side="right")) - 1
+        chunk = int((getattr(self.indices, "chunks", None) or (0,))[0])
+        where = f", in chunk {element // chunk} along axis 0" if chunk else ""
+        raise DatasetError(
+            f"{self.path}/{self.element}/indices: column index {int(ids[at])} is outside "
+            f"[0, {n}): element {element:,} (row {row:,}){where}. The input is corrupted, or "
+            "its 'shape' attribute is wrong: re-write X, or set 'shape' to the matrix's real "
+            "width."
+        )
+
     def rows_per_chunk(self) -> float | None:
         """Rows in one of the input's own chunks (CSR: on average); None if not chunked."""
         array = self.data if self.layout == "csr" else self.x
@@ -328,6 +346,11 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
             f"(has {len(indptr)}); the store is inconsistent."
         )
     data, indices = x["data"], x["indices"]
+    if np.dtype(indices.dtype).kind not in "iu":  # open_dataset refuses them too
+        raise DatasetError(
+            f"{where}/indices: dtype {indices.dtype} is not an integer dtype; column ids must "
+            "be integers. Re-write the matrix (e.g. X.indices = X.indices.astype(np.int32))."
+        )
     for name, arr in (("data", data), ("indices", indices)):
         if arr.shape[0] < indptr[-1]:
             raise DatasetError(
@@ -432,7 +455,9 @@ def _read_csr(inputs, offsets, ranges, dtype: np.dtype, index_dtype: np.dtype):
         for inp, a, b in _split(inputs, offsets, s, e):
             e0, e1 = int(inp.indptr[a]), int(inp.indptr[b])
             data.append(inp.read("data", e0, e1).astype(dtype, copy=False))
-            indices.append(inp.read("indices", e0, e1).astype(index_dtype, copy=False))
+            ids = inp.read("indices", e0, e1)
+            inp.check_indices(ids, e0)
+            indices.append(ids.astype(index_dtype, copy=False))
             lengths.append(np.diff(inp.indptr[a : b + 1]))
     return _join(data), _join(indices), _join(lengths)
 
@@ -944,6 +969,8 @@ def _plan(
     if first.layout == "csr":
         nnz = sum(inp.nnz for inp in inputs)
         index_dtype = np.result_type(*[inp.index_dtype for inp in inputs])
+        if index_dtype.kind == "f":  # uint64 beside signed ids: checked to be < n_features
+            index_dtype = np.dtype(np.int64)
         row_bytes = max(1, round(nnz / n_obs * (dtype.itemsize + index_dtype.itemsize)))
     else:
         row_bytes = max(1, math.prod(first.feature_shape) * dtype.itemsize)

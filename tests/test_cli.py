@@ -836,6 +836,30 @@ def test_convert_refuses_a_float_indptr(tmp_path, capsys):
     assert not (tmp_path / "o.zarr").exists()
 
 
+def test_convert_refuses_column_ids_outside_the_matrix(tmp_path, capsys):
+    """A column id >= n_features (or < 0) was copied into the output, which the loader then
+    refused mid-training; convert refuses it, naming the input's element, row and chunk.
+    uint64 ids beside int32 ones were written as float64 (NumPy's promotion): int64 now."""
+    x = sp.random(40, 6, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    ad.AnnData(x).write_h5ad(tmp_path / "a.h5ad")
+    import h5py
+
+    with h5py.File(tmp_path / "a.h5ad", "r+") as f:
+        f["X/indices"][17] = 6
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "o.zarr", "-q") == 2
+    err = one_line_error(capsys)
+    row = int(np.searchsorted(x.indptr, 17, side="right")) - 1
+    assert f"a.h5ad/X/indices: column index 6 is outside [0, 6): element 17 (row {row})" in err
+    assert not (tmp_path / "o.zarr").exists()
+    wide = sp.csr_matrix(x)
+    wide.indices = wide.indices.astype(np.uint64)
+    ad.AnnData(wide).write_h5ad(tmp_path / "u.h5ad")
+    ad.AnnData(x).write_h5ad(tmp_path / "b.h5ad")
+    assert run("convert", tmp_path / "u.h5ad", tmp_path / "b.h5ad", tmp_path / "ub.zarr", "-q") == 0
+    assert zarr.open_array(tmp_path / "ub.zarr/X/indices").dtype == np.int64
+    np.testing.assert_array_equal(loader_rows(tmp_path / "ub.zarr"), sp.vstack([x, x]).toarray())
+
+
 def test_legacy_h5sparse_x_converts(tmp_path):
     """anndata before 0.7 wrote sparse X with h5sparse_format / h5sparse_shape attributes."""
     import anndata as ad
