@@ -602,7 +602,10 @@ def _combined_obs(inputs: Sequence[_Input]):
     dropped = tuple(sorted({str(c) for f in frames for c in f.columns} - set(common)))
     columns = {}
     for c in common:
-        parts = [f[c] for f in frames]
+        # inputs without rows hold no values, and anndata gives their columns any dtype
+        # (text: float64): they take no part in the column's type
+        held = [(i, f[c]) for i, f in zip(inputs, frames, strict=True) if len(f)]
+        sources, parts = zip(*held, strict=True) if held else ((inputs[0],), (frames[0][c],))
         kinds = [_column_kind(p, pd) for p in parts]
         if set(kinds) == {"categorical", "text"}:
             # anndata writes a text column as categorical where values repeat, as text where
@@ -630,7 +633,7 @@ def _combined_obs(inputs: Sequence[_Input]):
         if nullable_float or (
             pd.api.types.is_object_dtype(merged.dtype) and set(kinds) != {"text"}
         ):
-            types = ", ".join(f"{i.path} ({p.dtype})" for i, p in zip(inputs, parts, strict=True))
+            types = ", ".join(f"{i.path} ({p.dtype})" for i, p in zip(sources, parts, strict=True))
             raise DatasetError(
                 f"obs column {c!r}: has types no one column keeps exact in the inputs "
                 f"({types}); make it the same type in every input (or drop it from some "

@@ -762,8 +762,8 @@ def test_concatenated_obs_keeps_nullable_and_ordered_columns(tmp_path, capsys):
 def test_concatenated_obs_text_beside_categories_keeps_missing_values(tmp_path, capsys):
     """anndata writes a text column as categorical where values repeat and as text where
     they do not: merged as categories, a missing value stays missing (it was the text
-    'nan'); types no column keeps (booleans beside integers became the text '1') are
-    refused in one line, nothing written."""
+    'nan'), an input without rows takes no part; types no column keeps (booleans beside
+    integers became the text '1') are refused in one line, nothing written."""
 
     def write(name, column):
         n = len(column)
@@ -774,8 +774,10 @@ def test_concatenated_obs_text_beside_categories_keeps_missing_values(tmp_path, 
         )
 
     write("a", pd.Categorical(["x", None, "x", "y"]))
+    write("z", [])  # no rows: anndata reads its column back as float64
     write("b", ["u", "v", "w"])
-    assert run("convert", tmp_path / "a.h5ad", tmp_path / "b.h5ad", tmp_path / "ab.zarr", "-q") == 0
+    paths = [tmp_path / f"{name}.h5ad" for name in "azb"]
+    assert run("convert", *paths, tmp_path / "ab.zarr", "-q") == 0
     got = ad.read_zarr(tmp_path / "ab.zarr").obs["c"]
     assert got.isna().tolist() == [False, True, False, False, False, False, False]
     assert isinstance(got.dtype, pd.CategoricalDtype)
