@@ -583,7 +583,14 @@ def _frame(inp: _Input, key: str | None, n: int):
     """The dataframe at ``key`` (checked to have ``n`` rows), or one numbering ``n`` rows."""
     aio, pd = _anndata_io()
     if inp.root is not None and key is not None and key in inp.root:
-        frame = aio.read_elem(inp.root[key])
+        node = inp.root[key]
+        # a column rewritten after the store was consolidated is read (by anndata) with the
+        # stale metadata, as another dtype: refused, as the loader refuses it (h5py: no such)
+        members = node.members(max_depth=None) if hasattr(node, "members") else ()
+        for name, child in members:
+            if is_array(child):
+                refuse_stale_metadata(child, name=f"{inp.path}/{key}/{name}")
+        frame = aio.read_elem(node)
         if len(frame) != n:
             raise DatasetError(
                 f"{inp.path}/{key}: has {len(frame)} rows for {n}; the store is inconsistent."

@@ -806,7 +806,8 @@ def test_inputs_without_a_dtype_that_keeps_them_exact_are_refused(tmp_path, caps
 def test_convert_refuses_an_array_rewritten_after_consolidation(tmp_path, capsys):
     """X/data rewritten in place as float32 (normalised counts) without consolidating the
     store again: zarr.open reads the consolidated int32 metadata, and convert wrote the
-    float bytes as garbage integers where open_dataset refuses the store: refused alike."""
+    float bytes as garbage integers where open_dataset refuses the store: refused alike,
+    and so is an obs column rewritten so (the loader refuses it when it reads it)."""
     x = sp.random(50, 10, density=0.4, format="csr", dtype=np.float32, random_state=0)
     x.data[:] = np.arange(1, x.nnz + 1)
     ad.AnnData(x.astype(np.int32)).write_zarr(tmp_path / "a.zarr")
@@ -820,6 +821,18 @@ def test_convert_refuses_an_array_rewritten_after_consolidation(tmp_path, capsys
     assert run("convert", tmp_path / "a.zarr", tmp_path / "o.zarr", "-q") == 2
     err = one_line_error(capsys)
     assert "a.zarr/X/data: the store's consolidated metadata" in err and "dtype" in err
+    assert not (tmp_path / "o.zarr").exists()
+    # an obs column likewise (anndata read its float32 scores as int32 garbage)
+    obs = pd.DataFrame({"score": np.arange(50, dtype=np.int32)}, index=[f"c{i}" for i in range(50)])
+    ad.AnnData(x, obs=obs).write_zarr(tmp_path / "b.zarr")
+    group = zarr.open_group(tmp_path / "b.zarr", mode="a", use_consolidated=False)
+    old = group["obs/score"]
+    group.create_array(
+        "obs/score", shape=old.shape, chunks=old.chunks, dtype="float32", overwrite=True,
+        compressors=old.compressors,
+    )[...] = np.linspace(0, 1, 50)  # fmt: skip
+    assert run("convert", tmp_path / "b.zarr", tmp_path / "o.zarr", "-q") == 2
+    assert "b.zarr/obs/score: the store's consolidated metadata" in one_line_error(capsys)
     assert not (tmp_path / "o.zarr").exists()
 
 
