@@ -344,6 +344,30 @@ def test_collections_select_by_each_stores_names(tmp_path: Path) -> None:
     assert dz.FeatureSubset(stacked, [5]).n_features == 1 and stacked.var_names() is None
 
 
+def test_panel_of_a_collection_with_uint64_and_int64_column_ids(tmp_path: Path) -> None:
+    """A store whose X/indices are uint64 beside one with int64 ids: NumPy joins the two as
+    float64, and the panel's column filter then failed to compile (numba TypingError)
+    instead of reading; the collection's rows keep its integer index dtype."""
+    a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    first, second = make_adata(0, n_obs=30), make_adata(1, n_obs=20)
+    first.write_zarr(a)
+    second.write_zarr(b)
+    for path, dtype in ((a, np.uint64), (b, np.int64)):
+        x = zarr.open_group(path / "X", mode="r+")
+        ids = x["indices"][...].astype(dtype)
+        x.create_array("indices", shape=ids.shape, dtype=dtype, chunks=(50,), overwrite=True)
+        x["indices"][...] = ids
+        zarr.consolidate_metadata(str(path))
+    both = np.concatenate([first.X.toarray(), second.X.toarray()])
+    dataset = dz.open_dataset([a, b])
+    rows = dataset.read_rows(np.array([[25, 35]]))
+    assert rows.indices.dtype == dataset.index_dtype == np.int64
+    panel = dz.FeatureSubset(dataset, PANEL)
+    rows = panel.read_rows(np.array([[25, 35]]))
+    got = sp.csr_matrix((rows.data, rows.indices, rows.indptr), shape=(10, len(PANEL)))
+    np.testing.assert_array_equal(got.toarray(), both[25:35][:, PANEL])
+
+
 def test_bad_selections_say_what_to_change(rich, tmp_path: Path) -> None:
     path, _ = rich
     cases = [

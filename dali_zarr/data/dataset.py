@@ -493,7 +493,7 @@ class Collection(Dataset):
 
     def read_rows(self, ranges: np.ndarray) -> Rows:
         outputs = [part.read_rows(local) for part, local in self.part_runs(ranges)]
-        return _concat_rows(outputs, self.layout, self.feature_shape, self.dtype)
+        return _concat_rows(outputs, self.layout, self.feature_shape, self.dtype, self.index_dtype)
 
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
         pieces = self.part_runs(ranges)
@@ -573,8 +573,15 @@ def common_index_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
 
 
 def _concat_rows(
-    outputs: list[Rows], layout: Layout, feature_shape: tuple[int, ...], dtype: np.dtype
+    outputs: list[Rows],
+    layout: Layout,
+    feature_shape: tuple[int, ...],
+    dtype: np.dtype,
+    index_dtype: np.dtype,
 ) -> Rows:
+    """The parts' rows end to end. Column ids go to ``index_dtype`` (the collection's):
+    NumPy's concatenation of uint64 and int64 ids is float64, which the column filter of a
+    feature panel cannot index with."""
     if len(outputs) == 1:
         return outputs[0]
     if layout == "dense":
@@ -583,10 +590,10 @@ def _concat_rows(
         return DenseRows(np.concatenate([o.values for o in outputs]))  # type: ignore[union-attr]
     csr = [o for o in outputs if isinstance(o, CsrRows)]
     if not csr:
-        return CsrRows(np.zeros(0, dtype), np.zeros(0, np.int64), np.zeros(1, np.int64))
+        return CsrRows(np.zeros(0, dtype), np.zeros(0, index_dtype), np.zeros(1, np.int64))
     return CsrRows(
         np.concatenate([c.data for c in csr]),
-        np.concatenate([c.indices for c in csr]),
+        np.concatenate([c.indices for c in csr], dtype=index_dtype, casting="same_kind"),
         run_offsets(np.concatenate([np.diff(c.indptr) for c in csr])),
     )
 
