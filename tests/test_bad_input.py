@@ -629,6 +629,32 @@ def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
     np.testing.assert_array_equal(got, new)
 
 
+@pytest.mark.parametrize("compressors", [None, "zstd"])
+def test_a_shard_rewritten_to_fill_values_reads_as_fill(tmp_path: Path, compressors) -> None:
+    """zarr deletes a shard whose values are all set to the fill value (metadata unchanged).
+    The reader saw the file change but kept the shard's old index, so both the host read
+    and a planned (GPU-path) read failed on the vanished file as "corrupted"; the shard
+    now reads as the fill value, as zarr reads it."""
+    from dali_zarr.io import open_reader
+    from dali_zarr.io.gpu import execute_plan_cpu, plan_rows
+
+    path = tmp_path / "refilled.zarr"
+    z = zarr.create_array(
+        path, shape=(40, 3), chunks=(4, 3), shards=(8, 3), dtype="float32", fill_value=0,
+        compressors=zarr.codecs.ZstdCodec() if compressors else None,
+    )  # fmt: skip
+    z[...] = np.arange(1, 121, dtype=np.float32).reshape(40, 3)
+    reader = open_reader(zarr.open_array(path, mode="r"), name="refilled.zarr")
+    ranges = np.array([[0, 40]])
+    reader.read_rows(ranges)  # shard indexes cached
+    z[0:8] = 0  # shard c/0/0 deleted
+    z[12:14] = 5  # shard c/1/0 rewritten
+    assert not (path / "c" / "0" / "0").exists()
+    want = zarr.open_array(path, mode="r")[...]
+    np.testing.assert_array_equal(reader.read_rows(ranges), want)
+    np.testing.assert_array_equal(execute_plan_cpu(plan_rows(reader, ranges), reader), want)
+
+
 def test_synthetic_stores_take_only_the_codecs_they_name(tmp_path):
     """``make_single_cell(codec=...)``: an unknown name is refused, not written as Blosc (the
     GPU tests' "v2-lz4" CSR store was Blosc for that reason, so nvCOMP's LZ4 never ran on CSR

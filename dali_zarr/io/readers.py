@@ -801,7 +801,10 @@ class DirectReader:
         except OSError as e:
             raise fail(f"opening failed ({e})") from e
         if fd is None:
-            return  # not cached: every inner chunk reads as the fill value
+            # every inner chunk reads as the fill value; an index cached before is dropped
+            # (zarr deletes a shard rewritten to all fill values, metadata unchanged)
+            self._shard_index.pop(shard, None)
+            return
         try:
             st = os.fstat(fd)
             size, stamp = st.st_size, (st.st_ino, st.st_mtime_ns, st.st_size)
