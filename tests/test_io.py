@@ -581,6 +581,29 @@ def test_corrupted_zstd_chunk_prefix(tmp_path):
     assert reader.chunks_prefix_decoded == 0
 
 
+def test_zstd_checksum_frames_are_decoded_whole(tmp_path):
+    """A zstd frame with a content checksum (ZstdCodec(checksum=True)) is checked whole: a
+    prefix decode stopped before the checksum, so a flipped byte in a stored (raw) block
+    came back as wrong rows where zarr and a full decode raise the checksum mismatch."""
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, (100, 200), dtype=np.uint8).view(np.float32)  # raw blocks
+    arr = write(
+        tmp_path / "ck.zarr", data, chunks=(100, 50), compressors=[ZstdCodec(checksum=True)]
+    )
+    reader = open_reader(arr, name="ck")
+    head = np.array([[0, 5]])  # rows of chunk 0 short of its end: a prefix
+    np.testing.assert_array_equal(reader.read_rows(head).view(np.uint32), data[:5].view(np.uint32))
+    assert reader.chunks_prefix_decoded == 0
+    path = tmp_path / "ck.zarr" / "c" / "0" / "0"
+    raw = bytearray(path.read_bytes())
+    raw[40] ^= 1  # in row 0's bytes of the frame's one raw block
+    path.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match="checksum"):
+        zarr.open_array(tmp_path / "ck.zarr", mode="r")[:5]  # zarr refuses it too
+    with pytest.raises(ChunkReadError, match=r"ck: chunk 'c/0/0'.*checksum"):
+        reader.read_rows(head)
+
+
 # ---------------------------------------------------------------------------- corruption
 
 

@@ -109,6 +109,7 @@ class _Crc32c(_Stage):
 FRAME_HEAD_NBYTES = 18
 _ZSTD_MAGIC = 0xFD2FB528
 _ZSTD_MIN_FRAME = 9  # magic, descriptor, one 3-byte block header and one byte
+_ZSTD_CHECKSUM_FLAG = 0x04  # Content_Checksum_flag of the frame header descriptor
 # widths in bytes, by the descriptor's Dictionary_ID_Flag and Frame_Content_Size_Flag
 _DICT_ID_WIDTH = (0, 1, 2, 4)
 _CONTENT_SIZE_WIDTH = (0, 2, 4, 8)  # flag 0 with Single_Segment_Flag set: 1 byte
@@ -376,8 +377,9 @@ class ChunkDecoder:
         Returns True when only that prefix was decoded (`prefix_decodable`, ``rows`` short of
         the chunk, one zstd frame holding the rows), False after a full `decode_into`.
         A prefix decode checks the frame only as far as it decodes: corruption past that
-        point, a wrong decoded size without a frame content size, or a zstd content checksum
-        mismatch go unnoticed, but the rows returned are exactly those a full decode gives.
+        point, or a wrong decoded size without a frame content size, go unnoticed, but the
+        rows returned are exactly those a full decode gives. A frame with a content checksum
+        is decoded whole (its checksum covers every byte, the prefix's too).
         """
         if self._prefix_into(raw, dest, rows):
             return True
@@ -407,6 +409,8 @@ class ChunkDecoder:
             buf: Any = raw
             for stage in self.stages[:-1]:
                 buf = _as_u1(stage.decode(buf))
+            if buf.size > 4 and buf[4] & _ZSTD_CHECKSUM_FLAG:
+                return False  # its checksum covers the whole frame: decode all to check it
             size = _zstd_content_size(buf)
             if size is None or size == self.nbytes:  # else the full decode reports it
                 nbytes = rows * (self.nbytes // self.chunk_shape[0])
