@@ -604,6 +604,28 @@ def test_zstd_checksum_frames_are_decoded_whole(tmp_path):
         reader.read_rows(head)
 
 
+@pytest.mark.parametrize("values", [25, 75], ids=["short", "long"])
+def test_zstd_frames_without_content_size_are_decoded_whole(tmp_path, values):
+    """A zstd frame that does not record its content size (zarr always writes it; a
+    streaming compressor may not) holding the wrong number of bytes: the first rows of the
+    chunk were decoded from it and returned, where zarr and a full decode refuse it."""
+    zstandard = pytest.importorskip("zstandard")
+    data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4)
+    arr = write(tmp_path / "cs.zarr", data, chunks=(16, 4), compressors=[ZstdCodec()])
+    sink = zstandard.ZstdCompressor(write_content_size=False).stream_writer(
+        (tmp_path / "cs.zarr" / "c" / "1" / "0").open("wb")
+    )
+    with sink:  # 25 or 75 values where the chunk holds 64, and no content size in the frame
+        sink.write(np.full(values, 7, dtype=np.float32).tobytes())
+    with pytest.raises(ValueError):  # zarr refuses it too (the decoded bytes do not reshape)
+        zarr.open_array(tmp_path / "cs.zarr", mode="r")[16:18]
+    reader = open_reader(arr, name="cs")
+    with pytest.raises(
+        ChunkReadError, match=r"cs: chunk 'c/1/0'.*decoded to \d+ bytes, expected 256"
+    ):
+        reader.read_rows(np.array([[16, 18]]))  # the first rows of chunk 1: a prefix
+
+
 # ---------------------------------------------------------------------------- corruption
 
 

@@ -377,9 +377,10 @@ class ChunkDecoder:
         Returns True when only that prefix was decoded (`prefix_decodable`, ``rows`` short of
         the chunk, one zstd frame holding the rows), False after a full `decode_into`.
         A prefix decode checks the frame only as far as it decodes: corruption past that
-        point, or a wrong decoded size without a frame content size, go unnoticed, but the
-        rows returned are exactly those a full decode gives. A frame with a content checksum
-        is decoded whole (its checksum covers every byte, the prefix's too).
+        point goes unnoticed, but the rows returned are exactly those a full decode gives.
+        Frames that only a full decode can check are decoded whole: those with a content
+        checksum (it covers every byte, the prefix's too) and those that do not record their
+        content size (they may hold the wrong number of bytes).
         """
         if self._prefix_into(raw, dest, rows):
             return True
@@ -411,8 +412,9 @@ class ChunkDecoder:
                 buf = _as_u1(stage.decode(buf))
             if buf.size > 4 and buf[4] & _ZSTD_CHECKSUM_FLAG:
                 return False  # its checksum covers the whole frame: decode all to check it
-            size = _zstd_content_size(buf)
-            if size is None or size == self.nbytes:  # else the full decode reports it
+            # a frame without its content size (zarr always writes it) may hold the wrong
+            # number of bytes, which only the full decode finds: decoded whole
+            if _zstd_content_size(buf) == self.nbytes:  # else the full decode reports it
                 nbytes = rows * (self.nbytes // self.chunk_shape[0])
                 target = dest.reshape(-1).view(_U1)[:nbytes]
                 if _zstd_prefix_into(buf, target) == nbytes:
