@@ -45,17 +45,18 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from unittest import mock
 
 from gpu_throughput import (
     ROOT,
     add_store_and_sampler_arguments,
+    config_env,
     make_store,
     open_benchmark_dataset,
     parse_config,
     require_gpu,
     sampler,
     synchronize,
-    use_config,
 )
 
 
@@ -103,28 +104,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-class Patches:
-    """Attributes replaced for a measurement, each put back by :meth:`restore` (in reverse
-    order; an attribute that was not the owner's own, a method of its class, is deleted)."""
-
-    _MISSING = object()
-
-    def __init__(self) -> None:
-        self._undo: list[tuple[object, str, object]] = []
-
-    def patch(self, owner, name: str, value) -> None:
-        self._undo.append((owner, name, vars(owner).get(name, self._MISSING)))
-        setattr(owner, name, value)
-
-    def restore(self) -> None:
-        for owner, name, original in reversed(self._undo):
-            if original is self._MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-        self._undo.clear()
-
-
 @contextlib.contextmanager
 def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]]:
     """Wrap the reader's stages so that each adds its own time (device synchronised after
@@ -134,8 +113,10 @@ def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]
     from dali_zarr.io import nvcomp_batched
 
     totals: dict[str, float] = defaultdict(float)
-    patches = Patches()
-    patch = patches.patch
+    patches = contextlib.ExitStack()  # every wrapper put back on exit (mock restores it)
+
+    def patch(owner, name: str, value) -> None:
+        patches.enter_context(mock.patch.object(owner, name, value))
 
     def timed(owner, name: str, label: str) -> None:
         inner = getattr(owner, name)
@@ -189,10 +170,8 @@ def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]
         timed(executor, "_read_to_device", f"reads into device memory ({executor.reads})")
         timed(executor, "_nvcomp_decode", "nvCOMP decode")
         timed(executor, "copy_segments", "row copies")
-    try:
+    with patches:
         yield totals
-    finally:
-        patches.restore()
 
 
 def profile_reader(args: argparse.Namespace, dataset) -> None:
@@ -274,7 +253,7 @@ def thread_timers() -> Iterator[dict[str, float]]:
 
     totals: dict[str, float] = defaultdict(float)
     lock = threading.Lock()
-    patches = Patches()
+    patches = contextlib.ExitStack()
     for module, cls, name, label in THREAD_STAGES:
         owner = importlib.import_module(module)
         owner = getattr(owner, cls) if cls else owner
@@ -290,11 +269,9 @@ def thread_timers() -> Iterator[dict[str, float]]:
                     totals[_label] += took
                     totals[f"calls: {_label}"] += 1
 
-        patches.patch(owner, name, wrapper)
-    try:
+        patches.enter_context(mock.patch.object(owner, name, wrapper))
+    with patches:
         yield totals
-    finally:
-        patches.restore()
 
 
 #: the part of "plan runs, in all" outside the executor's timed parts
@@ -312,13 +289,12 @@ def print_thread_times(totals: dict[str, float], threads: int, seconds: float) -
         f"{seconds:.2f} s; ms per window (no added syncs: a sync's time is the device work "
         "it waited for)"
     )
-    run = totals.get("plan runs, in all", 0.0)
-    inside = sum(v for k, v in totals.items() if k.startswith("  "))
-    if run:
-        totals[REST] = run - inside
-    for label in (*(stage[3] for stage in THREAD_STAGES), REST):
-        if totals.get(label):
-            print(f"    {label:40s} {1e3 * totals[label] / windows:8.1f}")
+    shown = {stage[3]: totals.get(stage[3], 0.0) for stage in THREAD_STAGES}
+    inside = sum(v for label, v in shown.items() if label.startswith("  "))
+    shown[REST] = shown["plan runs, in all"] - inside
+    for label, spent in shown.items():
+        if spent:
+            print(f"    {label:40s} {1e3 * spent / windows:8.1f}")
 
 
 def profile_loader(args: argparse.Namespace, dataset) -> None:
@@ -386,14 +362,14 @@ def main(argv=None) -> None:
     from dali_zarr.io import nvcomp_batched
 
     failed = []
-    default_call = nvcomp_batched.CALL_NBYTES
     for inner_chunk in args.inner_chunks or [None]:
         store = make_store(args, inner_chunk)
         for call_mb in args.call_mb or [None]:
-            nvcomp_batched.CALL_NBYTES = default_call if call_mb is None else call_mb << 20
-            calls = f"calls of {nvcomp_batched.CALL_NBYTES >> 20} MiB"
-            failed += [f"{store}, {calls}: {c}" for c in profile_store(args, store)]
-        nvcomp_batched.CALL_NBYTES = default_call
+            cap = nvcomp_batched.CALL_NBYTES if call_mb is None else call_mb << 20
+            with mock.patch.object(nvcomp_batched, "CALL_NBYTES", cap):
+                failed += [
+                    f"{store}, calls of {cap >> 20} MiB: {c}" for c in profile_store(args, store)
+                ]
     if failed:
         sys.exit(f"configurations that failed: {', '.join(failed)}")
 
@@ -429,12 +405,12 @@ def profile_store(args: argparse.Namespace, store: str) -> list[str]:
     print(f"nvCOMP calls of at most {nvcomp_batched.CALL_NBYTES >> 20} MiB of decoded bytes")
     failed = []
     for reads, api, sync in args.configs:
-        use_config(reads, api, sync)
         print(f"\n== reads {reads}, nvCOMP {api} API, ring sync {sync}")
         try:
-            profile_reader(args, dataset)
-            print(f"kvikio thread pool: {kvikio_threads() or 'n/a'}")
-            profile_loader(args, dataset)
+            with config_env(reads, api, sync):
+                profile_reader(args, dataset)
+                print(f"kvikio thread pool: {kvikio_threads() or 'n/a'}")
+                profile_loader(args, dataset)
         except Exception as e:  # one configuration failing must not hide the others
             failed.append(f"{reads}/{api}/{sync}")
             print(f"FAILED: {type(e).__name__}: {e}")

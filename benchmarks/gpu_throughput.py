@@ -104,8 +104,7 @@ def parse_config(text: str) -> tuple[str, str, str]:
             f"--configs: {text!r} is not READS/API[/SYNC] with READS kvikio|pinned, "
             "API python|c, SYNC device|none"
         )
-    reads, api, sync = parts
-    return reads, api, sync
+    return parts[0], parts[1], parts[2]
 
 
 def config_values(reads: str, api: str, sync: str) -> dict[str, str]:
@@ -122,15 +121,10 @@ def config_values(reads: str, api: str, sync: str) -> dict[str, str]:
     }
 
 
-def use_config(reads: str, api: str, sync: str) -> None:
-    """Set the switches of one config for whatever is built next."""
-    os.environ.update(config_values(reads, api, sync))
-
-
 @contextlib.contextmanager
 def config_env(reads: str, api: str, sync: str) -> Iterator[None]:
-    """:func:`use_config` for one contender: the switches are put back as they were after it,
-    so the rows measured next run with the user's own settings."""
+    """The switches of one config for what is built inside (a contender, a profile), put
+    back as they were after it, so what runs next has the user's own settings."""
     values = config_values(reads, api, sync)
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
@@ -227,7 +221,7 @@ def make_store(args: argparse.Namespace, inner_chunk: int | None = None) -> str:
 
     ``inner_chunk``: write dali_zarr's synthetic store (the AnnData layout, zstd, sharded)
     with inner chunks of that many elements instead, for ``gpu_profile.py --inner-chunks``
-    (nvCOMP decodes a chunk per thread block, so the chunk size sets its parallelism)."""
+    (the chunk size sets how many chunks each nvCOMP call decodes, and how large)."""
     if args.store:
         return args.store
     if inner_chunk is None and importlib.util.find_spec("anndata") is not None:
