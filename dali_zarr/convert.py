@@ -39,9 +39,12 @@ import zarr
 
 from dali_zarr.data.elements import (
     Picked,
+    bad_column_error,
+    first_bad_column,
     is_array,
     matrix_layout,
     pick_element,
+    refuse_float_indptr,
     shape_attribute,
     var_key,
 )
@@ -233,19 +236,16 @@ class _Input:
         """Refuse column ids outside ``[0, n_features)`` (``ids``: elements from ``start``):
         copied as they are, they made a store the loader refuses only when it reads them."""
         n = self.feature_shape[0]
-        if not len(ids) or (int(ids.min()) >= 0 and int(ids.max()) < n):
+        at = first_bad_column(ids, n)
+        if at is None:
             return
-        at = int(np.flatnonzero((ids < 0) | (ids >= n))[0])
         element = start + at
         row = int(np.searchsorted(self.indptr, element, side="right")) - 1
         chunk = int((getattr(self.indices, "chunks", None) or (0,))[0])
-        where = f", in chunk {element // chunk} along axis 0" if chunk else ""
-        raise DatasetError(
-            f"{self.path}/{self.element}/indices: column index {int(ids[at])} is outside "
-            f"[0, {n}): element {element:,} (row {row:,}){where}. The input is corrupted, or "
-            "its 'shape' attribute is wrong: re-write X, or set 'shape' to the matrix's real "
-            "width."
-        )
+        raise bad_column_error(
+            f"{self.path}/{self.element}/indices", int(ids[at]), n, element, f"row {row:,}",
+            f"chunk {element // chunk} along axis 0" if chunk else "an unchunked array",
+        )  # fmt: skip
 
     def rows_per_chunk(self) -> float | None:
         """Rows in one of the input's own chunks (CSR: on average); None if not chunked."""
@@ -333,12 +333,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
         # as another dtype or shape: refused, as open_dataset does (h5py: nothing to check)
         refuse_stale_metadata(x[part], name=f"{where}/{part}")
     n_obs, n_features = shape_attribute(x, where=where)
-    if np.dtype(x["indptr"].dtype).kind not in "iu":  # the cast would truncate 2.5 to 2
-        raise DatasetError(
-            f"{where}/indptr: dtype {x['indptr'].dtype} is not an integer dtype; row offsets "
-            "must be integers (anndata and scipy refuse others too). Re-write the matrix with "
-            "an integer indptr (e.g. X.indptr = X.indptr.astype(np.int64))."
-        )
+    refuse_float_indptr(x["indptr"].dtype, f"{where}/indptr")
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
     if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(indptr[1:] < indptr[:-1]):
         raise DatasetError(

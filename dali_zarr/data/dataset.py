@@ -21,9 +21,12 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.elements import (
+    bad_column_error,
+    first_bad_column,
     frame_index,
     matrix_layout,
     pick_element,
+    refuse_float_indptr,
     shape_attribute,
     var_key,
     zarr_member,
@@ -341,12 +344,7 @@ class CsrDataset(_StoreDataset):
         """``indptr`` as int64, refused before the cast where the cast would change it: float
         offsets are truncated (rows shift silently) and uint64 ones past int64 wrap negative."""
         where, expected = f"{self.name}/indptr", (self.n_obs + 1,)
-        if array.dtype.kind not in "iu":
-            raise DatasetError(
-                f"{where}: dtype {array.dtype} is not an integer dtype; row offsets must be "
-                "integers (anndata and scipy refuse others too). Re-write the matrix with an "
-                "integer indptr (e.g. X.indptr = X.indptr.astype(np.int64))."
-            )
+        refuse_float_indptr(array.dtype, where)
         if array.shape != expected:
             raise DatasetError(
                 f"{where}: has shape {array.shape} for {self.n_obs} rows (expected {expected}: "
@@ -390,33 +388,22 @@ class CsrDataset(_StoreDataset):
         names the first bad id's element, row and chunk of ``X/indices``.
         """
         n = self.feature_shape[0]
-        if not len(indices) or int(_as_unsigned(indices).max()) < n:
+        at = first_bad_column(indices, n)
+        if at is None:
             return
-        at = int(np.flatnonzero((indices < 0) | (indices >= n))[0])
         elements = self.indptr[np.asarray(ranges, dtype=np.int64).reshape(-1, 2)]
         starts = run_offsets(elements[:, 1] - elements[:, 0])
         r = int(np.searchsorted(starts, at, side="right")) - 1  # the range holding it
         element = int(elements[r, 0] + at - starts[r])
         row = int(np.searchsorted(self.indptr, element, side="right")) - 1
         reader = self.indices_reader
-        where = reader.chunk_where((element // reader.rows_per_chunk,))
-        raise DatasetError(
-            f"{reader.name}: column index {int(indices[at])} is outside [0, {n}): element "
-            f"{element:,} (row {row:,} of {self.name}), in {where}. The store is corrupted, "
-            "or its 'shape' attribute is wrong: re-write X, or set 'shape' to the matrix's "
-            "real width."
-        )
+        raise bad_column_error(
+            reader.name, int(indices[at]), n, element, f"row {row:,} of {self.name}",
+            reader.chunk_where((element // reader.rows_per_chunk,)),
+        )  # fmt: skip
 
     def readers(self) -> list[ArrayReader]:
         return [self.data_reader, self.indices_reader]
-
-
-def _as_unsigned(ids: np.ndarray) -> np.ndarray:
-    """Integer ``ids`` viewed as the unsigned type of their size (no copy), where a
-    negative id is at least ``2**(bits-1)``: one ``max()`` then bounds them from both sides
-    (a pass over a window's ids; ``min()`` and ``max()`` took two)."""
-    ids = np.asarray(ids)  # a view of the same item size needs no contiguity
-    return ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
 
 
 def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:

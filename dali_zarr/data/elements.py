@@ -297,3 +297,40 @@ def stale_listing_hint(root: Any, key: str) -> str:
 
 def _listing(root: Any) -> str:
     return ", ".join(available_elements(root)) or "no loadable element"
+
+
+# ---------------------------------------------------------------------------- CSR checks
+# shared by the loader's datasets and the converter, which must refuse what the loader does
+
+
+def refuse_float_indptr(dtype: Any, where: str) -> None:
+    """CSR row offsets must be integers: cast to int64, 2.5 becomes 2 and rows shift silently."""
+    if np.dtype(dtype).kind not in "iu":
+        raise DatasetError(
+            f"{where}: dtype {dtype} is not an integer dtype; row offsets must be integers "
+            "(anndata and scipy refuse others too). Re-write the matrix with an integer indptr "
+            "(e.g. X.indptr = X.indptr.astype(np.int64))."
+        )
+
+
+def first_bad_column(ids: np.ndarray, n_features: int) -> int | None:
+    """Position in ``ids`` (integers) of the first column id outside ``[0, n_features)``, or
+    None. One ``max()`` over the ids viewed as unsigned bounds them from both sides (a
+    negative id is then at least ``2**(bits-1)``); ``min()`` and ``max()`` took two passes."""
+    ids = np.asarray(ids)  # a view of the same item size needs no contiguity
+    unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+    if not len(ids) or int(unsigned.max()) < n_features:
+        return None
+    return int(np.flatnonzero((ids < 0) | (ids >= n_features))[0])
+
+
+def bad_column_error(
+    where: str, column: int, n_features: int, element: int, row: str, chunk: str
+) -> DatasetError:
+    """A column id outside the matrix (which densify would write out of bounds), named by
+    its element, ``row`` (how the caller names the row) and ``chunk`` of ``X/indices``."""
+    return DatasetError(
+        f"{where}: column index {column} is outside [0, {n_features}): element {element:,} "
+        f"({row}), in {chunk}. The store is corrupted, or its 'shape' attribute is wrong: "
+        "re-write X, or set 'shape' to the matrix's real width."
+    )
