@@ -1021,13 +1021,12 @@ def test_a_closed_executor_refuses_a_plan_and_opens_no_file(
 ) -> None:
     """A reader thread still running when the loader closed went on to a plan on the closed
     executor and opened kvikio files (and codecs) again, which nothing closed."""
-    import sys
+    import kvikio  # the stand-in where kvikio_executor_device installed one
 
     from dali_zarr.io.gpu import GpuPlanExecutor
 
     device = kvikio_executor_device
     opened: list[str] = []
-    kvikio = sys.modules.get("kvikio") or __import__("kvikio")
     open_file = kvikio.CuFile
 
     def cufile(path, mode):  # how the executor opens files: kvikio.CuFile(path, "r")
