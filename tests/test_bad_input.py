@@ -674,6 +674,20 @@ def test_synthetic_stores_take_only_the_codecs_they_name(tmp_path):
         assert type(zarr.open_array(f"{path}/X/{name}").compressors[0]).__name__ == "LZ4"
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+@pytest.mark.parametrize("n_obs", [64, 0])
+def test_chunks_with_a_zero_length_axis_are_refused_by_name(
+    tmp_path: Path, zarr_format: int, n_obs: int
+) -> None:
+    """zarr writes metadata with chunk shape (0, 4) without complaint; opening such an array
+    raised a bare ZeroDivisionError from the chunk grid."""
+    path = tmp_path / "zero.zarr"
+    zarr.create_array(path, shape=(n_obs, 4), dtype="f4", chunks=(0, 4), zarr_format=zarr_format)
+    with pytest.raises(dz.DatasetError, match=r"zero\.zarr has chunk shape \(0, 4\)") as info:
+        dz.open_dataset(path)
+    assert "chunks of at least 1 along every axis" in str(info.value)
+
+
 def _unsharded_store(tmp_path: Path) -> Path:
     """400 cells in unsharded chunks of 256 values (chunk files ``X/data/c/0``, ...)."""
     return Path(

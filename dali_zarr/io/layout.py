@@ -145,6 +145,7 @@ def parse_layout(array: Any) -> ArrayLayout:
         chunks = tuple(int(c) for c in (grid_shape or array.chunks))
     else:
         chunks = tuple(int(c) for c in md.chunks)
+    _refuse_empty_chunks(_where(array), "chunk", chunks)
     base = dict(
         zarr_format=zarr_format,
         shape=shape,
@@ -163,7 +164,7 @@ def parse_layout(array: Any) -> ArrayLayout:
             codecs = _parse_v2(md.to_dict(), raw_dtype)
             return ArrayLayout(codecs=codecs, **base)
         if zarr_format == 3:
-            return _parse_v3(md, base)
+            return _parse_v3(md, base, where=_where(array))
         raise _Unsupported(f"zarr format {zarr_format} is unknown")
     except _Unsupported as e:
         return ArrayLayout(codecs=None, unsupported=str(e), **base)
@@ -175,6 +176,19 @@ def parse_layout(array: Any) -> ArrayLayout:
 
 def _where(array: Any) -> str:
     return str(getattr(array, "store_path", "?"))
+
+
+def _refuse_empty_chunks(where: str, what: str, chunk_shape: tuple[int, ...]) -> None:
+    """A chunk with a zero-length axis holds no elements: no reader can tile the array with it
+    (zarr accepts such metadata and then divides by zero), so say which array and what to do."""
+    if all(c > 0 for c in chunk_shape):
+        return
+    raise DatasetError(
+        f"zarr array at {where} has {what} shape {chunk_shape}, with an axis of length "
+        "0 or less: such chunks hold no elements, so the array's rows cannot be read. Re-write "
+        "the array with chunks of at least 1 along every axis (zarr chooses valid chunks when "
+        "they are left to it)."
+    )
 
 
 # ---------------------------------------------------------------------------- zarr format 2
@@ -208,7 +222,7 @@ def _parse_v2(d: Mapping[str, Any], raw_dtype: np.dtype) -> ChunkCodecs:
 # ---------------------------------------------------------------------------- zarr format 3
 
 
-def _parse_v3(md: Any, base: dict[str, Any]) -> ArrayLayout:
+def _parse_v3(md: Any, base: dict[str, Any], *, where: str) -> ArrayLayout:
     transformers = getattr(md, "storage_transformers", ())
     if transformers:
         raise _Unsupported(f"storage transformers {list(transformers)} are not supported")
@@ -227,6 +241,7 @@ def _parse_v3(md: Any, base: dict[str, Any]) -> ArrayLayout:
             raise _Unsupported(f"codecs around sharding_indexed ({names}) are not supported")
         cfg = codecs[0][1]
         inner = tuple(int(c) for c in cfg["chunk_shape"])
+        _refuse_empty_chunks(where, "inner chunk", inner)
         if len(inner) != len(outer) or any(o % i for o, i in zip(outer, inner, strict=True)):
             raise _Unsupported(f"inner chunk shape {inner} does not divide shard shape {outer}")
         shard = _parse_index_codecs(cfg.get("index_codecs", []), cfg.get("index_location", "end"))
