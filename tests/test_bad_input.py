@@ -600,16 +600,19 @@ def test_a_store_rewritten_in_the_middle_of_an_epoch_is_refused(tmp_path: Path, 
     assert 0 < served < 2_000, served  # a few windows read ahead of the rewrite, not the epoch
 
 
+@pytest.mark.parametrize("shards", [(100, 16), None], ids=["sharded", "unsharded"])
 @pytest.mark.parametrize("where", WHERE)
-def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
-    tmp_path: Path, where: str
-) -> None:
-    """zarr rewrites a whole shard when its values change (``z[:] = new``), with other
-    offsets, but not the array's metadata; the reader's cached shard indexes then cut the
-    new files at the old offsets ("corrupted"). A shard file that changed is indexed again."""
+def test_values_rewritten_in_place_are_read_anew(tmp_path: Path, where: str, shards) -> None:
+    """zarr rewrites a whole shard (or chunk file) when its values change (``z[:] = new``),
+    with other sizes, but not the array's metadata, and deletes a chunk set to the fill
+    value. Sharded: the reader's cached shard indexes cut the new files at the old offsets
+    ("corrupted"); a shard file that changed is indexed again. Unsharded: the GPU path's
+    byte plans (which cache each chunk file's size rather than stat it every window) failed
+    the window as a corrupted or missing chunk; a plan that fails with chunk files changed
+    since their sizes were taken is planned again, once."""
     path = tmp_path / "inplace.zarr"
     z = zarr.create_array(
-        path, shape=(400, 16), chunks=(10, 16), shards=(100, 16), dtype="float32",
+        path, shape=(400, 16), chunks=(10, 16), shards=shards, dtype="float32",
         compressors=zarr.codecs.ZstdCodec(),
     )  # fmt: skip
     z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16)  # compressible
@@ -617,6 +620,7 @@ def test_values_rewritten_in_place_in_a_sharded_array_are_read_anew(
         dz.open_dataset(path), sampler(), return_index=True, num_threads=1, **_device(where)
     )
     new = np.random.default_rng(0).standard_normal((400, 16)).astype(np.float32)
+    new[:10] = 0  # the fill value: zarr deletes the chunk (or keeps it in the shard)
     try:
         assert sum(len(b["X"]) for b in loader) == 400
         zarr.open_array(path, mode="r+")[...] = new  # incompressible: other offsets

@@ -984,6 +984,26 @@ def _eio():
     raise OSError(5, "EIO")
 
 
+def test_a_chunk_file_gone_since_planned_names_the_chunk(tmp_path, kvikio_executor_device):
+    """zarr deletes a chunk file whose values are all set to the fill value. Opening it with
+    kvikio raised kvikio's own error, naming no array and no chunk, so the window reader
+    could not tell it from any other failure (it plans again where chunk files changed)."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    device = kvikio_executor_device
+    data = np.arange(40 * 4, dtype=np.float32).reshape(40, 4)
+    arr = write(tmp_path / "a.zarr", data, chunks=(10, 4), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="a")
+    plan = plan_rows(reader, np.array([[0, 40]]))
+    os.remove(tmp_path / "a.zarr" / "c" / "2" / "0")
+    executor = GpuPlanExecutor(0, max_open_files=2)
+    try:
+        with pytest.raises(ChunkReadError, match=r"a: chunk 'c/2/0'.*opening failed"):
+            executor.run(plan, reader, device.empty(plan.out_shape, plan.dtype))
+    finally:
+        executor.close()
+
+
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_a_shard_rewritten_under_the_executor_is_read_from_the_new_file(
     tmp_path, codec, kvikio_executor_device

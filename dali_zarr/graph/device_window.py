@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset, StoreRun
-from dali_zarr.errors import DatasetError
+from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.graph.source import Output, window_arrays, window_dtype
 from dali_zarr.io.gpu import Pieces, round_up, window_plans
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
@@ -335,10 +335,24 @@ class DeviceWindowReader:
                     name = stored.array_of[store.n_features]
                 items.setdefault(name, []).append((reader, ranges, pieces))
         for name, array_items in items.items():
-            out = views[name]
-            plans, unplannable = window_plans(array_items, out_rows=out.shape[0])
-            for i in unplannable:
-                self.backend.upload_rows(*array_items[i], out)
+            self._read_array(array_items, views[name])
+
+    def _read_array(
+        self, array_items: list[tuple[Any, np.ndarray, Pieces | None]], out: Any
+    ) -> None:
+        """One array's share of :meth:`_read_runs`. A byte plan that fails is planned and run
+        again once where chunk files changed since their sizes were cached (values rewritten
+        in place: ``DirectReader.forget_changed_chunks``); otherwise its error stands."""
+        plans, unplannable = window_plans(array_items, out_rows=out.shape[0])
+        for i in unplannable:
+            self.backend.upload_rows(*array_items[i], out)
+        try:
+            for plan, reader in plans:
+                self.backend.run_into(plan, reader, out)
+        except ChunkReadError:
+            if not any([reader.forget_changed_chunks() for _, reader in plans]):
+                raise
+            plans, _ = window_plans(array_items, out_rows=out.shape[0])
             for plan, reader in plans:
                 self.backend.run_into(plan, reader, out)
 

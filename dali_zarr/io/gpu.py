@@ -1133,7 +1133,10 @@ class GpuPlanExecutor:
             for i, f, offset, size, dest in plan.extent_jobs():
                 file = handles.get(f)
                 if file is None:
-                    file = handles[f] = self._cufile(plan.files[f])
+                    try:
+                        file = handles[f] = self._cufile(plan.files[f])
+                    except Exception as e:  # gone since planned (a chunk set to fill)
+                        raise _extent_error(reader, plan, i, 0, f"opening failed ({e})") from e
                 pending.append((i, size, file.pread(target[dest : dest + size], size, offset)))
         finally:
             # every read must be over before we raise: kvikio's pool would otherwise go on

@@ -636,6 +636,23 @@ class DirectReader:
             self._chunk_files[c] = path
             self._chunk_nbytes[c] = size
 
+    def forget_changed_chunks(self) -> bool:
+        """Stat again the chunk files whose sizes :meth:`chunk_locations` has cached
+        (unsharded arrays) and forget those whose size changed or that are gone: zarr writes
+        new values as a new file of another size, and deletes a chunk set to the fill value,
+        without touching the array's metadata. Called after a planned read failed (one stat
+        per cached chunk, never on the hot path), so that a new plan reads the chunks as
+        they are now; True where any had changed. Shard files are re-stamped every window
+        (:meth:`_load_shards`): nothing to do for them."""
+        if self.layout.shard is not None:
+            return False
+        known = np.flatnonzero(self._chunk_nbytes >= 0)
+        now = [(_file_stamp(self._chunk_files[c]) or (0, 0, -1))[2] for c in known.tolist()]
+        changed = known[np.asarray(now, dtype=np.int64) != self._chunk_nbytes[known]]
+        self._chunk_nbytes[changed] = -1
+        self._chunk_files[changed] = None
+        return bool(len(changed))
+
     def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
         """The error ``read_rows`` raises for a bad chunk (names the array, key and file)."""
         return self._error(tuple(coords), problem)
