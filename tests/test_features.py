@@ -412,3 +412,35 @@ def test_only_panels_out_of_stored_order_sort_their_csr_rows(rich) -> None:
     joined = dz.open_dataset([path, path])
     assert not panel_reorders(dz.FeatureSubset(joined, [2, 5]))
     assert panel_reorders(dz.FeatureSubset(joined, [5, 2]))
+
+
+def test_object_arrays_select_by_what_their_elements_are(tmp_path: Path) -> None:
+    """An object array (a pandas object column) of ints selects by id, of bools is a mask:
+    its ids were looked up as names, so a store whose var names are numbers ("1", "2", in
+    another order: a store written after a column subset) loaded other genes, silently."""
+    import anndata as ad
+    import pandas as pd
+
+    names = ["10", "3", "5", "0", "2", "1"]
+    x = sp.csr_matrix(np.arange(4 * len(names), dtype=np.float32).reshape(4, len(names)))
+    path = tmp_path / "numeric_names.zarr"
+    ad.AnnData(X=x, var=pd.DataFrame(index=names)).write_zarr(path)
+
+    by_id = dz.open_dataset(path, features=np.array([1, 2], dtype=object))
+    assert by_id.var_names() == ("3", "5")
+    assert np.array_equal(by_id.columns, [1, 2])
+    mask = np.array([True, False, True, False, False, True], dtype=object)
+    assert dz.open_dataset(path, features=mask).var_names() == ("10", "5", "1")
+    # names given as objects are still names
+    named = dz.open_dataset(path, features=np.array(["1", "2"], dtype=object))
+    assert named.var_names() == ("1", "2")
+    with pytest.raises(dz.DatasetError, match=r"of numeric_names.zarr/X: .*NoneType, bool"):
+        dz.open_dataset(path, features=np.array([True, None] * 3, dtype=object))
+    with pytest.raises(dz.DatasetError, match="0/1 mask given as integers"):
+        dz.open_dataset(path, features=[1, 0, 1, 0, 0, 1])
+    # rows come back with the chosen columns, on the loader too
+    loader = dz.Loader(by_id, dz.ChunkSampler(chunk_size=2, preload_nchunks=2, batch_size=4),
+                       return_index=True)  # fmt: skip
+    (batch,) = list(loader)
+    loader.close()
+    assert np.array_equal(batch["X"].numpy(), x.toarray()[batch["index"].numpy()][:, [1, 2]])

@@ -35,7 +35,7 @@ def select_features(
     feature names looked up in ``names`` (the store's ``var`` index). Order is kept;
     repeated features are refused (one stored value cannot fill two CSR columns)."""
     where = f"feature selection of {dataset}"
-    chosen = np.asarray(features)
+    chosen = as_selection(features, where=where)
     if chosen.ndim != 1 or chosen.size == 0:
         raise DatasetError(
             f"{where}: pass a non-empty 1-D list of feature ids, names or a boolean mask; got "
@@ -90,6 +90,12 @@ def select_features(
         )
     counts = np.bincount(ids, minlength=n_features)
     if counts.max() > 1:
+        if len(ids) == n_features and ids.max() <= 1:  # ids are >= 0 here
+            raise DatasetError(
+                f"{where}: features holds only 0s and 1s, one per feature: a 0/1 mask given "
+                "as integers is read as feature ids (0 and 1, many times over); pass it as "
+                "booleans, features.astype(bool)."
+            )
         j = int(np.argmax(counts))
         named = f" ({names[j]!r})" if names is not None and j < len(names) else ""
         raise DatasetError(
@@ -262,4 +268,33 @@ class FeatureSubset(Dataset):
 
 def selects_by_name(features: FeatureSelection) -> bool:
     """Whether ``features`` are names (looked up in a ``var`` index), not ids or a mask."""
-    return np.asarray(features).dtype.kind in "USO"
+    try:
+        return as_selection(features, where="feature selection").dtype.kind in "USO"
+    except DatasetError:  # refused again by select_features, naming the dataset
+        return False
+
+
+def as_selection(features: FeatureSelection, *, where: str) -> np.ndarray:
+    """``features`` as an array whose dtype says what they are: bool (a mask), integers
+    (ids) or text (names).
+
+    An object array (a pandas object column, ``np.array([...], dtype=object)``) takes the
+    type of its elements: left as objects, ids ``[1, 2]`` were looked up as the names
+    ``"1"`` and ``"2"``, other columns of a store whose var names are numbers, and a
+    boolean mask as the names ``"True"``/``"False"``. Elements of mixed types (or None)
+    are refused."""
+    chosen = np.asarray(features)
+    if chosen.dtype != object or chosen.size == 0:
+        return chosen
+    values = chosen.ravel().tolist()
+    if all(isinstance(v, bool | np.bool_) for v in values):
+        return chosen.astype(bool)
+    if all(isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_) for v in values):
+        return chosen.astype(np.int64)
+    if all(isinstance(v, str) for v in values):
+        return chosen
+    kinds = sorted({type(v).__name__ for v in values})
+    raise DatasetError(
+        f"{where}: features holds values of type {', '.join(kinds)}; pass integer ids, str "
+        "names or a boolean mask, one kind only (and no missing values)."
+    )
