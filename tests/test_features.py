@@ -438,6 +438,11 @@ def test_object_arrays_select_by_what_their_elements_are(tmp_path: Path) -> None
         dz.open_dataset(path, features=np.array([True, None] * 3, dtype=object))
     with pytest.raises(dz.DatasetError, match="0/1 mask given as integers"):
         dz.open_dataset(path, features=[1, 0, 1, 0, 0, 1])
+    # stores of other widths, joined by name: mixed kinds are named, not a width mismatch
+    narrow = tmp_path / "narrow.zarr"
+    ad.AnnData(X=x[:, :3], var=pd.DataFrame(index=names[:3])).write_zarr(narrow)
+    with pytest.raises(dz.DatasetError, match=r"\+narrow.zarr/X: .*type int, str"):
+        dz.open_dataset([path, narrow], features=np.array(["3", 5], dtype=object))
     # rows come back with the chosen columns, on the loader too
     loader = dz.Loader(by_id, dz.ChunkSampler(chunk_size=2, preload_nchunks=2, batch_size=4),
                        return_index=True)  # fmt: skip

@@ -624,7 +624,10 @@ def open_dataset(
         parts = [
             _open_one(s, element=element, executor=executor, force_zarr=force_zarr) for s in source
         ]
-        if features is not None and len(parts) > 1 and selects_by_name(features):
+        by_name = features is not None and selects_by_name(
+            features, dataset="+".join(p.name for p in parts)
+        )
+        if by_name and len(parts) > 1:
             parts = [FeatureSubset(part, features) for part in parts]
             features = None
         dataset = parts[0] if len(parts) == 1 else Collection(parts)

@@ -185,7 +185,7 @@ class FeatureSubset(Dataset):
         ids = select_features(
             features,
             dataset.n_features,
-            dataset.var_names() if selects_by_name(features) else None,
+            dataset.var_names() if selects_by_name(features, dataset=dataset.name) else None,
             dataset=dataset.name,
         )
         if isinstance(dataset, FeatureSubset):  # flatten: one map onto the stored columns
@@ -266,12 +266,12 @@ class FeatureSubset(Dataset):
         return None if names is None else tuple(names[i] for i in self.columns.tolist())
 
 
-def selects_by_name(features: FeatureSelection) -> bool:
-    """Whether ``features`` are names (looked up in a ``var`` index), not ids or a mask."""
-    try:
-        return as_selection(features, where="feature selection").dtype.kind in "USO"
-    except DatasetError:  # refused again by select_features, naming the dataset
-        return False
+def selects_by_name(features: FeatureSelection, *, dataset: str = "") -> bool:
+    """Whether ``features`` are names (looked up in a ``var`` index), not ids or a mask;
+    features of mixed kinds are refused here, for ``dataset``, before a collection is
+    joined (whose stores' widths may differ by design when selecting by name)."""
+    where = f"feature selection of {dataset}" if dataset else "feature selection"
+    return as_selection(features, where=where).dtype.kind in "USO"
 
 
 def as_selection(features: FeatureSelection, *, where: str) -> np.ndarray:
