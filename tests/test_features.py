@@ -443,6 +443,10 @@ def test_object_arrays_select_by_what_their_elements_are(tmp_path: Path) -> None
     ad.AnnData(X=x[:, :3], var=pd.DataFrame(index=names[:3])).write_zarr(narrow)
     with pytest.raises(dz.DatasetError, match=r"\+narrow.zarr/X: .*type int, str"):
         dz.open_dataset([path, narrow], features=np.array(["3", 5], dtype=object))
+    # a collection stacked by position names no features: the message says why
+    stacked = dz.Collection([dz.open_dataset(path), dz.open_dataset(path)], check_var_names=False)
+    with pytest.raises(dz.DatasetError, match="check_var_names=False"):
+        dz.FeatureSubset(stacked, ["3"])
     # rows come back with the chosen columns, on the loader too
     loader = dz.Loader(by_id, dz.ChunkSampler(chunk_size=2, preload_nchunks=2, batch_size=4),
                        return_index=True)  # fmt: skip

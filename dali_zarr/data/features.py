@@ -54,8 +54,10 @@ def select_features(
     if chosen.dtype.kind in "USO":
         if names is None:
             raise DatasetError(
-                f"{where}: the store names no features (no var index for this element), so "
-                "select them by integer id."
+                f"{where}: the dataset names no features (no var index for this element, or "
+                "a collection joined with check_var_names=False, whose stores may name a "
+                "column differently), so select them by integer id, or pass the names to "
+                "open_dataset with the stores (each store's own var is looked up)."
             )
         lookup: dict[str, int] = {}
         repeated: dict[str, list[int]] = {}
