@@ -373,7 +373,7 @@ class Loader:
             plan = self._source.plan(point.epoch, point.history)  # fail here, not in DALI
             position["epoch"] = point.epoch
             position["history"] = [s.as_dict() for s in point.history]
-            if settings.enforce_equal_batches:
+            if self._steps_must_agree(settings, point):
                 position["batches left"] = plan.n_batches - point.start
         self._pending = point
         self._restore = None
@@ -405,6 +405,22 @@ class Loader:
             refused = exc
         if self._exchange is not None:
             agree_or_raise(mine, over=self._exchange, local_error=refused, what=what, hints=hints)
+
+    def _steps_must_agree(self, settings: PlanSettings, point: ResumePoint) -> bool:
+        """Whether the ranks must have as many batches left in the resumed epoch: always
+        with equal batches, and also without them wherever the epoch's ranks have equal
+        counts (``_check_even`` then lets the epoch run under DDP, and ranks that loaded
+        states of other steps would deliver rows twice and wait forever on the last step)."""
+        if settings.enforce_equal_batches:
+            return True
+        counts = batch_counts(
+            settings,
+            n_obs=self.dataset.n_obs,
+            epoch=point.epoch,
+            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
+            history=point.history,
+        )
+        return bool((counts == counts[0]).all())
 
     def _resume_for(self, epoch: int) -> tuple[tuple[Segment, ...], int]:
         """(history, first plan batch) the next iteration of ``epoch`` starts from."""

@@ -69,16 +69,19 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         with loader(big if rank == 0 else link, sampler()) as ld:
             return len(ld)
 
-    def resume(steps: int) -> Callable[[], object]:
+    def resume(steps: int, **settings) -> Callable[[], object]:
+        # 960 rows: 480 a rank, 15 batches each also without enforce_equal_batches
+        data = dz.Subset(dz.open_dataset(big), np.arange(960)) if settings else big
+
         def run():
-            s = sampler()
-            with loader(big, s) as first:
+            s = sampler(**settings)
+            with loader(data, s) as first:
                 first.set_epoch(1)
                 for k, _ in enumerate(first, 1):
                     if k == steps:
                         break
                 state = first.state_dict()
-            with loader(big, s) as again:
+            with loader(data, s) as again:
                 again.load_state_dict(state)
                 return [int(np.asarray(b["index"]).size) for b in again]
 
@@ -118,6 +121,7 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "same_store_other_paths": same_store_other_paths,
         "resume_other_steps": resume(2 + rank),
         "resume_same_step": resume(2),
+        "resume_other_steps_unenforced": resume(2 + rank, enforce_equal_batches=False),
     }
 
 
