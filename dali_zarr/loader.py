@@ -539,12 +539,12 @@ class Loader:
                     start=start - self._iter0,
                     next_epoch=next_epoch,
                 )
-                self._iterator = self._make_iterator(pipe, self._names)
+                self._iterator = self._restored_iterator(pipe, restore, pending)
                 self._open_epoch, self._consumed = True, 0
                 return self._iterator
             # ... at another epoch's position: end that DALI epoch (unbound: it stops at
             # once) and begin ours as the next, so DALI's operator state still carries over
-            self._iterator = self._make_iterator(pipe, self._names)
+            self._iterator = self._restored_iterator(pipe, restore, pending)
             self._open_epoch, self._consumed = True, 0
         if self._open_epoch:  # the last loop was left early: drain what DALI prefetched
             self._source.cut_epoch(self._dali_epoch, self._iter0 + self._consumed)
@@ -566,6 +566,28 @@ class Loader:
         self._iter0 = 0
         self._dali_ahead = False
         return self._iterator
+
+    def _restored_iterator(
+        self, pipe: Any, restore: dict[str, Any], pending: ResumePoint | None
+    ) -> Any:
+        """DALI's iterator over ``pipe``, which restores the state's DALI checkpoint.
+
+        DALI refuses a checkpoint of another pipeline (a state saved with another
+        ``transform``) with a bare RuntimeError ("There's no checkpoint for operator ...") at
+        the first batch; that is a ConfigError saying what to change. The loaded position is
+        kept, so iterating again raises again instead of restarting the epoch at batch 0."""
+        try:
+            return self._make_iterator(pipe, self._names)
+        except RuntimeError as exc:
+            self._pending, self._restore, self._pipe = pending, restore, None
+            raise ConfigError(
+                f"{self.dataset.name}: the loaded state's DALI checkpoint (state['dali']) "
+                "does not fit this Loader's DALI pipeline: it was saved by a Loader with "
+                "another transform (other DALI operators). Build the Loader with the "
+                "transform that saved the state, or with enable_checkpointing=False to resume "
+                "the same rows without DALI's operator state (random ops in the transform "
+                f"then restart from their seeds). DALI said: {exc}"
+            ) from exc
 
     def _build_pipeline(self, checkpoint: bytes | str | None):
         """This loader's DALI pipeline on its device, and the pipeline's output names."""

@@ -289,6 +289,34 @@ def test_dali_checkpoint_restores_random_ops(store) -> None:
             np.testing.assert_array_equal(a["X"], b["X"])
 
 
+def test_a_dali_checkpoint_of_another_transform_is_refused_by_name(store) -> None:
+    """A state whose DALI checkpoint came from a pipeline with other operators (another
+    transform) failed at the first batch with DALI's bare RuntimeError ("There's no
+    checkpoint for operator ..."); it is a ConfigError that says what to change, and the
+    loaded position stays: a retry raises again instead of restarting the epoch at batch 0."""
+    from nvidia.dali import fn
+
+    def noisy(outputs: dict) -> dict:
+        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
+        return outputs
+
+    saved = {}
+    for name, transform in (("noisy", noisy), ("plain", None)):
+        with loader(store, sampler(), transform=transform, enable_checkpointing=True) as run:
+            take(run, 0, stop=5)
+            saved[name] = roundtrip(run.state_dict())
+    for state, transform in ((saved["noisy"], None), (saved["plain"], noisy)):
+        with loader(store, sampler(), transform=transform, enable_checkpointing=True) as ld:
+            ld.load_state_dict(state)
+            for _ in range(2):  # again: still refused, not the epoch from its start
+                with pytest.raises(ConfigError, match=r"another transform.*DALI said"):
+                    take(ld, 0)
+            assert ld.state_dict()["consumed"] == 5
+        with loader(store, sampler(), transform=transform) as ld:  # without DALI's state
+            ld.load_state_dict(state)
+            assert len(take(ld, 0)) == ld.plan().n_batches - 5
+
+
 def test_a_dali_checkpoint_after_a_failed_batch_loses_no_batch(tmp_path: Path) -> None:
     """DALI's iterator counts a batch before the read behind it fails; its checkpoint then
     resumed one batch late, and that batch was never delivered. The state is saved without
