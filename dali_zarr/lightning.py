@@ -43,6 +43,7 @@ from dali_zarr.inspection import suggested_settings
 from dali_zarr.loader import Loader, check_device
 from dali_zarr.planning import ChunkSampler, DistributedSampler, PlanSettings
 from dali_zarr.planning.partition import Shard, validate_count, validate_sizes
+from dali_zarr.planning.resume import batch_counts
 
 __all__ = ["EvalLoader", "TrainLoader", "ZarrDataModule"]
 
@@ -79,6 +80,37 @@ class TrainLoader(Loader):
 
     def __len__(self) -> int:
         return self.sampler.num_batches(self.dataset.n_obs)  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """:meth:`Loader.load_state_dict`, refusing an epoch resumed on more ranks than
+        Lightning lets finish: Lightning restores its batch counter (the steps the earlier
+        runs took) and ends the epoch when it reaches ``len()``, fixed before the state is
+        loaded; where a rank still owes more batches than that leaves, the rest of the
+        epoch would never be delivered, without a word."""
+        super().load_state_dict(state)
+        assert self._pending is not None
+        history = self._pending.history
+        if not history:
+            return
+        done = sum(max(segment.consumed) for segment in history)
+        owed = batch_counts(
+            PlanSettings.of(self.sampler),
+            n_obs=self.dataset.n_obs,
+            epoch=self._pending.epoch,
+            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
+            history=history,
+        )
+        whole = len(self)
+        if done + int(owed.max()) > whole:
+            raise ConfigError(
+                f"cannot resume epoch {self._pending.epoch} of this checkpoint on "
+                f"{self.sampler.world_size} ranks under Lightning: its runs took {done} "  # type: ignore[attr-defined]
+                f"steps and each rank still owes up to {int(owed.max())} batches, but "
+                f"Lightning ends the epoch at step {whole} (the epoch's batch count on "
+                f"{self.sampler.world_size} ranks), so the rest of the epoch would never be "  # type: ignore[attr-defined]
+                "delivered. Resume on as many ranks as saved the checkpoint (or fewer), or "
+                "from a checkpoint saved at the end of an epoch."
+            )
 
 
 class EvalLoader(Loader):

@@ -15,6 +15,7 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr import synthetic
+from dali_zarr.errors import ConfigError
 
 L = pytest.importorskip("lightning")
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
@@ -260,6 +261,50 @@ def test_trainer_reshuffles_validates_exactly_and_resumes(split_store: str, tmp_
         np.concatenate([first.ids["train0"], rest.ids["train0"]]), orders[0]
     )
     np.testing.assert_array_equal(rest.ids["train1"], orders[1])
+
+
+def test_a_checkpoint_resumed_on_more_ranks_than_lightning_can_finish_is_refused(
+    split_store: str, tmp_path
+) -> None:
+    """Lightning restores its batch counter and ends the epoch at len(loader), taken before
+    the state is loaded: a mid-epoch checkpoint of 1 rank resumed on 2 (each rank a trainer
+    of its own here, no process group) stopped each new rank 3 batches short of the
+    remainder it owed, and 373 of 949 train rows were never delivered in that epoch. It is
+    refused; on fewer ranks (2 -> 1) the epoch ends on the loader's own end, exactly."""
+
+    def dm(world: int, rank: int) -> ZarrDataModule:
+        return ZarrDataModule(
+            data=split_store, chunk_size=32, preload_nchunks=4, batch_size=64,
+            obs=["cell_type"], return_index=True, dist_info=lambda: (rank, world),
+        )  # fmt: skip
+
+    fit = dict(max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
+
+    def checkpoint(world: int, rank: int, where: Path) -> tuple[Path, np.ndarray]:
+        first = model()
+        trainer(
+            max_steps=5,
+            callbacks=[ModelCheckpoint(dirpath=where, every_n_train_steps=5, save_top_k=-1)],
+            enable_checkpointing=True,
+            **fit,
+        ).fit(first, datamodule=dm(world, rank))
+        (path,) = where.glob("*.ckpt")
+        return path, first.ids["train0"]
+
+    path, _ = checkpoint(1, 0, tmp_path / "one")
+    with pytest.raises(ConfigError, match=r"cannot resume epoch 0 .* on 2 ranks under Lightning"):
+        trainer(**fit).fit(model(), datamodule=dm(2, 0), ckpt_path=path)
+    # 2 -> 1: Lightning saves rank 0's loader state; the ranks ran in lockstep
+    paths, got = zip(
+        *(checkpoint(2, rank, tmp_path / f"two{rank}") for rank in range(2)), strict=True
+    )
+    rest = model()
+    trainer(**fit).fit(rest, datamodule=dm(1, 0), ckpt_path=paths[0])
+    delivered = np.concatenate([*got, rest.ids["train0"]])
+    train_rows = np.flatnonzero(split_codes(split_store) == 0)
+    assert len(np.unique(delivered)) == len(delivered), "a row delivered twice"
+    assert np.isin(delivered, train_rows).all()
+    assert len(train_rows) - len(delivered) < 64  # the 2-rank plan's equal-batch leftovers
 
 
 def test_a_failed_fit_closes_the_loaders_and_a_retry_is_exact(split_store: str) -> None:
