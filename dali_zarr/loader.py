@@ -580,6 +580,8 @@ class Loader:
             return self._make_iterator(pipe, self._names)
         except RuntimeError as exc:
             self._pending, self._restore, self._pipe = pending, restore, None
+            if self._source.error is not None:  # our callback failed (a bad chunk), not DALI
+                raise self._original_error(exc) from exc
             raise ConfigError(
                 f"{self.dataset.name}: the loaded state's DALI checkpoint (state['dali']) "
                 "does not fit this Loader's DALI pipeline: it was saved by a Loader with "
