@@ -1,4 +1,5 @@
-"""The model and loss the example training scripts share: an MLP that predicts an obs label.
+"""The model and loss the example training scripts share: an MLP that predicts an obs label
+(and their argparse types for counts).
 
 Kept beside the scripts (torchrun and Lightning put this folder on ``sys.path``) so that
 ``ddp_train.py`` and ``lightning_train.py`` treat every element and label alike.
@@ -6,7 +7,9 @@ Kept beside the scripts (torchrun and Lightning put this folder on ``sys.path``)
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,3 +50,22 @@ def categorical_classes(categories: list[str] | None, label: str) -> int:
             "are the classes); this one is numeric. Pick a categorical column."
         )
     return len(categories)
+
+
+def at_least(minimum: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= ``minimum`` (0 rows, genes or batches, a negative
+    seed or step cap, fail far from the flag or, for --max-steps -1, silently stop every
+    epoch after one step)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} must be at least {minimum}")
+        return value
+
+    parse.__name__ = "int"  # argparse: "invalid int value: 'x'"
+    return parse
+
+
+positive = at_least(1)
+non_negative = at_least(0)

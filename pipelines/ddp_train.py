@@ -27,15 +27,14 @@ import dali_zarr as dz
 from dali_zarr import synthetic
 from dali_zarr.inspection import suggested_settings
 
-from classifier import categorical_classes, holds_counts, labelled_loss, mlp  # isort: skip
-
-
-def positive(text: str) -> int:
-    """argparse type: a whole number >= 1 (0 rows, genes or batches fail far from the flag)."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
+from classifier import (  # isort: skip
+    categorical_classes,
+    holds_counts,
+    labelled_loss,
+    mlp,
+    non_negative,
+    positive,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", default="cell_type", help="categorical obs column to predict")
     p.add_argument("--epochs", type=positive, default=3)
     p.add_argument(
-        "--max-steps", type=int, default=0, help="stop each epoch after N steps (0: all)"
+        "--max-steps", type=non_negative, default=0, help="stop each epoch after N steps (0: all)"
     )
     p.add_argument("--batch-size", type=positive, default=256)
     p.add_argument(
@@ -70,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--hidden", type=positive, default=128)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative, default=0)
     p.add_argument(
         "--device",
         choices=["auto", "gpu", "cpu"],

@@ -28,41 +28,62 @@ import zarr
 from dali_zarr import synthetic
 from dali_zarr.lightning import ZarrDataModule
 
-from classifier import categorical_classes, holds_counts, labelled_loss, mlp  # isort: skip
+from classifier import (  # isort: skip
+    categorical_classes,
+    holds_counts,
+    labelled_loss,
+    mlp,
+    non_negative,
+    positive,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="runs/lightning.zarr", help="AnnData Zarr store")
     p.add_argument("--generate", action="store_true", help="write a synthetic store if missing")
-    p.add_argument("--n-obs", type=int, default=20_000, help="cells in the generated store")
-    p.add_argument("--n-features", type=int, default=256, help="genes in the generated store")
-    p.add_argument("--n-val", type=int, default=2_001, help="val cells in the generated store")
-    p.add_argument("--n-test", type=int, default=2_000, help="test cells in the generated store")
+    p.add_argument("--n-obs", type=positive, default=20_000, help="cells in the generated store")
+    p.add_argument("--n-features", type=positive, default=256, help="genes in the generated store")
+    p.add_argument(
+        "--n-val", type=non_negative, default=2_001, help="val cells in the generated store"
+    )
+    p.add_argument(
+        "--n-test", type=non_negative, default=2_000, help="test cells in the generated store"
+    )
     p.add_argument(
         "--element",
         default=None,
         help="what to train on: X (default), raw/X, layers/<name>, obsm/<name>, obsp/<name>",
     )
     p.add_argument("--label", default="cell_type", help="categorical obs column to predict")
-    p.add_argument("--devices", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--eval-batch-size", type=int, default=256)
+    p.add_argument("--devices", type=positive, default=2)
+    p.add_argument("--epochs", type=positive, default=2)
+    p.add_argument("--batch-size", type=positive, default=128)
+    p.add_argument("--eval-batch-size", type=positive, default=256)
     # unset: the suggestion of `dali-zarr inspect` for each split (ZarrDataModule's default)
-    p.add_argument("--chunk-size", type=int, default=None)
-    p.add_argument("--preload-nchunks", type=int, default=None)
-    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--chunk-size", type=positive, default=None)
+    p.add_argument("--preload-nchunks", type=positive, default=None)
+    p.add_argument("--hidden", type=positive, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--no-test", action="store_true", help="skip trainer.test after fitting")
     p.add_argument("--record", default="", help="write per-rank ids and metrics to this folder")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.generate and args.n_val + args.n_test > args.n_obs:
+        p.error(f"--n-val {args.n_val} + --n-test {args.n_test} is more than --n-obs {args.n_obs}")
+    return args
 
 
 def write_split_column(path: str, *, n_val: int, n_test: int, seed: int = 0) -> None:
-    """Add a categorical ``obs/split`` (train/val/test) to an AnnData Zarr store."""
+    """Add a categorical ``obs/split`` (train/val/test) to an AnnData Zarr store: exactly
+    ``n_val`` val and ``n_test`` test rows. Counts that do not fit are refused: slicing the
+    permutation with them silently gave other splits (``n_val=-5``: all but 5 rows val)."""
     obs = zarr.open_group(path, mode="r+")["obs"]
     n_obs = obs[obs.attrs["_index"]].shape[0]
+    if n_val < 0 or n_test < 0 or n_val + n_test > n_obs:
+        raise ValueError(
+            f"n_val={n_val}, n_test={n_test}: need two counts >= 0 that sum to at most the "
+            f"store's {n_obs} observations"
+        )
     codes = np.zeros(n_obs, dtype=np.int8)  # 0 train, 1 val, 2 test
     picked = np.random.default_rng(seed).permutation(n_obs)
     codes[picked[:n_val]] = 1

@@ -113,3 +113,55 @@ def test_the_example_classifier_leaves_missing_labels_out() -> None:
     assert holds_counts(None) and holds_counts("layers/counts") and not holds_counts("obsm/pca")
     with pytest.raises(SystemExit, match="--label 'score': the classifier needs a categorical"):
         categorical_classes(None, "score")
+
+
+@pytest.mark.parametrize(
+    ("script", "flags", "said"),
+    [
+        ("ddp_train.py", ["--max-steps", "-1"], "argument --max-steps: '-1' must be at least 0"),
+        ("ddp_train.py", ["--seed", "-4"], "argument --seed: '-4' must be at least 0"),
+        ("lightning_train.py", ["--n-val", "-5"], "argument --n-val: '-5' must be at least 0"),
+        ("lightning_train.py", ["--epochs", "0"], "argument --epochs: '0' must be at least 1"),
+        (
+            "lightning_train.py",
+            ["--generate", "--n-obs", "100", "--n-val", "90", "--n-test", "20"],
+            "--n-val 90 + --n-test 20 is more than --n-obs 100",
+        ),
+    ],
+)
+def test_training_scripts_refuse_counts_that_do_not_fit(
+    tmp_path: Path, script: str, flags: list[str], said: str
+) -> None:
+    """--max-steps -1 stopped every epoch after one step and --n-val -5 made all but 5 rows
+    val (no test rows), silently; now the flag is refused before anything starts."""
+    import subprocess
+
+    data = str(tmp_path / "never.zarr")
+    done = subprocess.run(
+        [sys.executable, f"pipelines/{script}", "--data", data, *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert not Path(data).exists()
+
+
+def test_split_column_counts_are_exact_or_refused(tmp_path: Path) -> None:
+    """write_split_column makes exactly n_val / n_test rows, and refuses counts that would
+    slice its permutation into other splits (a negative one, or more than the store)."""
+    import numpy as np
+    import zarr
+
+    from dali_zarr.synthetic import make_single_cell
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "pipelines"))
+    from lightning_train import write_split_column
+
+    store = make_single_cell(tmp_path / "s.zarr", n_obs=100, n_features=20)
+    for n_val, n_test in ((-5, 10), (90, 20), (10, -1)):
+        with pytest.raises(ValueError, match="need two counts >= 0"):
+            write_split_column(store, n_val=n_val, n_test=n_test)
+    write_split_column(store, n_val=30, n_test=70)
+    codes = zarr.open_group(store)["obs/split/codes"][:]
+    assert np.bincount(codes, minlength=3).tolist() == [0, 30, 70]
