@@ -216,20 +216,26 @@ def make_dense_cube(
     shard_chunks: int | None = None,
     seed: int = 0,
 ) -> str:
-    """Write a plain float32 array ``(n_obs, *shape)`` chunked on axis 0; returns its path."""
+    """Write a plain float32 array ``(n_obs, *shape)`` chunked on axis 0; returns its path.
+
+    Written whole as :func:`make_single_cell` is: an existing Zarr store at ``path`` is
+    replaced, a folder of other files is refused (zarr's own ``overwrite=True`` emptied it).
+    """
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((n_obs, *shape), dtype=np.float32)
     kwargs: dict[str, Any] = {"compressors": _compressors(codec, zarr_format)}
     if zarr_format == 3 and shard_chunks:
         kwargs["shards"] = (chunk_obs * shard_chunks, *shape)
-    array = zarr.create_array(
-        os.fspath(path),
-        shape=values.shape,
-        dtype=values.dtype,
-        chunks=(chunk_obs, *shape),
-        zarr_format=zarr_format,
-        overwrite=True,
-        **kwargs,
-    )
-    array[...] = values
-    return os.fspath(path)
+    final = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+    with written_whole(final, overwrite=True) as partial:
+        array = zarr.create_array(
+            partial,
+            shape=values.shape,
+            dtype=values.dtype,
+            chunks=(chunk_obs, *shape),
+            zarr_format=zarr_format,
+            **kwargs,
+        )
+        array[...] = values
+    return final
