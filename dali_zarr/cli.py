@@ -332,7 +332,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _convert_summary(r: Any) -> str:
-    features = "×".join(str(s) for s in r.feature_shape)
+    # a 1-D input has no feature axes: "13,452 × , float32" read as a lost width
+    features = "×".join(str(s) for s in r.feature_shape) or "scalar"
     kind = f"AnnData, X {r.layout}" if r.anndata else "Zarr array"
     head = f"wrote {r.path}: {kind}, {r.n_obs:,} × {features}, {r.dtype}"
     if r.nnz is not None:

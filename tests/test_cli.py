@@ -969,3 +969,15 @@ def test_a_destination_created_during_the_convert_is_kept(tmp_path):
         convert(src, dest, progress=someone_else_writes_dest)
     assert (dest / "theirs").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "out.zarr"]
+
+
+def test_convert_summary_of_a_one_dimensional_array(tmp_path, capsys):
+    """A 1-D array (one value per row) was summarised as "300 × , float32"; it reads
+    "300 × scalar", as inspect says."""
+    src = zarr.create_array(tmp_path / "v.zarr", shape=(300,), dtype="f4", chunks=(64,))
+    src[...] = np.arange(300, dtype="f4")
+    capsys.readouterr()
+    assert run("convert", tmp_path / "v.zarr", tmp_path / "o.zarr") == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith("Zarr array, 300 × scalar, float32"), head
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "o.zarr", mode="r")[...], src[...])
