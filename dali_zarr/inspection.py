@@ -473,7 +473,11 @@ def format_report(report: StoreReport) -> str:
         lines.append(f"  nnz {r.nnz:,} ({r.nnz / max(1, r.n_obs):.1f} per row)")
     if r.converted:
         c = r.converted
-        shuffled = f", shuffled (seed {c['shuffle']['seed']})" if c.get("shuffle") else ""
+        # the attribute is plain JSON anyone can write: a shuffle that is not convert's dict
+        # (or lacks its seed) is reported as such, not a TypeError traceback
+        shuffle = c.get("shuffle")
+        seed = shuffle.get("seed", "?") if isinstance(shuffle, dict) else "?"
+        shuffled = f", shuffled (seed {seed})" if shuffle else ""
         lines.append(
             f"  written by dali-zarr convert: chunk_rows {c.get('chunk_rows')}, "
             f"codec {c.get('codec')}{shuffled}"

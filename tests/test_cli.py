@@ -981,3 +981,15 @@ def test_convert_summary_of_a_one_dimensional_array(tmp_path, capsys):
     head = capsys.readouterr().out.splitlines()[0]
     assert head.endswith("Zarr array, 300 × scalar, float32"), head
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "o.zarr", mode="r")[...], src[...])
+
+
+def test_inspect_a_dali_zarr_attribute_not_written_by_convert(tmp_path, capsys):
+    """The 'dali_zarr' attribute is plain JSON: {"shuffle": true} on a store made
+    inspect end in a TypeError traceback ('bool' object is not subscriptable)."""
+    path = synthetic.make_dense_cube(tmp_path / "c.zarr", n_obs=40, shape=(3,))
+    zarr.open_array(path, mode="r+").attrs["dali_zarr"] = {"shuffle": True, "chunk_rows": 5}
+    capsys.readouterr()
+    assert run("inspect", path) == 0
+    assert "written by dali-zarr convert: chunk_rows 5, codec None, shuffled (seed ?)" in (
+        capsys.readouterr().out
+    )
