@@ -392,15 +392,16 @@ class Loader:
     ) -> Iterator[dict[str, object]]:
         """The block runs this rank's own checks and fills the yielded dict with what the
         ranks must agree on. Where the ranks exchange (:attr:`_exchange`), a refusal of the
-        block waits for the exchange, so no rank is left waiting for one that stopped: this
-        rank raises its own error, the others one that names it, and all raise the same
-        error where the dicts differ. Without an exchange the block's errors pass through."""
+        block (any error, not only a ConfigError) waits for the exchange, so no rank is left
+        waiting for one that stopped: this rank raises its own error, the others one that
+        names it, and all raise the same error where the dicts differ. Without an exchange
+        the block's errors pass through."""
         mine: dict[str, object] = {}
-        refused: ConfigError | None = None
+        refused: Exception | None = None
         try:
             yield mine
-        except ConfigError as exc:
-            if self._exchange is None:
+        except Exception as exc:  # any error: a TypeError on one rank (obs=5) skipped the
+            if self._exchange is None:  # exchange, and the other ranks waited for it
                 raise
             refused = exc
         if self._exchange is not None:

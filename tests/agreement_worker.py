@@ -107,7 +107,14 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         with loader(big, s) as again:
             again.load_state_dict(state)
 
+    def raw_error_on_one_rank():  # not a ConfigError: it must reach the exchange all the same
+        try:
+            loader(big, sampler(), obs=5 if rank == 1 else ())
+        except TypeError as e:
+            return f"TypeError: {e}"
+
     return {
+        "raw_error_on_one_rank": raw_error_on_one_rank,
         "seed_per_rank_unshuffled": seed_per_rank_unshuffled,
         "refused_on_one_rank": refused_on_one_rank,
         "state_refused_on_one_rank": state_refused_on_one_rank,

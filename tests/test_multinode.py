@@ -326,6 +326,13 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         assert text0.split(": ", 1)[1].startswith("rank 1 could not go on"), text0
         assert "rank 1" not in text1.split(": ", 1)[0], text1  # rank 1 raises its own
     assert ranks[0]["refused_on_one_rank"][1].count("sideways") == 1
+    # ... also with an error that is not ours (it skipped the exchange: rank 0 waited)
+    (kind0, text0), (kind1, text1) = (
+        ranks[0]["raw_error_on_one_rank"],
+        ranks[1]["raw_error_on_one_rank"],
+    )
+    assert kind0 == "error" and "rank 1 could not go on (TypeError: " in text0, text0
+    assert kind1 == "ok" and text1.startswith("TypeError: "), text1
     # uneven counts are refused on every rank before a batch (DDP or JAX would wait forever)
     uneven = [r["uneven_counts"] for r in ranks]
     assert uneven[0] == uneven[1] and uneven[0][0] == "error", uneven
