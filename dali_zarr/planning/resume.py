@@ -450,7 +450,7 @@ def _check_state(
         if saved_ds.get(key) != now:
             diffs.append(f"dataset {key}: saved {saved_ds.get(key)!r}, now {now!r}")
     saved_s = dict(state["sampler"])
-    for key, now in settings.as_dict().items():
+    for key, now in _compared_settings(settings, saved_s).items():
         if saved_s.get(key) != now:
             diffs.append(f"sampler {key}: saved {saved_s.get(key)!r}, now {now!r}")
     if diffs:
@@ -496,6 +496,17 @@ def _check_state(
                 f"(loader.set_epoch({epoch}))."
             )
     return state
+
+
+def _compared_settings(settings: PlanSettings, saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings a state must match: all but the seed where neither run shuffles. The
+    seed then orders nothing (the plans are the same under any seed), so ranks may hold
+    different ones (the samplers' exchange lets them) and a restart may draw another:
+    comparing it refused every resume of such a run."""
+    now = settings.as_dict()
+    if now["shuffle"] is False and saved.get("shuffle") is False:
+        del now["seed"]
+    return now
 
 
 def resume_point(
