@@ -451,6 +451,15 @@ def test_refuses_other_dataset_or_settings(store, tmp_path: Path) -> None:
         loader(other, s).load_state_dict(real_state)
 
 
+def test_a_state_whose_dataset_or_sampler_is_no_dict_is_named() -> None:
+    """dict(None) raised a bare TypeError, which also escaped the Loader's exchange of
+    refusals (it passes ConfigErrors on): the other ranks were left waiting for this one."""
+    s = sampler(2, 0)
+    for key in ("dataset", "sampler"):
+        with pytest.raises(ConfigError, match=f"malformed loader state: {key} must be a dict"):
+            _point({**_state(s), key: None}, s)
+
+
 def test_a_numpy_that_permutes_otherwise_is_refused(monkeypatch) -> None:
     """The state carries a digest of its epoch's chunk order: resumed where NumPy's
     permutation stream differs, the plan would not be the one the saving run followed."""

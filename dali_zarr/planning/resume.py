@@ -444,6 +444,14 @@ def _check_state(
     missing = [k for k in _REQUIRED if k not in state]
     if missing:
         raise ConfigError(f"malformed loader state: missing {', '.join(missing)}")
+    # a raw TypeError from dict() here also escaped the Loader's exchange of refusals,
+    # leaving the other ranks waiting for this one
+    for key in ("dataset", "sampler"):
+        if not isinstance(state[key], Mapping):
+            raise ConfigError(
+                f"malformed loader state: {key} must be a dict, got "
+                f"{type(state[key]).__name__} {state[key]!r}"
+            )
     diffs = []
     saved_ds = dict(state["dataset"])
     for key, now in dataset.items():
