@@ -152,7 +152,11 @@ class Loader:
             if self.device == "gpu":  # a rank past its node's GPUs is refused on every rank
                 from dali_zarr.graph.gpu_pipeline import default_device_id
 
-                self.device_id = default_device_id() if device_id is None else int(device_id)
+                # int() gave a bare ValueError for "cuda:1" and took 1.7 and True as GPU 1
+                self.device_id = default_device_id() if device_id is None else validate_int(
+                    "device_id", device_id, low=0, what="a GPU index, a whole number from 0",
+                    hint=" (for 'cuda:1' pass device_id=1)",
+                )  # fmt: skip
             # the ranks' datasets must have the same size and rows; the paths may differ
             # (a copy on each node's local disk)
             mine.update(dataset_fingerprint(dataset))

@@ -831,6 +831,27 @@ def test_loader_options_out_of_range_are_refused_by_name(sc_store: Path, kwargs,
         dz.Loader(dz.open_dataset(sc_store), sampler(), **kwargs, **path)
 
 
+@pytest.mark.parametrize("device_id", ["cuda:1", 1.7, True, -1])
+def test_a_device_id_that_is_no_gpu_index_is_refused(sc_store: Path, device_id) -> None:
+    """int(device_id) gave a bare ValueError for torch's spelling "cuda:1", took 1.7 and
+    True as GPU 1, and passed -1 on to DALI (its "no GPU")."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    with pytest.raises(dz.ConfigError, match=r"device_id must be a GPU index.*device_id=1\)"):
+        dz.Loader(
+            dz.open_dataset(sc_store),
+            sampler(),
+            device="gpu",
+            gpu_backend=HostBackend(),
+            device_id=device_id,
+        )
+    with dz.Loader(
+        dz.open_dataset(sc_store), sampler(), device="gpu", gpu_backend=HostBackend(),
+        device_id=np.int64(0),
+    ) as loader:  # fmt: skip
+        assert loader.device_id == 0
+
+
 @pytest.mark.parametrize("how", ["returns-nothing", "drops-a-csr-part"])
 def test_a_transform_that_loses_outputs_is_named(sc_store: Path, how: str) -> None:
     """A transform may add, drop or rename outputs, but returning nothing failed with a
