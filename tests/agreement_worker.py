@@ -108,10 +108,19 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
             again.load_state_dict(state)
 
     def raw_error_on_one_rank():  # not a ConfigError: it must reach the exchange all the same
+        ds = dz.open_dataset(big)
+        if rank == 1:  # its store fails as the loader looks at it (a disk gone, say)
+
+            class Unreadable(type(ds)):
+                @property
+                def n_obs(self) -> int:
+                    raise OSError("disk gone")
+
+            ds.__class__ = Unreadable
         try:
-            loader(big, sampler(), obs=5 if rank == 1 else ())
-        except TypeError as e:
-            return f"TypeError: {e}"
+            loader(ds, sampler())
+        except OSError as e:
+            return f"OSError: {e}"
 
     return {
         "raw_error_on_one_rank": raw_error_on_one_rank,

@@ -941,7 +941,8 @@ def test_canonical_csr_keeps_the_stored_order_of_duplicate_ids():
 
 
 def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None:
-    """A path for the dataset, None (or torch's sampler) for the sampler, an epoch that is
+    """A path for the dataset, None (or torch's sampler) for the sampler, obs that are not
+    column names, an epoch that is
     not a whole number and a state that is not a dict failed with raw AttributeErrors and
     TypeErrors, or (set_epoch(1.5), set_epoch(True)) ran another epoch than asked."""
     ds = dz.open_dataset(sc_store)
@@ -951,6 +952,9 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None
         dz.Loader(ds, None)
     with pytest.raises(dz.ConfigError, match="ChunkSampler"):
         dz.Loader(ds, torch.utils.data.DistributedSampler(range(10), num_replicas=1, rank=0))
+    for obs in (5, [5], ["cell_type", None]):  # a bare TypeError, or a KeyError deep down
+        with pytest.raises(dz.ConfigError, match=r"obs=.*obs column names \(strings\)"):
+            dz.Loader(ds, sampler(), obs=obs)
     loader = dz.Loader(ds, sampler())
     for epoch in ("1", 1.5, True, -1):
         with pytest.raises(dz.ConfigError, match="epoch"):

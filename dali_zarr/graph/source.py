@@ -61,7 +61,13 @@ def obs_list(obs: object) -> list[str]:
     for the columns 'c' and 't')."""
     if isinstance(obs, str):
         raise ConfigError(f"obs={obs!r}: pass a list of column names, e.g. obs=[{obs!r}].")
-    return list(obs)  # type: ignore[call-overload]
+    try:
+        names = list(obs)  # type: ignore[call-overload]
+    except TypeError:  # obs=5: a bare "'int' object is not iterable"
+        names = None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"obs={obs!r}: pass a list of obs column names (strings).")
+    return names
 
 
 def window_dtype(layout: str, stored: np.dtype) -> np.dtype:
