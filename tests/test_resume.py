@@ -440,6 +440,8 @@ def test_refuses_other_dataset_or_settings(store, tmp_path: Path) -> None:
         _point([state, _state(sampler(2, 1), epoch=2)], s)
     with pytest.raises(ConfigError, match="does not match its epoch and sampler settings"):
         _point({**state, "epoch": 2}, s)  # an edited state: its order digest is epoch 1's
+    with pytest.raises(ConfigError, match="does not match its epoch and sampler settings"):
+        _point({**state, "epoch": np.int64(2)}, s)  # (a NumPy epoch skipped the check)
     # through the Loader: a store of another size (and name) is refused at load time
     other = synthetic.make_single_cell(tmp_path / "other.zarr", n_obs=998, n_features=32)
     ld = loader(store, s)
