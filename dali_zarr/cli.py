@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import shlex
 import sys
 import time
 import warnings
@@ -362,7 +363,8 @@ def _convert_summary(r: Any) -> str:
             f"  obs columns not in every input, dropped: {', '.join(r.dropped_obs_columns)}"
         )
     lines += [f"  note: {n}" for n in r.notes]
-    lines.append(f"  next: {PROG} inspect {r.path}")
+    # quoted: a path with spaces, pasted as printed, would be two arguments
+    lines.append(f"  next: {PROG} inspect {shlex.quote(str(r.path))}")
     return "\n".join(lines)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import textwrap
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -404,9 +405,11 @@ def inspect_store(
     """
     path = os.fspath(path)
     if os.path.isfile(path):
+        # quoted, so that the command runs as printed for a path with spaces too
+        command = shlex.join(["dali-zarr", "convert", path, os.path.splitext(path)[0] + ".zarr"])
         raise DatasetError(
             f"{path}: is a file, not a Zarr store; if it is an .h5ad file, convert it first: "
-            f"dali-zarr convert {path} {os.path.splitext(path)[0]}.zarr"
+            f"{command}"
         )
     ds = open_dataset(path, element=element)
     node = zarr.open(path, mode="r")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -552,6 +553,26 @@ def test_inspect_errors(tmp_path, h5ad_file, capsys):
     group.create_array("a", shape=(4,), dtype="f4")
     assert run("inspect", tmp_path / "g.zarr") == 2
     assert "neither an AnnData store" in one_line_error(capsys)
+
+
+def test_printed_commands_run_as_printed_for_paths_with_spaces(tmp_path, capsys):
+    """convert's "next: dali-zarr inspect DST" and inspect's advice to convert a file printed
+    paths unquoted: pasted into a shell, a path with a space became two arguments."""
+    folder = tmp_path / "my data"
+    folder.mkdir()
+    cube = synthetic.make_dense_cube(folder / "a cube.zarr", n_obs=40, shape=(2,))
+    assert run("convert", cube, folder / "out put.zarr") == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "next:" in x]
+    command = line.split("next: ", 1)[1].replace("dali-zarr", f"{sys.executable} -m dali_zarr.cli")
+    done = subprocess.run(
+        ["bash", "-c", command], env=child_env(), cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0 and "40 observations" in done.stdout, done.stderr
+    h5ad = folder / "my cells.h5ad"
+    h5ad.write_bytes(b"")
+    assert run("inspect", h5ad) == 2
+    advice = one_line_error(capsys).split("convert it first: ", 1)[1]
+    assert shlex.split(advice) == ["dali-zarr", "convert", str(h5ad), str(folder / "my cells.zarr")]
 
 
 # ---------------------------------------------------------------------------- bench, help
