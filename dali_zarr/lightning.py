@@ -210,10 +210,12 @@ class ZarrDataModule(LightningDataModule):
                 validate_count(name, value)
         for size in (batch_size, self.eval_batch_size):
             validate_count("batch_size", size)
-            if chunk_size is not None and preload_nchunks is not None:
-                validate_sizes(
-                    chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=size
-                )
+        # only the train window must hold a batch as given: the val/test loaders raise
+        # preload_nchunks to a batch's worth of chunks themselves (see _loader)
+        if chunk_size is not None and preload_nchunks is not None:
+            validate_sizes(
+                chunk_size=chunk_size, preload_nchunks=preload_nchunks, batch_size=batch_size
+            )
 
     # -- Lightning hooks ------------------------------------------------------------------------
 

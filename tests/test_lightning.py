@@ -143,6 +143,23 @@ def test_eval_splits_smaller_than_a_batch_are_served(split_store: str) -> None:
         np.testing.assert_array_equal(np.sort(rows), want)
 
 
+def test_an_eval_batch_larger_than_the_train_window_is_served(split_store: str) -> None:
+    """chunk_size/preload_nchunks sized for the train batch and a larger eval_batch_size were
+    refused at construction ("raise preload_nchunks to at least 16"), though the eval loaders
+    widen their own window to a batch; the advice would have made train windows 8x larger."""
+    dm = ZarrDataModule(data=split_store, splits={"train": np.arange(600),
+                        "val": np.arange(600, 1_200)}, chunk_size=64, preload_nchunks=2,
+                        batch_size=128, eval_batch_size=1_024, return_index=True)  # fmt: skip
+    sizes = [len(b["index"]) for b in dm.val_dataloader()]
+    rows = np.concatenate([b["index"].numpy() for b in dm.val_dataloader()])
+    assert sizes == [600]
+    np.testing.assert_array_equal(np.sort(rows), np.arange(600, 1_200))
+    assert max(len(b["index"]) for b in dm.train_dataloader()) == 128
+    with pytest.raises(dz.ConfigError, match="batch_size=256 is larger than a window"):
+        ZarrDataModule(data=split_store, chunk_size=64, preload_nchunks=2, batch_size=256)
+    dm.teardown()
+
+
 def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> None:
     """chunk_size / preload_nchunks left unset: each split gets inspect's suggestion for its
     own rows and batch size (CSR: spanning several store chunks), still a full epoch."""
