@@ -27,7 +27,7 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
-from dali_zarr.data.elements import available_elements, pick_element
+from dali_zarr.data.elements import available_elements, pick_element, zarr_member
 from dali_zarr.data.features import FeatureSubset
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
@@ -213,24 +213,52 @@ def _array_info(
 def _obs_info(obs: zarr.Group) -> tuple[ObsInfo, ...]:
     index = obs.attrs.get("_index", "_index")
     order = list(obs.attrs.get("column-order", []))
-    names = order + sorted(k for k in obs if k not in order and k != index)
+    try:
+        names = order + sorted(k for k in obs if k not in order and k != index)
+    except (ValueError, TypeError, KeyError):  # zarr lists members by parsing their metadata
+        names = order  # one it cannot parse: the columns the dataframe names (checked below)
     out = []
     for name in names:
-        if name not in obs:
+        try:
+            node = zarr_member(obs, name, where="obs")
+        except DatasetError:  # metadata zarr cannot parse: the loader refuses the column
+            out.append(ObsInfo(name, "unreadable metadata", False))
             continue
-        node = obs[name]
+        if node is None:
+            continue
         encoding = str(node.attrs.get("encoding-type", "array"))
         n_cat = None
         if encoding == "categorical":
-            n_cat = int(node["categories"].shape[0])
-            batchable = True
+            # the members checked as the loader checks them (a column missing one, or with
+            # non-integer codes, is refused there), without reading them
+            codes, categories = _column_array(node, "codes"), _column_array(node, "categories")
+            n_cat = None if categories is None else int(categories.shape[0])
+            batchable = codes is not None and categories is not None and codes.dtype.kind in "iu"
         elif encoding in ("nullable-integer", "nullable-boolean"):
             # the loader refuses missing values (batches cannot carry them)
-            batchable = "mask" in node and not bool(np.asarray(node["mask"][...]).any())
+            mask = _column_array(node, "mask")
+            batchable = (
+                mask is not None
+                and _column_array(node, "values") is not None
+                and not bool(np.asarray(mask[...]).any())
+            )
         else:
             batchable = isinstance(node, zarr.Array) and np.dtype(node.dtype).kind in "biuf"
         out.append(ObsInfo(name, encoding, batchable, n_cat))
     return tuple(out)
+
+
+def _column_array(node: zarr.Group | zarr.Array, key: str) -> zarr.Array | None:
+    """Array ``key`` of an obs column group, or None where it is missing, not an array or
+    its metadata cannot be read: inspect then reports the column not batchable instead of
+    failing with zarr's KeyError."""
+    if not isinstance(node, zarr.Group):
+        return None
+    try:
+        member = zarr_member(node, key, where="obs")
+    except DatasetError:
+        return None
+    return member if isinstance(member, zarr.Array) else None
 
 
 # ---------------------------------------------------------------------------- suggestion

@@ -575,6 +575,39 @@ def test_printed_commands_run_as_printed_for_paths_with_spaces(tmp_path, capsys)
     assert shlex.split(advice) == ["dali-zarr", "convert", str(h5ad), str(folder / "my cells.zarr")]
 
 
+def test_inspect_reports_broken_obs_columns_instead_of_failing(tmp_path, capsys):
+    """A categorical column without categories failed inspect with zarr's bare KeyError, and
+    one whose metadata zarr cannot parse with a JSONDecodeError (exit 1), though the loader
+    opens such stores and refuses only those columns; inspect's "batchable" now agrees with
+    the loader column by column."""
+    path = synthetic.make_single_cell(tmp_path / "s.zarr", n_obs=40, n_features=8, n_types=2)
+    obs = zarr.open_group(path, mode="r+")["obs"]
+    for name in ("no_categories", "float_codes", "broken_codes", "broken_column"):
+        column = obs.create_group(name)
+        column.attrs.update({"encoding-type": "categorical", "encoding-version": "0.2.0"})
+        codes = np.zeros(40, dtype=np.float32 if name == "float_codes" else np.int8)
+        column.create_array("codes", data=codes)
+        if name != "no_categories":
+            column.create_array("categories", data=np.array(["a"]))
+    (Path(path) / "obs" / "broken_codes" / "codes" / "zarr.json").write_text("{")
+    (Path(path) / "obs" / "broken_column" / "zarr.json").write_text("{")
+    obs.attrs["column-order"] = [*obs.attrs["column-order"], "no_categories", "float_codes",
+                                 "broken_codes", "broken_column"]  # fmt: skip
+    report = inspect_json(Path(path), capsys)
+    batchable = {o["name"]: o["batchable"] for o in report["obs"]}
+    assert batchable == {"cell_type": True, "no_categories": False, "float_codes": False,
+                         "broken_codes": False, "broken_column": False}  # fmt: skip
+    ds = dz.open_dataset(path)
+    for name, ok in batchable.items():
+        if ok:
+            assert len(ds.obs_column(name).values) == 40
+        else:
+            with pytest.raises(dz.DatasetError):
+                ds.obs_column(name)
+    assert run("inspect", path) == 0
+    assert "broken_column (unreadable metadata, not batchable)" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------- bench, help
 
 
