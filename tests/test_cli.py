@@ -608,6 +608,26 @@ def test_inspect_reports_broken_obs_columns_instead_of_failing(tmp_path, capsys)
     assert "broken_column (unreadable metadata, not batchable)" in capsys.readouterr().out
 
 
+def test_an_element_with_unreadable_metadata_is_named_not_raised_raw(tmp_path, capsys):
+    """An obsm entry whose zarr.json zarr cannot parse made inspect, and every error that
+    lists a store's elements, fail with a bare JSONDecodeError (zarr lists a group by parsing
+    its members); element= naming it, or a broken X, did too."""
+    path = synthetic.make_single_cell(tmp_path / "s.zarr", n_obs=40, n_features=8, n_types=2)
+    root = zarr.open_group(path, mode="r+")
+    root["layers"].create_array("counts", data=np.zeros((40, 8), dtype=np.float32))
+    root["obsm"].create_array("pca", data=np.zeros((40, 3), dtype=np.float32))
+    (Path(path) / "obsm" / "pca" / "zarr.json").write_text("{")
+    report = inspect_json(Path(path), capsys)
+    assert report["elements"] == ["X", "layers/counts"]
+    with pytest.raises(dz.DatasetError, match="one of: X, layers/counts"):
+        dz.open_dataset(path, element="layers/nope")
+    assert run("inspect", path, "--element", "obsm/pca") == 2
+    assert "s.zarr/obsm/pca: its Zarr metadata cannot be read" in one_line_error(capsys)
+    (Path(path) / "X" / "zarr.json").write_text("{")
+    assert run("inspect", path) == 2
+    assert "s.zarr/X: its Zarr metadata cannot be read" in one_line_error(capsys)
+
+
 # ---------------------------------------------------------------------------- bench, help
 
 

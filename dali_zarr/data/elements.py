@@ -50,8 +50,29 @@ def available_elements(root: Any) -> list[str]:
     for group in _KEYED_GROUPS:
         if group in root and not is_array(root[group]):
             members = root[group]
-            found += [f"{group}/{k}" for k in sorted(members.keys()) if _is_matrix(members[k])]
+            for key in _member_names(members):
+                try:
+                    node = zarr_member(members, key, where=group)
+                except DatasetError:  # metadata zarr cannot parse: not loadable
+                    continue
+                if node is not None and _is_matrix(node):
+                    found.append(f"{group}/{key}")
     return found
+
+
+def _member_names(group: Any) -> list[str]:
+    """``group.keys()``, sorted. zarr lists a group by parsing every member's metadata, so one
+    member it cannot parse failed the listing (inspect, and the errors that list a store's
+    elements, raised a bare JSONDecodeError): then a local store's folder is listed."""
+    try:
+        return sorted(group.keys())
+    except (ValueError, TypeError, KeyError):
+        from dali_zarr.io import local_directory
+
+        directory, _ = local_directory(group)
+        if directory is None:
+            raise
+        return sorted(e.name for e in os.scandir(directory) if e.is_dir())
 
 
 def _valid_shape(shape: Any) -> tuple[int, int] | None:
@@ -168,7 +189,12 @@ def anndata_element(root: Any, element: str, *, store: str) -> Any:
             f"{store}: element={element!r} is not an element whose rows are observations; "
             f"use {ELEMENT_FORMS} (this store has: {_listing(root)})."
         )
-    if name not in root:
+    try:
+        present = name in root
+    except (ValueError, TypeError, KeyError):  # zarr parses the node's metadata to answer
+        zarr_member(root, name, where=store)  # raises the DatasetError naming that node
+        raise
+    if not present:
         what = "has no 'X'; nothing to load" if name == "X" else f"has no {name!r}"
         raise DatasetError(
             f"{store}: AnnData store {what}. Pass element= one of: {_listing(root)}."
