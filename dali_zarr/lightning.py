@@ -48,6 +48,8 @@ from dali_zarr.planning.resume import batch_counts
 __all__ = ["EvalLoader", "TrainLoader", "ZarrDataModule"]
 
 SPLITS = ("train", "val", "test")
+#: Loader arguments the module sets from its own (a copy in loader_kwargs was a TypeError)
+_OWN_LOADER_ARGS = ("dataset", "sampler", "obs", "output", "return_index", "dtype", "device")
 _DEFAULT_LABELS: dict[str, str | Sequence[str]] = {"train": "train", "val": "val", "test": "test"}
 
 
@@ -200,6 +202,13 @@ class ZarrDataModule(LightningDataModule):
         self.device = device
         self.dist_info = dist_info
         self.loader_kwargs = dict(loader_kwargs or {})
+        taken = [k for k in _OWN_LOADER_ARGS if k in self.loader_kwargs]
+        if taken:  # else "got multiple values for keyword argument" when a loader is built
+            raise ConfigError(
+                f"loader_kwargs: {', '.join(taken)} set by ZarrDataModule itself; pass "
+                f"ZarrDataModule({taken[0]}=...) instead (dataset and sampler: data= and the "
+                "sampling arguments)."
+            )
         self.open_kwargs = dict(open_kwargs or {})
         self.dataset: Dataset | None = data if isinstance(data, Dataset) else None
         self.split_rows: dict[str, np.ndarray] = {}
@@ -381,6 +390,11 @@ class ZarrDataModule(LightningDataModule):
                 f"DDP steps must match). Pass batch_size and chunk_size of at most {each}, use "
                 f"at most {most} devices, or give the train split more rows."
             )
+        # a device_id given in loader_kwargs wins over the trainer's device
+        kwargs: dict[str, Any] = {**self._device(), **self.loader_kwargs}
+        if not train:  # val/test: ranks may differ by a batch; safe because evaluation steps
+            # hold no collective (the Loader refuses uneven counts under torch.distributed)
+            kwargs["allow_uneven_batches"] = True
         loader = (TrainLoader if train else EvalLoader)(
             subset,
             sampler,
@@ -388,11 +402,7 @@ class ZarrDataModule(LightningDataModule):
             output=self.output,  # type: ignore[arg-type]
             return_index=self.return_index,
             dtype=self.dtype,
-            **self._device(),
-            # val/test: ranks may differ by a batch; safe because evaluation steps hold no
-            # collective (the Loader refuses uneven counts under torch.distributed otherwise)
-            **({} if train else {"allow_uneven_batches": True}),
-            **self.loader_kwargs,
+            **kwargs,
         )
         self._loaders[key] = loader
         return loader

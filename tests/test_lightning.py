@@ -160,6 +160,23 @@ def test_an_eval_batch_larger_than_the_train_window_is_served(split_store: str) 
     dm.teardown()
 
 
+def test_loader_kwargs_are_checked_against_the_modules_own_arguments(split_store: str) -> None:
+    """loader_kwargs={"allow_uneven_batches": True} (a Loader argument the docs send there)
+    made every val/test loader fail with "got multiple values for keyword argument"; so did
+    one of the module's own arguments (obs, device, ...), for every loader, at the first
+    batch Lightning asked for. The latter are refused at construction, by name."""
+    splits = {"train": np.arange(600), "val": np.arange(600, 700)}
+    dm = ZarrDataModule(data=split_store, splits=splits, return_index=True,
+                        loader_kwargs={"allow_uneven_batches": True, "num_threads": 1})  # fmt: skip
+    rows = np.concatenate([b["index"].numpy() for b in dm.val_dataloader()])
+    np.testing.assert_array_equal(np.sort(rows), np.arange(600, 700))
+    assert len(dm.train_dataloader()) > 0
+    dm.teardown()
+    for key, value in (("obs", ["cell_type"]), ("device", "cpu")):
+        with pytest.raises(dz.ConfigError, match=f"loader_kwargs: {key} set by ZarrDataModule"):
+            ZarrDataModule(data=split_store, splits=splits, loader_kwargs={key: value})
+
+
 def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> None:
     """chunk_size / preload_nchunks left unset: each split gets inspect's suggestion for its
     own rows and batch size (CSR: spanning several store chunks), still a full epoch."""
