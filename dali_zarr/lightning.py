@@ -176,6 +176,11 @@ class ZarrDataModule(LightningDataModule):
                 "pass either split_column (splits from an obs column) or splits (masks or "
                 "row ids per split), not both."
             )
+        if splits is not None and split_labels is not None:  # the labels were ignored
+            raise ConfigError(
+                "split_labels select rows of split_column; with splits (masks or row ids per "
+                "split) they select nothing: pass one or the other."
+            )
         if splits is not None:
             unknown = sorted(set(splits) - set(SPLITS))
             if unknown:

@@ -175,6 +175,9 @@ def test_loader_kwargs_are_checked_against_the_modules_own_arguments(split_store
     for key, value in (("obs", ["cell_type"]), ("device", "cpu")):
         with pytest.raises(dz.ConfigError, match=f"loader_kwargs: {key} set by ZarrDataModule"):
             ZarrDataModule(data=split_store, splits=splits, loader_kwargs={key: value})
+    # split_labels beside splits were ignored without a word
+    with pytest.raises(dz.ConfigError, match=r"with splits .* they select nothing"):
+        ZarrDataModule(data=split_store, splits=splits, split_labels={"train": "a"})
 
 
 def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> None:
