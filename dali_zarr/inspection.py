@@ -315,7 +315,9 @@ def suggest(
         batch_size=batch_size,
         rows_per_store_chunk=float(rows_per_chunk),
         window_rows=window,
-        window_mib=round(window * row_bytes / 2**20, 2),
+        # a window reads no more rows than the store has (one of a batch larger than the
+        # store is the whole store): its decoded size is that of the rows it can hold
+        window_mib=round(min(window, n_obs) * row_bytes / 2**20, 2),
         read_amplification=round(read_amplification(chunk_size, r, aligned=aligned), 3),
         warning=warning,
     )

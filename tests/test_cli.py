@@ -628,6 +628,20 @@ def test_an_element_with_unreadable_metadata_is_named_not_raised_raw(tmp_path, c
     assert "s.zarr/X: its Zarr metadata cannot be read" in one_line_error(capsys)
 
 
+def test_the_window_size_printed_is_at_most_the_stores(tmp_path, capsys):
+    """A batch larger than the store gives a window of a batch's rows, but the window reads
+    only the store's: inspect printed ~6.1 MiB decoded for a store of 0.03 MiB."""
+    cube = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=500, shape=(4, 4))
+    assert run("inspect", cube, "--batch-size", 100_000, "--json") == 0
+    suggestion = json.loads(capsys.readouterr().out)["suggestion"]
+    assert suggestion["window_rows"] == 100_000  # the loader's window, in rows
+    assert suggestion["window_mib"] == round(500 * 16 * 4 / 2**20, 2)
+    big = synthetic.make_dense_cube(tmp_path / "big.zarr", n_obs=5_000, shape=(4, 4))
+    assert run("inspect", big, "--batch-size", 256, "--json") == 0
+    suggestion = json.loads(capsys.readouterr().out)["suggestion"]
+    assert suggestion["window_mib"] == round(suggestion["window_rows"] * 64 / 2**20, 2)
+
+
 # ---------------------------------------------------------------------------- bench, help
 
 
