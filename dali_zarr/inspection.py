@@ -27,7 +27,12 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
-from dali_zarr.data.elements import available_elements, pick_element, zarr_member
+from dali_zarr.data.elements import (
+    available_elements,
+    member_names,
+    pick_element,
+    zarr_member,
+)
 from dali_zarr.data.features import FeatureSubset
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
@@ -213,10 +218,9 @@ def _array_info(
 def _obs_info(obs: zarr.Group) -> tuple[ObsInfo, ...]:
     index = obs.attrs.get("_index", "_index")
     order = list(obs.attrs.get("column-order", []))
-    try:
-        names = order + sorted(k for k in obs if k not in order and k != index)
-    except (ValueError, TypeError, KeyError):  # zarr lists members by parsing their metadata
-        names = order  # one it cannot parse: the columns the dataframe names (checked below)
+    # zarr lists a group by parsing its members; one it cannot parse is listed from the
+    # folder by member_names, and reported below
+    names = order + [k for k in member_names(obs) if k not in order and k != index]
     out = []
     for name in names:
         try:
@@ -243,7 +247,12 @@ def _obs_info(obs: zarr.Group) -> tuple[ObsInfo, ...]:
                 and not bool(np.asarray(mask[...]).any())
             )
         else:
-            batchable = isinstance(node, zarr.Array) and np.dtype(node.dtype).kind in "biuf"
+            batchable = (  # the loader takes 1-D numeric arrays (one value per row)
+                isinstance(node, zarr.Array)
+                and encoding == "array"
+                and node.ndim == 1
+                and np.dtype(node.dtype).kind in "biuf"
+            )
         out.append(ObsInfo(name, encoding, batchable, n_cat))
     return tuple(out)
 

@@ -589,6 +589,9 @@ def test_inspect_reports_broken_obs_columns_instead_of_failing(tmp_path, capsys)
         column.create_array("codes", data=codes)
         if name != "no_categories":
             column.create_array("categories", data=np.array(["a"]))
+    obs.create_array("two_d", data=np.zeros((40, 2), dtype=np.float32)).attrs.update(
+        {"encoding-type": "array", "encoding-version": "0.2.0"}
+    )
     (Path(path) / "obs" / "broken_codes" / "codes" / "zarr.json").write_text("{")
     (Path(path) / "obs" / "broken_column" / "zarr.json").write_text("{")
     obs.attrs["column-order"] = [*obs.attrs["column-order"], "no_categories", "float_codes",
@@ -596,7 +599,8 @@ def test_inspect_reports_broken_obs_columns_instead_of_failing(tmp_path, capsys)
     report = inspect_json(Path(path), capsys)
     batchable = {o["name"]: o["batchable"] for o in report["obs"]}
     assert batchable == {"cell_type": True, "no_categories": False, "float_codes": False,
-                         "broken_codes": False, "broken_column": False}  # fmt: skip
+                         "broken_codes": False, "broken_column": False,
+                         "two_d": False}  # fmt: skip
     ds = dz.open_dataset(path)
     for name, ok in batchable.items():
         if ok:

@@ -50,7 +50,7 @@ def available_elements(root: Any) -> list[str]:
     for group in _KEYED_GROUPS:
         if group in root and not is_array(root[group]):
             members = root[group]
-            for key in _member_names(members):
+            for key in member_names(members):
                 try:
                     node = zarr_member(members, key, where=group)
                 except DatasetError:  # metadata zarr cannot parse: not loadable
@@ -60,7 +60,7 @@ def available_elements(root: Any) -> list[str]:
     return found
 
 
-def _member_names(group: Any) -> list[str]:
+def member_names(group: Any) -> list[str]:
     """``group.keys()``, sorted. zarr lists a group by parsing every member's metadata, so one
     member it cannot parse failed the listing (inspect, and the errors that list a store's
     elements, raised a bare JSONDecodeError): then a local store's folder is listed."""
