@@ -103,6 +103,8 @@ def single_cell_counts(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(data, indices, indptr, labels): negative-binomial counts, marker genes per type."""
     rng = np.random.default_rng(seed)
+    if n_obs < 1:  # else numpy's "need at least one array to concatenate", far from here
+        raise ValueError(f"n_obs={n_obs}: need at least one cell")
     if not 1 <= n_types <= n_features:
         raise ValueError(f"n_types={n_types}: need 1 <= n_types <= n_features={n_features}")
     labels = rng.integers(0, n_types, size=n_obs).astype(np.min_scalar_type(-n_types))

@@ -994,6 +994,13 @@ def test_synthetic_labels_fit_any_number_of_types(tmp_path):
         synthetic.make_single_cell(tmp_path / "u.zarr", n_obs=10, n_features=4, n_types=8)
 
 
+def test_synthetic_store_of_no_cells_is_refused_by_name(tmp_path):
+    """n_obs=0 failed with numpy's "need at least one array to concatenate"."""
+    with pytest.raises(ValueError, match="n_obs=0: need at least one cell"):
+        synthetic.make_single_cell(tmp_path / "s.zarr", n_obs=0, n_features=4, n_types=2)
+    assert not list(tmp_path.iterdir())
+
+
 def test_synthetic_stores_appear_whole_or_not_at_all(tmp_path, monkeypatch):
     """An interrupted write leaves nothing at the path (the demo's --generate then writes
     it again, where it used to fail on the half store); a killed writer's partial is
