@@ -27,14 +27,8 @@ import dali_zarr as dz
 from dali_zarr import synthetic
 from dali_zarr.inspection import suggested_settings
 
-from classifier import (  # isort: skip
-    categorical_classes,
-    holds_counts,
-    labelled_loss,
-    mlp,
-    non_negative,
-    positive,
-)
+from classifier import categorical_classes, holds_counts, labelled_loss, mlp  # isort: skip
+from classifier import non_negative, positive  # isort: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
