@@ -123,9 +123,10 @@ _SHUFFLE_HELP = (
     "write the rows in a pseudo-random order. This is a two-level shuffle, not a uniform "
     "permutation (that would need the whole input in memory): the input rows are cut into "
     "pieces of --piece-rows consecutive rows, the pieces are put in random order, then every "
-    "--block-rows // --piece-rows consecutive pieces are read together and their rows are "
-    "permuted uniformly. Rows of one input piece stay within one block of output rows. The "
-    "obs column original_index (and the output's 'dali_zarr' attribute) records the order."
+    "--block-rows // --piece-rows consecutive pieces (at least one) are read together and "
+    "their rows are permuted uniformly. Rows of one input piece stay within one block of "
+    "output rows. The obs column original_index (and the output's 'dali_zarr' attribute) "
+    "records the order."
 )
 
 

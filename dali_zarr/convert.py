@@ -860,10 +860,11 @@ def convert(
     ``shuffle``: write rows in the order of `output_permutation` (``seed``); the obs column
     ``original_index`` always gives each output row's row number in the concatenated input.
     ``block_rows``: input rows read at once (default: about 64 MiB of decoded X); with
-    ``shuffle`` it is rounded down to whole pieces of ``piece_rows`` rows (default
-    ``chunk_rows``; only with ``shuffle``). Each piece is one read of the input, so pieces
-    much smaller than the input's own chunks decode those chunks several times: larger
-    pieces convert faster, smaller pieces mix rows better.
+    ``shuffle`` it is rounded down to whole pieces of ``piece_rows`` rows, and up to one
+    piece where it is smaller (``piece_rows``: default ``chunk_rows``; only with
+    ``shuffle``). Each piece is one read of the input, so pieces much smaller than the
+    input's own chunks decode those chunks several times: larger pieces convert faster,
+    smaller pieces mix rows better.
     ``progress(done, total)`` is called before the first block and after each block (it may
     raise to abort: nothing is left at ``dest``).
     """
