@@ -296,6 +296,26 @@ def test_three_d_obsm_entry_matches_anndata(tmp_path: Path) -> None:
 # --- obs columns ----------------------------------------------------------------------------
 
 
+def test_names_stored_as_fixed_length_bytes_read_as_text(tmp_path: Path) -> None:
+    """var names and category labels stored as ``S`` (bytes) arrays read as "b'g1'": no name
+    given to features= matched, though anndata reads the var names as "g1"."""
+    import anndata as ad
+
+    adata = make_adata()
+    path = write_store(tmp_path / "bytes.zarr", adata)
+    index = zarr.open_group(path, mode="r")["var"].attrs["_index"]
+    names = np.array([f"g{i}".encode() for i in range(N_VARS)], dtype="S3")
+    replace_array(path, f"var/{index}", names)
+    replace_array(path, "obs/cell_type/categories", np.array([b"a", b"b", b"c"]))
+    ds = dz.open_dataset(path)
+    assert ds.var_names() == tuple(ad.read_zarr(path).var_names)  # anndata decodes them too
+    assert ds.var_names()[:2] == ("g0", "g1")
+    assert ds.categories("cell_type") == ("a", "b", "c")
+    panel = dz.open_dataset(path, features=["g5", "g2"])
+    np.testing.assert_array_equal(epoch(panel)["X"], epoch(ds)["X"][:, [5, 2]])
+    assert dz.open_dataset(path, features=np.array([b"g5", b"g2"])).var_names() == ("g5", "g2")
+
+
 def test_float16_obs_column_arrives_as_float32(tmp_path: Path) -> None:
     """A float16 column failed at the first batch ("no DALI equivalent"), naming no column."""
     import anndata as ad

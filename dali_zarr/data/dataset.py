@@ -31,7 +31,7 @@ from dali_zarr.data.elements import (
     var_key,
     zarr_member,
 )
-from dali_zarr.data.obs import ObsColumn, concat_obs_columns, read_obs_column
+from dali_zarr.data.obs import ObsColumn, as_text, concat_obs_columns, read_obs_column
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import (
     ArrayReader,
@@ -230,7 +230,7 @@ class _StoreDataset(Dataset):
             index = frame_index(self._var, where=f"{self.name}: var")
             if index is None:
                 return None
-            names = tuple(str(v) for v in np.asarray(index[...]).tolist())
+            names = as_text(index[...])
             if len(names) != self.n_features:
                 raise DatasetError(
                     f"{self.name}: var has {len(names)} names for {self.n_features} "

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, Rows, StoreRun
-from dali_zarr.data.obs import ObsColumn
+from dali_zarr.data.obs import ObsColumn, as_text
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader
 
@@ -64,7 +64,7 @@ def select_features(
         for i, name in enumerate(names):
             if lookup.setdefault(name, i) != i:
                 repeated.setdefault(name, [lookup[name]]).append(i)
-        wanted = [str(f) for f in chosen.tolist()]
+        wanted = list(as_text(chosen))  # names given as bytes too
         missing = [f for f in wanted if f not in lookup]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5])

@@ -35,8 +35,14 @@ class ObsColumn:
         return self.categories is not None
 
 
-def _text(values: np.ndarray) -> tuple[str, ...]:
-    return tuple(str(v) for v in np.asarray(values).tolist())
+def as_text(values: np.ndarray) -> tuple[str, ...]:
+    """Names (var index, category labels) as text. Fixed-length bytes arrays (``S`` dtype,
+    written by older tools) hold ``bytes``, which ``str`` turned into ``"b'g1'"``: no name
+    matched what anndata reads (``g1``); they are decoded as UTF-8 instead."""
+    return tuple(
+        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+        for v in np.asarray(values).tolist()
+    )
 
 
 def _native(values: np.ndarray) -> np.ndarray:
@@ -89,7 +95,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
                 "them). Re-write the column."
             )
         codes = codes.astype(np.int64, copy=False)
-        categories = _text(_member(node, "categories", where=where, encoding=encoding))
+        categories = as_text(_member(node, "categories", where=where, encoding=encoding))
         bad = np.flatnonzero((codes < -1) | (codes >= len(categories)))
         if bad.size:
             i = int(bad[0])
