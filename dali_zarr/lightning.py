@@ -43,7 +43,6 @@ from dali_zarr.inspection import suggested_settings
 from dali_zarr.loader import Loader, check_device
 from dali_zarr.planning import ChunkSampler, DistributedSampler, PlanSettings
 from dali_zarr.planning.partition import Shard, validate_count, validate_sizes
-from dali_zarr.planning.resume import batch_counts
 
 __all__ = ["EvalLoader", "TrainLoader", "ZarrDataModule"]
 
@@ -95,23 +94,17 @@ class TrainLoader(Loader):
         if not history:
             return
         done = sum(max(segment.consumed) for segment in history)
-        owed = batch_counts(
-            PlanSettings.of(self.sampler),
-            n_obs=self.dataset.n_obs,
-            epoch=self._pending.epoch,
-            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
-            history=history,
-        )
-        whole = len(self)
-        if done + int(owed.max()) > whole:
+        epoch = self._pending.epoch
+        owed = int(self._batch_counts(PlanSettings.of(self.sampler), epoch, history).max())
+        whole, world = len(self), self.sampler.world_size  # type: ignore[attr-defined]
+        if done + owed > whole:
             raise ConfigError(
-                f"cannot resume epoch {self._pending.epoch} of this checkpoint on "
-                f"{self.sampler.world_size} ranks under Lightning: its runs took {done} "  # type: ignore[attr-defined]
-                f"steps and each rank still owes up to {int(owed.max())} batches, but "
-                f"Lightning ends the epoch at step {whole} (the epoch's batch count on "
-                f"{self.sampler.world_size} ranks), so the rest of the epoch would never be "  # type: ignore[attr-defined]
-                "delivered. Resume on as many ranks as saved the checkpoint (or fewer), or "
-                "from a checkpoint saved at the end of an epoch."
+                f"cannot resume epoch {epoch} of this checkpoint on {world} ranks under "
+                f"Lightning: its runs took {done} steps and each rank still owes up to {owed} "
+                f"batches, but Lightning ends the epoch at step {whole} (the epoch's batch "
+                f"count on {world} ranks), so the rest of the epoch would never be delivered. "
+                "Resume on as many ranks as saved the checkpoint (or fewer), or from a "
+                "checkpoint saved at the end of an epoch."
             )
 
 

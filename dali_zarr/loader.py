@@ -418,14 +418,21 @@ class Loader:
         states of other steps would deliver rows twice and wait forever on the last step)."""
         if settings.enforce_equal_batches:
             return True
-        counts = batch_counts(
+        counts = self._batch_counts(settings, point.epoch, point.history)
+        return bool((counts == counts[0]).all())
+
+    def _batch_counts(
+        self, settings: PlanSettings, epoch: int, history: tuple[Segment, ...]
+    ) -> np.ndarray:
+        """Batches each rank of this world yields in ``epoch`` after ``history`` (from the
+        plans alone: every rank computes every rank's count, without communicating)."""
+        return batch_counts(
             settings,
             n_obs=self.dataset.n_obs,
-            epoch=point.epoch,
-            world_size=self.sampler.world_size,  # type: ignore[attr-defined]
-            history=point.history,
+            epoch=epoch,
+            world_size=getattr(self.sampler, "world_size", 1),
+            history=history,
         )
-        return bool((counts == counts[0]).all())
 
     def _resume_for(self, epoch: int) -> tuple[tuple[Segment, ...], int]:
         """(history, first plan batch) the next iteration of ``epoch`` starts from."""
@@ -466,13 +473,7 @@ class Loader:
             return  # a custom planner: we cannot compute the other ranks' counts
         if settings.enforce_equal_batches:
             return  # equal by construction, in resumed epochs too
-        counts = batch_counts(
-            settings,
-            n_obs=self.dataset.n_obs,
-            epoch=self.epoch,
-            world_size=world,
-            history=history,
-        )
+        counts = self._batch_counts(settings, self.epoch, history)
         if (counts != counts[0]).any():
             raise ConfigError(
                 f"epoch {self.epoch}: with enforce_equal_batches=False the {world} ranks yield "
