@@ -22,6 +22,7 @@ import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, Rows, StoreRun
 from dali_zarr.data.obs import ObsColumn, as_text
+from dali_zarr.data.subset import refuse_integer_mask
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader
 
@@ -92,12 +93,7 @@ def select_features(
         )
     counts = np.bincount(ids, minlength=n_features)
     if counts.max() > 1:
-        if len(ids) == n_features and ids.max() <= 1:  # ids are >= 0 here
-            raise DatasetError(
-                f"{where}: features holds only 0s and 1s, one per feature: a 0/1 mask given "
-                "as integers is read as feature ids (0 and 1, many times over); pass it as "
-                "booleans, features.astype(bool)."
-            )
+        refuse_integer_mask(ids, n_features, where=where, argument="features", item="feature")
         j = int(np.argmax(counts))
         named = f" ({names[j]!r})" if names is not None and j < len(names) else ""
         raise DatasetError(

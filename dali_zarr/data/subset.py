@@ -37,6 +37,18 @@ def _runs(rows: np.ndarray, forced: np.ndarray | None = None) -> tuple[np.ndarra
     return np.stack([rows[heads], rows[ends] + 1], axis=1), heads
 
 
+def refuse_integer_mask(ids: np.ndarray, n: int, *, where: str, argument: str, item: str) -> None:
+    """Refuse ids with repeats (the caller found some) that are a 0/1 mask given as integers,
+    one entry per item of ``n`` (``(x > 0).astype(np.uint8)``): read as ids they select
+    items 0 and 1, many times over, where a boolean mask was meant."""
+    if len(ids) == n and ids.min() >= 0 and ids.max() <= 1:
+        raise DatasetError(
+            f"{where}: {argument} holds only 0s and 1s, one per {item}: a 0/1 mask given as "
+            f"integers is read as {item} ids (0 and 1, many times over); pass it as booleans, "
+            f"{argument}.astype(bool)."
+        )
+
+
 def _select(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarray:
     """Sorted int64 parent row ids from a boolean mask or an array of ids."""
     rows = np.asarray(rows)
@@ -58,14 +70,9 @@ def _select(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarra
     if np.any(rows[1:] <= rows[:-1]):
         rows = np.sort(rows)
         dup = np.flatnonzero(rows[1:] == rows[:-1])
-        if len(dup) and len(rows) == n_obs and rows[0] >= 0 and rows[-1] <= 1:
-            # np.unique would turn it into the subset of rows 0 and 1, silently
-            raise DatasetError(
-                f"{name}: rows holds only 0s and 1s, one per observation: a 0/1 mask "
-                "given as integers is read as row ids (0 and 1, many times over); pass it "
-                "as booleans, rows.astype(bool)."
-            )
         if len(dup):
+            # np.unique would turn a 0/1 mask into the subset of rows 0 and 1, silently
+            refuse_integer_mask(rows, n_obs, where=name, argument="rows", item="row")
             raise DatasetError(
                 f"{name}: row id {int(rows[dup[0]])} is selected more than once; a subset "
                 "holds each observation once (use np.unique)."
