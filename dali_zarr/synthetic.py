@@ -8,8 +8,9 @@ from: each cell type raises its own marker genes, so expression predicts the lab
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -132,6 +133,17 @@ def single_cell_counts(
     return np.concatenate(data_parts), np.concatenate(index_parts), indptr, labels
 
 
+@contextlib.contextmanager
+def _store_at(path: str | os.PathLike) -> Iterator[str]:
+    """A folder to write a store into that becomes ``path`` only once it is complete (never a
+    half store at ``path``): an existing Zarr store there is replaced, a folder of other
+    files is refused (zarr's own ``overwrite=True`` emptied it); the parent is created."""
+    final = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
+    with written_whole(final, overwrite=True) as partial:
+        yield partial
+
+
 def make_single_cell(
     path: str | os.PathLike,
     *,
@@ -145,17 +157,16 @@ def make_single_cell(
     shard_chunks: int | None = 32,
     seed: int = 0,
 ) -> str:
-    """Write an AnnData-layout store of synthetic counts; returns its path."""
+    """Write an AnnData-layout store of synthetic counts; returns its path (written whole,
+    see :func:`_store_at`)."""
     data, indices, indptr, labels = single_cell_counts(
         n_obs, n_features, density=density, n_types=n_types, seed=seed
     )
-    final = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-    with written_whole(final, overwrite=True) as partial:  # never a half store at ``path``
+    with _store_at(path) as partial:
         _write_single_cell(partial, data, indices, indptr, labels, n_features=n_features,
                            n_types=n_types, zarr_format=zarr_format, codec=codec,
                            chunk_elements=chunk_elements, shard_chunks=shard_chunks)  # fmt: skip
-    return final
+    return os.fspath(path)
 
 
 def _write_single_cell(
@@ -218,19 +229,14 @@ def make_dense_cube(
     shard_chunks: int | None = None,
     seed: int = 0,
 ) -> str:
-    """Write a plain float32 array ``(n_obs, *shape)`` chunked on axis 0; returns its path.
-
-    Written whole as :func:`make_single_cell` is: an existing Zarr store at ``path`` is
-    replaced, a folder of other files is refused (zarr's own ``overwrite=True`` emptied it).
-    """
+    """Write a plain float32 array ``(n_obs, *shape)`` chunked on axis 0; returns its path
+    (written whole, see :func:`_store_at`)."""
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((n_obs, *shape), dtype=np.float32)
     kwargs: dict[str, Any] = {"compressors": _compressors(codec, zarr_format)}
     if zarr_format == 3 and shard_chunks:
         kwargs["shards"] = (chunk_obs * shard_chunks, *shape)
-    final = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(final)), exist_ok=True)
-    with written_whole(final, overwrite=True) as partial:
+    with _store_at(path) as partial:
         array = zarr.create_array(
             partial,
             shape=values.shape,
@@ -240,4 +246,4 @@ def make_dense_cube(
             **kwargs,
         )
         array[...] = values
-    return final
+    return os.fspath(path)
