@@ -44,7 +44,7 @@ from dali_zarr.data.elements import (
     is_array,
     matrix_layout,
     pick_element,
-    refuse_float_indptr,
+    refuse_non_integer,
     shape_attribute,
     var_key,
 )
@@ -333,7 +333,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
         # as another dtype or shape: refused, as open_dataset does (h5py: nothing to check)
         refuse_stale_metadata(x[part], name=f"{where}/{part}")
     n_obs, n_features = shape_attribute(x, where=where)
-    refuse_float_indptr(x["indptr"].dtype, f"{where}/indptr")
+    refuse_non_integer(x["indptr"].dtype, f"{where}/indptr", part="indptr")
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
     if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(indptr[1:] < indptr[:-1]):
         raise DatasetError(
@@ -341,11 +341,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
             f"(has {len(indptr)}); the store is inconsistent."
         )
     data, indices = x["data"], x["indices"]
-    if np.dtype(indices.dtype).kind not in "iu":  # open_dataset refuses them too
-        raise DatasetError(
-            f"{where}/indices: dtype {indices.dtype} is not an integer dtype; column ids must "
-            "be integers. Re-write the matrix (e.g. X.indices = X.indices.astype(np.int32))."
-        )
+    refuse_non_integer(indices.dtype, f"{where}/indices", part="indices")  # as open_dataset
     for name, arr in (("data", data), ("indices", indices)):
         if arr.shape[0] < indptr[-1]:
             raise DatasetError(

@@ -26,7 +26,7 @@ from dali_zarr.data.elements import (
     frame_index,
     matrix_layout,
     pick_element,
-    refuse_float_indptr,
+    refuse_non_integer,
     shape_attribute,
     var_key,
     zarr_member,
@@ -344,7 +344,7 @@ class CsrDataset(_StoreDataset):
         """``indptr`` as int64, refused before the cast where the cast would change it: float
         offsets are truncated (rows shift silently) and uint64 ones past int64 wrap negative."""
         where, expected = f"{self.name}/indptr", (self.n_obs + 1,)
-        refuse_float_indptr(array.dtype, where)
+        refuse_non_integer(array.dtype, where, part="indptr")
         if array.shape != expected:
             raise DatasetError(
                 f"{where}: has shape {array.shape} for {self.n_obs} rows (expected {expected}: "

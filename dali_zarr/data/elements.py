@@ -329,14 +329,20 @@ def _listing(root: Any) -> str:
 # shared by the loader's datasets and the converter, which must refuse what the loader does
 
 
-def refuse_float_indptr(dtype: Any, where: str) -> None:
-    """CSR row offsets must be integers: cast to int64, 2.5 becomes 2 and rows shift silently."""
+def refuse_non_integer(dtype: Any, where: str, *, part: str) -> None:
+    """A CSR's ``part`` (``"indptr"`` or ``"indices"``) must hold integers: cast to int64,
+    an offset of 2.5 becomes 2 and rows shift silently (ids likewise move columns)."""
     if np.dtype(dtype).kind not in "iu":
+        what, cast = _CSR_INTEGER_PARTS[part]
         raise DatasetError(
-            f"{where}: dtype {dtype} is not an integer dtype; row offsets must be integers "
-            "(anndata and scipy refuse others too). Re-write the matrix with an integer indptr "
-            "(e.g. X.indptr = X.indptr.astype(np.int64))."
+            f"{where}: dtype {dtype} is not an integer dtype; {what} must be integers "
+            "(anndata and scipy refuse others too). Re-write the matrix with integer "
+            f"{part} (e.g. X.{part} = X.{part}.astype(np.{cast}))."
         )
+
+
+#: what each integer part of a CSR holds, and the dtype its fix casts to
+_CSR_INTEGER_PARTS = {"indptr": ("row offsets", "int64"), "indices": ("column ids", "int32")}
 
 
 def first_bad_column(ids: np.ndarray, n_features: int) -> int | None:
