@@ -942,9 +942,9 @@ def test_canonical_csr_keeps_the_stored_order_of_duplicate_ids():
 
 def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None:
     """A path for the dataset, None (or torch's sampler) for the sampler, obs that are not
-    column names, an epoch that is
-    not a whole number and a state that is not a dict failed with raw AttributeErrors and
-    TypeErrors, or (set_epoch(1.5), set_epoch(True)) ran another epoch than asked."""
+    column names, an epoch that is not a whole number and a state that is not a dict failed
+    with raw AttributeErrors and TypeErrors, or (set_epoch(1.5), set_epoch(True)) ran
+    another epoch than asked."""
     ds = dz.open_dataset(sc_store)
     with pytest.raises(dz.ConfigError, match="open_dataset"):
         dz.Loader(str(sc_store), sampler())
