@@ -484,11 +484,10 @@ def _check_state(
             "sampler settings: " + "; ".join(diffs) + ". Resume with the same dataset and "
             "sampler settings (only the number of ranks may change)" + hint
         )
-    epoch = state["epoch"]
-    # (a NumPy integer epoch, from a state rebuilt by hand, is checked too; bools are not epochs)
-    known = isinstance(epoch, int | np.integer) and not isinstance(epoch, bool)
-    if "order" in state and known and epoch >= 0:  # states of 2026-11-25 on
-        here = epoch_order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=int(epoch))
+    # validated first, so that every epoch (a NumPy integer's too) has its digest checked
+    epoch = _non_negative("epoch", state["epoch"])
+    if "order" in state:  # states of 2026-11-25 on
+        here = epoch_order_digest(settings, n_obs=int(dataset["n_obs"]), epoch=epoch)
         then = state.get("numpy")
         if state["order"] != here and then == np.__version__:
             raise ConfigError(
