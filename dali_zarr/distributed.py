@@ -19,7 +19,7 @@ import operator
 import os
 import pickle
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal, TypeAlias
 
 from dali_zarr.errors import ConfigError
@@ -319,11 +319,13 @@ def agree_or_raise(
     local_error: Exception | None,
     what: str,
     hints: Mapping[str, str] | None = None,
-) -> None:
-    """Exchange ``mine`` and refuse disagreement (:func:`refuse_disagreement`); a rank whose
-    own checks failed first (``local_error``) still takes part, so that every rank raises
-    instead of the others waiting in the exchange for a rank that left: that rank raises
-    its own error, the others one that names it."""
+    not_compared: Collection[str] = (),
+) -> list[dict[str, object]]:
+    """Exchange ``mine`` and refuse disagreement (:func:`refuse_disagreement`) on all but
+    the ``not_compared`` keys; every rank's ``mine``, in rank order. A rank whose own checks
+    failed first (``local_error``) still takes part, so that every rank raises instead of
+    the others waiting in the exchange for a rank that left: that rank raises its own
+    error, the others one that names it."""
     error = None if local_error is None else f"{type(local_error).__name__}: {local_error}"
     rows: list[dict[str, object]] = gather_across_ranks({"error": error, **mine}, over=over)  # type: ignore[assignment]
     if local_error is not None:
@@ -335,9 +337,10 @@ def agree_or_raise(
             f"{what}: rank {rank} could not go on ({text}); "
             f"{len(failed)} of {len(rows)} ranks failed, so every rank stops here."
         )
-    refuse_disagreement(
-        [{k: v for k, v in row.items() if k != "error"} for row in rows], what=what, hints=hints
-    )
+    ignored = {"error", *not_compared}
+    compared = [{k: v for k, v in row.items() if k not in ignored} for row in rows]
+    refuse_disagreement(compared, what=what, hints=hints)
+    return rows
 
 
 def refuse_disagreement(

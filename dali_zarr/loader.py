@@ -113,11 +113,6 @@ class Loader:
         enable_checkpointing: bool = False,
         gpu_backend: Any = None,
     ) -> None:
-        if not isinstance(dataset, Dataset):  # a path failed later: 'str' has no 'name'
-            raise ConfigError(
-                f"Loader takes a dataset, got {type(dataset).__name__} {dataset!r}: open the "
-                "store first, dz.Loader(dz.open_dataset(path), sampler, ...)."
-            )
         if not callable(getattr(sampler, "plan_epoch", None)):  # None failed at len()/iter
             raise ConfigError(
                 f"Loader takes a dz.ChunkSampler or dz.DistributedSampler (anything with "
@@ -133,13 +128,18 @@ class Loader:
         self._exchange = over if over is not None and world_is(over, rank, world) else None
         self.device_id: int | None = None
         with self._checked_on_every_rank(
-            f"Loader over {dataset.name}",
+            f"Loader over {getattr(dataset, 'name', dataset)}",
             hints={
                 "n_obs": "open the same store (or the same subset of it) on every rank; "
                 "the sampler shards one dataset among the ranks, it does not join "
                 "one store per rank",
             },
         ) as mine:
+            if not isinstance(dataset, Dataset):  # a path failed later: 'str' has no 'name'
+                raise ConfigError(
+                    f"Loader takes a dataset, got {type(dataset).__name__} {dataset!r}: open "
+                    "the store first, dz.Loader(dz.open_dataset(path), sampler, ...)."
+                )
             self.dtype = _check_arguments(dataset, output, dtype)
             validate_int(
                 "num_threads", num_threads, low=1, high=MAX_THREADS + 1,

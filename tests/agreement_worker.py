@@ -27,11 +27,14 @@ FRAMEWORK = ["torch"]
 
 
 def sampler(*, seed: int | None = 0, batch_size: int = 32, dist_info=None, shuffle=True,
-            enforce_equal_batches=True, drop_last=True):  # fmt: skip
+            enforce_equal_batches=True, drop_last=True, shard="chunks"):  # fmt: skip
     inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=batch_size, seed=seed,
                             shuffle=shuffle, drop_last=drop_last)  # fmt: skip
     return dz.DistributedSampler(
-        inner, dist_info=dist_info or FRAMEWORK[0], enforce_equal_batches=enforce_equal_batches
+        inner,
+        dist_info=dist_info or FRAMEWORK[0],
+        enforce_equal_batches=enforce_equal_batches,
+        shard=shard,
     )
 
 
@@ -90,6 +93,12 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
     def seed_per_rank_unshuffled():  # the seed orders nothing then
         return sampler(seed=rank, shuffle=False).ranks_checked
 
+    def sampler_refused_on_one_rank():  # rank 1's own argument check fails
+        sampler(shard="chunks" if rank == 0 else "rows")
+
+    def path_on_one_rank():  # rank 1 passes the store's path, not an opened dataset
+        dz.Loader(dz.open_dataset(big) if rank == 0 else big, sampler(), num_threads=1)
+
     def refused_on_one_rank():  # rank 1 alone asks what its store cannot give
         loader(big, sampler(), output="dense" if rank == 0 else "sideways")
 
@@ -126,6 +135,8 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "raw_error_on_one_rank": raw_error_on_one_rank,
         "seed_per_rank_unshuffled": seed_per_rank_unshuffled,
         "refused_on_one_rank": refused_on_one_rank,
+        "sampler_refused_on_one_rank": sampler_refused_on_one_rank,
+        "path_on_one_rank": path_on_one_rank,
         "state_refused_on_one_rank": state_refused_on_one_rank,
         "uneven_counts": uneven_counts,
         "seed_per_rank": seed_per_rank,

@@ -320,12 +320,19 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         assert kind1 == kind and text1.split(": the ")[1] == text.split(": the ")[1], name
         assert kind == "error" and all(w in text for w in words), (name, text)
     # a rank refused on its own still takes part in the exchange: no rank is left waiting
-    for name in ("refused_on_one_rank", "state_refused_on_one_rank"):
+    for name in (
+        "refused_on_one_rank",
+        "state_refused_on_one_rank",
+        "sampler_refused_on_one_rank",
+        "path_on_one_rank",
+    ):
         (kind0, text0), (kind1, text1) = ranks[0][name], ranks[1][name]
         assert kind0 == kind1 == "error", name
         assert text0.split(": ", 1)[1].startswith("rank 1 could not go on"), text0
         assert "rank 1" not in text1.split(": ", 1)[0], text1  # rank 1 raises its own
     assert ranks[0]["refused_on_one_rank"][1].count("sideways") == 1
+    assert "unknown shard 'rows'" in ranks[0]["sampler_refused_on_one_rank"][1]
+    assert "open the store first" in ranks[0]["path_on_one_rank"][1]
     # ... also with an error that is not ours (it skipped the exchange: rank 0 waited)
     (kind0, text0), (kind1, text1) = (
         ranks[0]["raw_error_on_one_rank"],

@@ -19,10 +19,9 @@ import numpy as np
 from dali_zarr.distributed import (
     DistInfo,
     Exchange,
+    agree_or_raise,
     broadcast_seed,
     exchange_over,
-    gather_across_ranks,
-    refuse_disagreement,
     resolve_rank_world,
     torch_dist_initialized,
 )
@@ -384,21 +383,33 @@ class DistributedSampler:
         enforce_equal_batches: bool = True,
         shard: Shard = "chunks",
     ) -> None:
-        if not isinstance(sampler, ChunkSampler):
-            raise ConfigError(
-                f"DistributedSampler wraps a ChunkSampler, got {type(sampler).__name__}: "
-                "build ChunkSampler(chunk_size=..., preload_nchunks=..., batch_size=...) first"
-            )
-        _check_shard(shard)
-        _check_flag("enforce_equal_batches", enforce_equal_batches)
+        refused: Exception | None = None
+        try:  # a refusal on one rank must still reach the exchange (the others wait in it)
+            if not isinstance(sampler, ChunkSampler):
+                raise ConfigError(
+                    f"DistributedSampler wraps a ChunkSampler, got {type(sampler).__name__}: "
+                    "build ChunkSampler(chunk_size=..., preload_nchunks=..., batch_size=...) "
+                    "first"
+                )
+            _check_shard(shard)
+            _check_flag("enforce_equal_batches", enforce_equal_batches)
+        except Exception as exc:
+            refused = exc
         rank, world_size = resolve_rank_world(dist_info)
-        seed: int = sampler.seed  # type: ignore[assignment]
         over = exchange_over(rank, world_size, dist_info=dist_info)
         if over is not None:
             seed = _agreed_seed(
-                sampler, over=over, enforce_equal_batches=enforce_equal_batches, shard=shard
+                sampler,
+                over=over,
+                enforce_equal_batches=enforce_equal_batches,
+                shard=shard,
+                refused=refused,
             )
-        elif sampler.seed_was_drawn and world_size > 1:
+        elif refused is not None:
+            raise refused
+        elif not sampler.seed_was_drawn or world_size == 1:
+            seed = sampler.seed  # type: ignore[assignment]
+        else:
             if not torch_dist_initialized():
                 raise ConfigError(
                     f"seed=None with world_size={world_size}, and these ranks are not an "
@@ -408,7 +419,7 @@ class DistributedSampler:
                     "torch.distributed.init_process_group(...) (jax.distributed.initialize() "
                     "with dist_info='jax') first so that rank 0's seed is taken"
                 )
-            seed = broadcast_seed(seed)
+            seed = broadcast_seed(sampler.seed)  # type: ignore[arg-type]
         object.__setattr__(self, "_sampler", sampler)
         object.__setattr__(self, "_rank", rank)
         object.__setattr__(self, "_world_size", world_size)
@@ -486,27 +497,36 @@ class DistributedSampler:
 
 
 def _agreed_seed(
-    sampler: ChunkSampler, *, over: Exchange, enforce_equal_batches: bool, shard: Shard
+    sampler: ChunkSampler,
+    *,
+    over: Exchange,
+    enforce_equal_batches: bool,
+    shard: Shard,
+    refused: Exception | None,
 ) -> int:
-    """Exchange the ranks' settings (one collective) and refuse any that differ; the seed
-    all ranks use: rank 0's where the seeds were drawn (``seed=None``)."""
-    settings = dataclasses.replace(
-        sampler.settings, enforce_equal_batches=enforce_equal_batches, shard=shard
-    ).as_dict()  # what a plan depends on: every field compared
-    if not sampler.shuffle:  # the seed orders nothing: any per-rank seed is harmless
-        settings["seed"] = "unused (shuffle=False)"
-    elif sampler.seed_was_drawn:  # differs by design; rank 0's is taken
-        settings["seed"] = None
-    mine = {**settings, "drawn seed": sampler.seed if sampler.seed_was_drawn else None}
-    rows: list[dict[str, Any]] = gather_across_ranks(mine, over=over)  # type: ignore[assignment]
-    compared = [{k: v for k, v in row.items() if k != "drawn seed"} for row in rows]
-    refuse_disagreement(
-        compared,
+    """Exchange the ranks' settings (one collective) and refuse any that differ, or every
+    rank where one was ``refused`` by its own checks; the seed all ranks use: rank 0's
+    where the seeds were drawn (``seed=None``)."""
+    mine: dict[str, object] = {}
+    if refused is None:
+        settings = dataclasses.replace(
+            sampler.settings, enforce_equal_batches=enforce_equal_batches, shard=shard
+        ).as_dict()  # what a plan depends on: every field compared
+        if not sampler.shuffle:  # the seed orders nothing: any per-rank seed is harmless
+            settings["seed"] = "unused (shuffle=False)"
+        elif sampler.seed_was_drawn:  # differs by design; rank 0's is taken
+            settings["seed"] = None
+        mine = {**settings, "drawn seed": sampler.seed if sampler.seed_was_drawn else None}
+    rows = agree_or_raise(
+        mine,
+        over=over,
+        local_error=refused,
         what="DistributedSampler",
         hints={
             "seed": "pass the same seed on every rank (not seed + rank; the ranks' shards "
             "come from one shared order), or seed=None on every rank to use rank 0's draw",
         },
+        not_compared=("drawn seed",),
     )
     drawn = rows[0]["drawn seed"]  # None where rank 0 chose (possible with shuffle=False)
     return int(drawn if sampler.seed_was_drawn and drawn is not None else sampler.seed)
