@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -729,6 +730,37 @@ def test_force_zarr_path_gives_same_batches(sc_store: Path, tmp_path: Path) -> N
     b = run_epoch(dz.Loader(fallback, sampler(), return_index=True), 2)
     np.testing.assert_array_equal(a["index"], b["index"])
     np.testing.assert_array_equal(a["X"], b["X"])
+
+
+def test_a_store_given_by_url_is_read_through_zarr(tmp_path: Path) -> None:
+    """A URL opens through zarr's fsspec store (an anndata store put on fsspec's memory
+    file system stands in for a bucket) and gives the local store's batches; ``file://``
+    is a local store, read directly; a protocol whose package is missing says which."""
+    import fsspec
+
+    from dali_zarr.inspection import inspect_store
+
+    local = tmp_path / "cells.zarr"
+    write_anndata(local, n_obs=300, n_features=20, zarr_format=3)
+    remote = f"memory://{tmp_path.name}/cells.zarr"
+    fsspec.filesystem("memory").put(str(local), remote, recursive=True)
+    try:
+        want = run_epoch(dz.Loader(dz.open_dataset(local), sampler(), obs=["cell_type"],
+                                   return_index=True))  # fmt: skip
+        ds = dz.open_dataset(remote)
+        assert ds.name == "cells.zarr/X"
+        assert all(v.startswith("zarr") for v in ds.read_paths().values())
+        got = run_epoch(dz.Loader(ds, sampler(), obs=["cell_type"], return_index=True))
+        for key in ("index", "X", "cell_type"):
+            np.testing.assert_array_equal(got[key], want[key])
+        report = inspect_store(remote)
+        assert report.kind == "anndata" and report.n_obs == 300
+    finally:
+        fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)
+    assert set(dz.open_dataset(local.as_uri()).read_paths().values()) == {"direct"}
+    if importlib.util.find_spec("gcsfs") is None:
+        with pytest.raises(dz.DatasetError, match=r"gs://bucket/cells\.zarr: .*gcsfs"):
+            dz.open_dataset("gs://bucket/cells.zarr")
 
 
 def test_device_auto_says_which_path(sc_store: Path, caplog) -> None:

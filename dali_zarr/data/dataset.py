@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import urllib.parse
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -690,6 +691,25 @@ def _check_var_width(
         )
 
 
+def _open_url(url: str) -> tuple[zarr.Group | zarr.Array, str]:
+    """A remote store (``s3://``, ``gs://``, ``https://``, ...) opened through zarr's fsspec
+    store; zarr-python reads it (the direct path reads local files only)."""
+    try:
+        node = zarr.open(url, mode="r")
+    except ImportError as exc:  # fsspec names the package its protocol needs
+        raise DatasetError(
+            f"{url}: this kind of URL needs a package that is not installed ({exc}); install "
+            "it, or copy the store to a local disk (faster: local stores are read directly)."
+        ) from exc
+    except Exception as exc:
+        raise DatasetError(
+            f"{url}: could not open it as a Zarr store ({type(exc).__name__}: {exc}); check "
+            "the URL, or open it yourself with zarr.open(url, mode='r', "
+            "storage_options={...}) (credentials, endpoint) and pass the zarr node."
+        ) from exc
+    return node, url.rstrip("/").rsplit("/", 1)[-1] or url
+
+
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
     if isinstance(source, zarr.Array | zarr.Group):
         store_name = os.path.basename(str(getattr(source.store, "root", "")).rstrip("/"))
@@ -697,6 +717,10 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
         name = "/".join(p for p in (store_name, path) if p) or "<zarr node>"
         return source, name
     path = os.fspath(source)
+    if isinstance(path, str) and path.startswith("file://"):  # a local store, read directly
+        path = urllib.parse.urlparse(path).path
+    elif isinstance(path, str) and "://" in path:
+        return _open_url(path)
     name = os.path.basename(os.path.normpath(path)) or path
     if not os.path.exists(path):
         raise DatasetError(f"{path}: no such file or directory; pass the path of a Zarr store.")
