@@ -244,11 +244,12 @@ class Loader:
         return self._source.plan(self.epoch, history).n_batches - start
 
     def plan(self) -> EpochPlan:
-        """The plan the current epoch follows on this rank; after :meth:`load_state_dict` on
-        another world size, the remainder plan of the resumed epoch (``rows_done``,
-        ``rows_skipped`` account for the whole epoch)."""
+        """The plan the next loop over the current epoch follows on this rank (inside a
+        loop: that loop's); after :meth:`load_state_dict` on another world size, the
+        remainder plan of the resumed epoch (``rows_done``, ``rows_skipped`` account for the
+        whole epoch). It agrees with ``len()``."""
         history = self._resume_for(self.epoch)[0]
-        if self._run is not None and self._run[0] == self.epoch:
+        if self._looping and self._run is not None and self._run[0] == self.epoch:
             history = self._run[1]
         return self._source.plan(self.epoch, history)
 

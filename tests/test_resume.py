@@ -677,8 +677,11 @@ def test_len_inside_the_loop_of_a_resumed_epoch_counts_that_loop(store) -> None:
     for world, state in ((2, states[0]), (3, states)):
         ld = loader(store, sampler(world, 0))
         ld.load_state_dict(state)
-        before = len(ld)
-        inside = [len(ld) for _ in ld]
-        assert before > 0 and inside == [before] * before, (world, before, inside)
-        assert before == ld.plan().n_batches - (3 if world == 2 else 0)
+        before, resumed = len(ld), ld.plan()
+        inside = [(len(ld), ld.plan()) for _ in ld]
+        assert before > 0 and inside == [(before, resumed)] * before, (world, before, inside)
+        assert before == resumed.n_batches - (3 if world == 2 else 0)
+        # once that loop is over, both tell of the next loop: the epoch's normal plan (the
+        # plan stayed the remainder's while len() told of the next loop)
+        assert len(ld) == ld.plan().n_batches == sampler(world, 0).num_batches(N_OBS)
         ld.close()
