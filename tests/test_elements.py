@@ -179,10 +179,36 @@ def test_plain_groups_and_arrays(tmp_path: Path) -> None:
     assert dataset.name == "climate.zarr/surface/t2m" and dataset.feature_shape == (2, 3)
     got = run_epoch(dz.Loader(dataset, sampler(chunk_size=5, batch_size=4), return_index=True))
     np.testing.assert_array_equal(got["X"], values[got["index"]])
-    with pytest.raises(dz.DatasetError, match=r"has no array 'surface'.*arrays here: mask"):
+    with pytest.raises(dz.DatasetError, match=r"'surface' is a group, not an array \(arrays "
+                       r"in it: surface/t2m\)"):  # fmt: skip
         dz.open_dataset(tmp_path / "climate.zarr", element="surface")
+    with pytest.raises(dz.DatasetError, match=r"has no array 't2m' \(arrays here: mask, "
+                       r"surface/t2m\)"):  # fmt: skip
+        dz.open_dataset(tmp_path / "climate.zarr", element="t2m")
     with pytest.raises(dz.ConfigError, match="is a Zarr array, so element='X'"):
         dz.open_dataset(tmp_path / "climate.zarr" / "mask", element="X")
+
+
+def test_a_group_whose_arrays_are_all_in_subgroups_lists_them(tmp_path: Path) -> None:
+    """The arrays of a climate store kept in subgroups (``surface/t2m``) were not listed:
+    errors said the group "holds no arrays", and element= a subgroup told the user to
+    re-consolidate a store that has no consolidated metadata."""
+    path = tmp_path / "era5.zarr"
+    group = zarr.open_group(path, mode="w")
+    for sub, name in (("surface", "t2m"), ("upper", "z500")):
+        group.create_group(sub).create_array(name, data=np.zeros((8, 3), "f4"), chunks=(4, 3))
+    listing = r"\(arrays here: surface/t2m, upper/z500\)"
+    with pytest.raises(dz.DatasetError, match=r"pass element='surface/t2m' " + listing):
+        dz.open_dataset(path)
+    with pytest.raises(dz.DatasetError, match=r"has no array 't2m' " + listing):
+        dz.open_dataset(path, element="t2m")
+    with pytest.raises(dz.DatasetError) as refused:
+        dz.open_dataset(path, element="upper")
+    message = str(refused.value)
+    assert "'upper' is a group, not an array (arrays in it: upper/z500)" in message
+    assert "consolidate" not in message and "holds no arrays" not in message
+    with pytest.raises(dz.DatasetError, match="holds no arrays"):
+        dz.open_dataset(zarr.open_group(tmp_path / "empty.zarr", mode="w"), element="a")
 
 
 # ---------------------------------------------------------------------------- command line
@@ -203,7 +229,7 @@ def test_convert_resolves_elements_like_open_dataset(tmp_path: Path, capsys) -> 
     assert zarr.open_array(dst, mode="r").attrs["dali_zarr"]["element"] == "surface/t2m"
     for source, options, message in [
         (tmp_path / "climate.zarr", (), "neither an AnnData store"),
-        (tmp_path / "climate.zarr", ("--element", "surface"), "has no array 'surface'"),
+        (tmp_path / "climate.zarr", ("--element", "surface"), "'surface' is a group, not"),
         (dst, ("--element", "X"), "is a Zarr array, so element='X' has nothing to pick"),
     ]:
         assert cli("convert", *options, "-q", source, tmp_path / "o.zarr") == 2

@@ -247,8 +247,6 @@ def pick_element(
         key = (element or "X").strip("/")
         return Picked(anndata_element(root, key, store=store), key, True)
     members = {k: root[k] for k in sorted(root)}
-    arrays = [k for k, v in members.items() if is_array(v)]
-    listing = f" (arrays here: {', '.join(arrays)})" if arrays else " (it holds no arrays)"
     # AnnData stores written inside a plain group (anndata's write_elem(group, "sample1", ...))
     nested = [
         f"{store}/{k}"
@@ -257,6 +255,8 @@ def pick_element(
     ]
     inside = f" It holds AnnData stores: open one of {', '.join(nested)}." if nested else ""
     if element is None:
+        arrays = _arrays_in(root)
+        listing = _listing_of(arrays)
         hint = f" To load one of its arrays, pass element={arrays[0]!r}{listing}." if arrays else ""
         raise DatasetError(
             f"{store}: is a Zarr group but neither an AnnData store (root attribute "
@@ -264,12 +264,56 @@ def pick_element(
         )
     key = element.strip("/")
     node = root.get(key) if key else None
-    if node is None or not is_array(node):
+    if node is not None and not is_array(node):  # a subgroup: name the arrays under it
+        kind = attribute(node, "encoding-type")
+        encoded = f" (encoding-type {kind!r})" if kind else ""
+        inner = [] if kind else [f"{key}/{a}" for a in _arrays_in(node)]
+        held = f" (arrays in it: {_names(inner)})" if inner else ""
         raise DatasetError(
-            f"{store}: has no array {element!r}{listing}; pass element= the path of one.{inside}"
-            + stale_listing_hint(root, key)
+            f"{store}: {element!r} is a group{encoded}, not an array{held}; pass element= the "
+            f"path of an array.{inside}"
+        )
+    if node is None:
+        raise DatasetError(
+            f"{store}: has no array {element!r}{_listing_of(_arrays_in(root))}; pass "
+            f"element= the path of one.{inside}" + stale_listing_hint(root, key)
         )
     return Picked(node, key, False)
+
+
+#: arrays an error lists by name (then "..." where there are more)
+_LISTED_ARRAYS = 12
+
+
+def _arrays_in(group: Any, limit: int = _LISTED_ARRAYS + 1) -> list[str]:
+    """Paths of the arrays under ``group``, its subgroups' too (climate stores keep their
+    variables in groups such as ``surface/t2m``), at most ``limit``: only errors list them.
+    Groups anndata encoded (AnnData stores, CSR matrices) are not entered: their arrays
+    load through the store itself."""
+    found: list[str] = []
+    todo = [("", group)]
+    while todo and len(found) < limit:
+        prefix, node = todo.pop(0)
+        for key in member_names(node):
+            try:
+                child = node[key]
+            except (KeyError, ValueError, TypeError):  # unparseable metadata: not loadable
+                continue
+            if is_array(child):
+                found.append(prefix + key)
+            elif not attribute(child, "encoding-type"):  # not AnnData's (nor a CSR)
+                todo.append((f"{prefix}{key}/", child))
+    return found[:limit]
+
+
+def _listing_of(arrays: list[str]) -> str:
+    return f" (arrays here: {_names(arrays)})" if arrays else " (it holds no arrays)"
+
+
+def _names(paths: list[str]) -> str:
+    """``paths`` joined, the list cut short after `_LISTED_ARRAYS` of them."""
+    more = ", ..." if len(paths) > _LISTED_ARRAYS else ""
+    return ", ".join(paths[:_LISTED_ARRAYS]) + more
 
 
 def matrix_layout(node: Any, *, where: str, any_rank: bool = False) -> Literal["csr", "dense"]:
