@@ -399,6 +399,25 @@ def test_a_chunk_larger_than_the_dataset_is_not_refused_for_memory(tmp_path: Pat
     assert np.array_equal(np.sort(got["index"]), np.arange(100))
 
 
+def test_a_zarr_store_object_opens_like_its_path(tmp_path: Path) -> None:
+    """zarr.open takes a store object (LocalStore, FsspecStore with its credentials), so
+    users hold them; open_dataset raised os.fspath's bare TypeError for one, and for a
+    NumPy array given in place of a store."""
+    values = np.arange(60, dtype="f4").reshape(15, 2, 2)
+    zarr.create_array(tmp_path / "cube.zarr", data=values, chunks=(4, 2, 1))
+    store = zarr.storage.LocalStore(tmp_path / "cube.zarr", read_only=True)
+    dataset = dz.open_dataset(store)
+    assert dataset.name == "cube.zarr" and dataset.feature_shape == (2, 2)
+    assert list(dataset.read_paths().values()) == ["direct"]
+    got = run_epoch(dz.Loader(dataset, sampler(chunk_size=4, batch_size=5), return_index=True))
+    assert sorted(got["index"]) == list(range(15))
+    np.testing.assert_array_equal(got["X"], values[got["index"]])
+    with pytest.raises(dz.DatasetError, match=r"holds no Zarr array or group"):
+        dz.open_dataset(zarr.storage.MemoryStore())
+    with pytest.raises(dz.ConfigError, match=r"not a ndarray.*zarr.create_array"):
+        dz.open_dataset(values)
+
+
 def test_open_dataset_errors(tmp_path: Path, sc_store: Path) -> None:
     with pytest.raises(dz.DatasetError, match="no such file"):
         dz.open_dataset(tmp_path / "nope.zarr")

@@ -594,7 +594,7 @@ def _describe(reader: ArrayReader) -> str:
 # open_dataset
 
 
-Source = str | os.PathLike | zarr.Group | zarr.Array
+Source = str | os.PathLike | zarr.Group | zarr.Array | zarr.abc.store.Store
 
 
 def open_dataset(
@@ -608,8 +608,9 @@ def open_dataset(
     """Open a store, a Zarr node, or a list of them (a collection) for loading.
 
     Accepted: an AnnData store (``encoding-type: anndata``; ``X`` CSR or dense) or a plain
-    Zarr array with observations on axis 0, given as a path, a ``zarr.Group`` or a
-    ``zarr.Array``. ``element`` picks what to load from every store: in an AnnData store
+    Zarr array with observations on axis 0, given as a path, a ``zarr.Group``, a
+    ``zarr.Array`` or a zarr store object (opened as ``zarr.open(store)`` opens it).
+    ``element`` picks what to load from every store: in an AnnData store
     ``"X"`` (the default), ``"raw/X"``, ``"layers/<name>"``, ``"obsm/<name>"`` or
     ``"obsp/<name>"`` (obs columns still come from the store's ``obs``); in a plain Zarr
     group, the path of one of its arrays. ``features`` keeps only those features, in that
@@ -710,13 +711,34 @@ def _open_url(url: str) -> tuple[zarr.Group | zarr.Array, str]:
     return node, url.rstrip("/").rsplit("/", 1)[-1] or url
 
 
+def _open_store(store: zarr.abc.store.Store) -> zarr.Group | zarr.Array:
+    """The node at the root of a zarr store object, opened as ``zarr.open(store)`` would
+    (users hold stores: a LocalStore, an FsspecStore carrying their credentials)."""
+    try:
+        return zarr.open(store, mode="r")
+    except Exception as exc:  # zarr raises several types for "nothing here"
+        raise DatasetError(
+            f"{store}: the store holds no Zarr array or group at its root ({type(exc).__name__}: "
+            f"{exc}); pass the store of the array or group to load, or the node itself."
+        ) from exc
+
+
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
+    if isinstance(source, zarr.abc.store.Store):
+        source = _open_store(source)
     if isinstance(source, zarr.Array | zarr.Group):
         store_name = os.path.basename(str(getattr(source.store, "root", "")).rstrip("/"))
         path = source.path
         name = "/".join(p for p in (store_name, path) if p) or "<zarr node>"
         return source, name
-    path = os.fspath(source)
+    try:
+        path = os.fspath(source)
+    except TypeError:
+        raise ConfigError(
+            f"open_dataset opens a path or URL of a Zarr store, a zarr.Group, zarr.Array or "
+            f"zarr store, not a {type(source).__name__}. Write in-memory data to a Zarr array "
+            "first (zarr.create_array(path, data=values, chunks=...)) and open that."
+        ) from None
     if isinstance(path, str) and path.startswith("file://"):  # a local store, read directly
         path = urllib.parse.urlparse(path).path
     elif isinstance(path, str) and "://" in path:
