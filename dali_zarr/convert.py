@@ -865,11 +865,7 @@ def convert(
     raise to abort: nothing is left at ``dest``).
     """
     t0 = time.perf_counter()
-    paths = (
-        [os.fspath(sources)]
-        if isinstance(sources, str | os.PathLike)
-        else list(map(os.fspath, sources))
-    )
+    paths = _paths_of(sources)
     dest = os.path.normpath(os.fspath(dest))
     if not paths:
         raise ConfigError("no input given; pass at least one .h5ad file or Zarr store.")
@@ -915,6 +911,23 @@ def convert(
     finally:
         for inp in inputs:
             inp.close()
+
+
+def _paths_of(sources: Any) -> list[str]:
+    """``sources`` as a list of paths. A zarr node or store is refused by name: iterated as a
+    list of paths, an array gave its rows (a bare TypeError naming an ndarray)."""
+    one = isinstance(sources, str | os.PathLike) or not isinstance(sources, Sequence)
+    paths = []
+    for source in [sources] if one else sources:
+        try:
+            paths.append(os.fspath(source))
+        except TypeError:
+            raise ConfigError(
+                f"convert reads files and folders: {type(source).__name__} {source!r} is not "
+                "a path; pass the path of an .h5ad file or a Zarr store (for a zarr node, its "
+                "store's folder, with element= the node's path in a group)."
+            ) from None
+    return paths
 
 
 @dataclass(frozen=True)

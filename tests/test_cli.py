@@ -179,6 +179,20 @@ def test_convert_plain_array(tmp_path):
     assert ds.n_obs == 20 and ds.read_rows(np.array([[3, 17]])).values.shape == (14, 0)
 
 
+def test_convert_refuses_a_zarr_node_by_name(tmp_path):
+    """convert reads paths: a zarr.Array given to the library call was iterated row by row
+    as if it were a list of paths (TypeError: ... not ndarray), a store object raised
+    "'LocalStore' object is not iterable"."""
+    src = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=20, shape=(3,), chunk_obs=8)
+    array = zarr.open_array(src, mode="r")
+    for source in (array, array.store, [src, array]):
+        with pytest.raises(dz.ConfigError, match=r"convert reads files and folders.*is not a path"):
+            convert(source, tmp_path / "out.zarr")
+    assert not (tmp_path / "out.zarr").exists()
+    convert((src,), tmp_path / "out.zarr")  # a tuple of paths is paths
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr")[...], array[...])
+
+
 def test_convert_concatenates_inputs(tmp_path):
     a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=50, seed=1)
     b = synthetic.make_single_cell(
