@@ -416,6 +416,29 @@ def test_unreadable_array_metadata_is_named(tmp_path: Path) -> None:
         dz.open_dataset(v3)
 
 
+def test_a_plain_group_with_one_unreadable_array_loads_the_others(tmp_path: Path) -> None:
+    """In a plain group, one array with unreadable metadata made every element= (a healthy
+    array beside it too) fail with a bare JSONDecodeError; "./a" raised zarr's ValueError."""
+    path = tmp_path / "vars.zarr"
+    group = zarr.open_group(path, mode="w")
+    values = np.arange(12, dtype="f4").reshape(6, 2)
+    group.create_array("good", data=values, chunks=(3, 2))
+    group.create_group("sub").create_array("bad", data=values, chunks=(3, 2))
+    group.create_array("worse", data=values, chunks=(3, 2))
+    (path / "sub" / "bad" / "zarr.json").write_text("{not json")
+    (path / "worse" / "zarr.json").write_text("{not json")
+    dataset = dz.open_dataset(path, element="good")
+    np.testing.assert_array_equal(dataset.read_rows(np.array([[0, 6]])).values, values)
+    for element in ("sub/bad", "worse"):
+        with pytest.raises(dz.DatasetError, match=rf"vars\.zarr/{element}: its Zarr metadata "
+                           r"cannot be read"):  # fmt: skip
+            dz.open_dataset(path, element=element)
+    with pytest.raises(dz.DatasetError, match=r"pass element='good' \(arrays here: good\)"):
+        dz.open_dataset(path)
+    with pytest.raises(dz.DatasetError, match=r"element='\./good' is not a path.*'\.' or '\.\.'"):
+        dz.open_dataset(path, element="./good")
+
+
 def test_array_with_a_bad_fill_value_is_not_called_not_a_store(tmp_path: Path) -> None:
     path = tmp_path / "fill.zarr"
     zarr.create_array(path, shape=(64, 4), dtype="i4", chunks=(16, 4), zarr_format=2)

@@ -246,13 +246,8 @@ def pick_element(
     if anndata or (anndata is None and encoding == "anndata"):
         key = (element or "X").strip("/")
         return Picked(anndata_element(root, key, store=store), key, True)
-    members = {k: root[k] for k in sorted(root)}
     # AnnData stores written inside a plain group (anndata's write_elem(group, "sample1", ...))
-    nested = [
-        f"{store}/{k}"
-        for k, v in members.items()
-        if not is_array(v) and attribute(v, "encoding-type") == "anndata"
-    ]
+    nested = [f"{store}/{k}" for k, v in _readable_members(root) if _is_anndata_group(v)]
     inside = f" It holds AnnData stores: open one of {', '.join(nested)}." if nested else ""
     if element is None:
         arrays = _arrays_in(root)
@@ -263,7 +258,12 @@ def pick_element(
             f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}{inside}"
         )
     key = element.strip("/")
-    node = root.get(key) if key else None
+    if any(part in (".", "..") for part in key.split("/")):  # zarr raises a bare ValueError
+        raise DatasetError(
+            f"{store}: element={element!r} is not a path zarr takes: give the array's path "
+            f"from the group's root, without '.' or '..' segments{_listing_of(_arrays_in(root))}."
+        )
+    node = zarr_member(root, key, where=store) if key else None
     if node is not None and not is_array(node):  # a subgroup: name the arrays under it
         kind = attribute(node, "encoding-type")
         encoded = f" (encoding-type {kind!r})" if kind else ""
@@ -294,16 +294,29 @@ def _arrays_in(group: Any, limit: int = _LISTED_ARRAYS + 1) -> list[str]:
     todo = [("", group)]
     while todo and len(found) < limit:
         prefix, node = todo.pop(0)
-        for key in member_names(node):
-            try:
-                child = node[key]
-            except (KeyError, ValueError, TypeError):  # unparseable metadata: not loadable
-                continue
+        for key, child in _readable_members(node):  # unreadable metadata: not loadable
             if is_array(child):
                 found.append(prefix + key)
             elif not attribute(child, "encoding-type"):  # not AnnData's (nor a CSR)
                 todo.append((f"{prefix}{key}/", child))
     return found[:limit]
+
+
+def _readable_members(group: Any) -> list[tuple[str, Any]]:
+    """``(name, node)`` of ``group``'s members whose metadata zarr can read: one member
+    with broken metadata must not keep the others from loading (zarr's listing of a group
+    parses every member, and raised a bare JSONDecodeError)."""
+    found = []
+    for key in member_names(group):
+        try:
+            found.append((key, group[key]))
+        except (KeyError, ValueError, TypeError):  # named when it is the element asked for
+            continue
+    return found
+
+
+def _is_anndata_group(node: Any) -> bool:
+    return not is_array(node) and attribute(node, "encoding-type") == "anndata"
 
 
 def _listing_of(arrays: list[str]) -> str:
