@@ -1139,6 +1139,15 @@ def _convert(
         obs, dropped = _combined_obs(inputs)
         var = _check_var(inputs)
     notes = [n for n in (_shuffle_note(inputs, plan),) if n]
+    if obs is not None:  # convert writes these columns: an input's own are replaced
+        ours = (ORIGINAL_INDEX, ORIGINAL_SOURCE) if len(inputs) > 1 else (ORIGINAL_INDEX,)
+        notes += [
+            f"the input's obs column {c!r} was replaced by this convert's (its values are not "
+            f"in the output; rename it, e.g. adata.obs.rename(columns={{{c!r}: 'earlier_{c}'}}), "
+            "before converting to keep them)"
+            for c in ours
+            if c in obs.columns
+        ]
     obs_columns: tuple[str, ...] = ()
     sources = [i.path for i in inputs]
     with written_whole(dest, sources=sources, overwrite=overwrite) as partial:

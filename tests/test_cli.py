@@ -1106,3 +1106,18 @@ def test_inspect_a_dali_zarr_attribute_not_written_by_convert(tmp_path, capsys):
     assert "written by dali-zarr convert: chunk_rows 5, codec None, shuffled (seed ?)" in (
         capsys.readouterr().out
     )
+
+
+def test_an_input_column_named_like_convert_s_own_is_not_replaced_silently(tmp_path, capsys):
+    """An input's obs column original_index (the user's own, or an earlier convert's row
+    numbers into its .h5ad, when a converted store is converted again) was overwritten by
+    this convert's row numbers without a word: its values were gone from the output."""
+    obs = pd.DataFrame({"original_index": np.arange(100, 106)}, index=[f"c{i}" for i in range(6)])
+    x = sp.random(6, 3, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / "a.h5ad")
+    capsys.readouterr()
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "o.zarr") == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert any("'original_index'" in line and "replaced" in line for line in notes), notes
+    back = ad.read_zarr(tmp_path / "o.zarr")
+    np.testing.assert_array_equal(back.obs["original_index"], np.arange(6))
