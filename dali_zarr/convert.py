@@ -628,8 +628,10 @@ def _combined_obs(inputs: Sequence[_Input]):
         # pandas makes objects of mixed types (written as text: 1 became '1', a missing
         # value 'nan') and nullable floats of Int64 with floats (anndata writes none)
         nullable_float = isinstance(merged.dtype, pd.Float32Dtype | pd.Float64Dtype)
-        if nullable_float or (
-            pd.api.types.is_object_dtype(merged.dtype) and set(kinds) != {"text"}
+        if (
+            nullable_float
+            or (pd.api.types.is_object_dtype(merged.dtype) and set(kinds) != {"text"})
+            or not _integers_kept(parts, merged)
         ):
             types = ", ".join(f"{i.path} ({p.dtype})" for i, p in zip(sources, parts, strict=True))
             raise DatasetError(
@@ -640,6 +642,29 @@ def _combined_obs(inputs: Sequence[_Input]):
         columns[c] = merged
     index = pd.Index(np.concatenate([np.asarray(f.index, dtype=object) for f in frames]))
     return pd.DataFrame(columns, index=index.astype(str)), dropped
+
+
+def _integers_kept(parts, merged) -> bool:
+    """Whether every integer part of a column is exact in ``merged``: pandas concatenates
+    int64 with float64 (or uint64 with int64) as float64, which rounds integers past 2**53
+    (ids, hashes) without a word."""
+    kind = getattr(merged.dtype, "numpy_dtype", merged.dtype).kind
+    if kind != "f":  # nullable integers keep them exact; nullable floats are refused
+        return True
+    values = np.asarray(merged)
+    start = 0
+    for part in parts:
+        stop = start + len(part)
+        if part.dtype.kind in "iu":
+            held = values[start:stop]
+            if not np.all(np.isfinite(held)):
+                return False
+            with np.errstate(invalid="ignore"):  # past the integer's range: unequal below
+                back = held.astype(part.dtype)
+            if not np.array_equal(back, part.to_numpy()):
+                return False
+        start = stop
+    return True
 
 
 def _column_kind(column, pd) -> str:

@@ -1121,3 +1121,25 @@ def test_an_input_column_named_like_convert_s_own_is_not_replaced_silently(tmp_p
     assert any("'original_index'" in line and "replaced" in line for line in notes), notes
     back = ad.read_zarr(tmp_path / "o.zarr")
     np.testing.assert_array_equal(back.obs["original_index"], np.arange(6))
+
+
+@pytest.mark.parametrize(
+    "other", [np.array([0.5, 1.5]), np.array([1, 2], np.uint64)], ids=["float64", "uint64"]
+)
+def test_obs_integers_a_float_would_round_are_refused(tmp_path, capsys, other):
+    """An int64 obs column (ids, hashes) beside float64 or uint64 in another input was
+    concatenated as float64: 2**60 + 1 came out 2**60, silently. Refused, as for X."""
+    x = sp.random(2, 3, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    for name, k in {"a": np.array([2**60 + 1, 2], np.int64), "b": other}.items():
+        obs = pd.DataFrame({"k": k}, index=[f"{name}{i}" for i in range(2)])
+        ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / f"{name}.h5ad")
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "b.h5ad", tmp_path / "o.zarr") == 2
+    err = one_line_error(capsys)
+    assert "obs column 'k'" in err and "a.h5ad (int64)" in err, err
+    assert not (tmp_path / "o.zarr").exists()
+    # integers a float64 holds exactly still join floats
+    small = pd.DataFrame({"k": np.array([7, 2**53], np.int64)}, index=["a0", "a1"])
+    ad.AnnData(X=x, obs=small).write_h5ad(tmp_path / "a.h5ad")
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "b.h5ad", tmp_path / "o.zarr") == 0
+    back = ad.read_zarr(tmp_path / "o.zarr").obs["k"].to_numpy()
+    np.testing.assert_array_equal(back, np.concatenate([[7, 2**53], other]).astype(np.float64))
