@@ -396,6 +396,17 @@ def _check_compatible(inputs: Sequence[_Input]) -> None:
                 f"{inp.path} is {kinds[inp.anndata]} but {first.path} is "
                 f"{kinds[first.anndata]}; convert AnnData inputs and plain arrays separately."
             )
+        if inp.layout != first.layout and inp.feature_shape == first.feature_shape:
+            fix = (
+                "adata.X = adata.X.toarray()"
+                if first.layout == "dense"
+                else "adata.X = scipy.sparse.csr_matrix(adata.X)"
+            )
+            raise DatasetError(
+                f"{inp.path} has {inp.layout} X but {first.path} has {first.layout} X; "
+                "concatenated inputs must store X alike: re-write one of them (e.g. "
+                f"{fix}) or convert them separately."
+            )
         if (inp.layout, inp.feature_shape) != (first.layout, first.feature_shape):
             raise DatasetError(
                 f"{inp.path} has {inp.layout} X with features {inp.feature_shape} but "

@@ -1143,3 +1143,15 @@ def test_obs_integers_a_float_would_round_are_refused(tmp_path, capsys, other):
     assert run("convert", tmp_path / "a.h5ad", tmp_path / "b.h5ad", tmp_path / "o.zarr") == 0
     back = ad.read_zarr(tmp_path / "o.zarr").obs["k"].to_numpy()
     np.testing.assert_array_equal(back, np.concatenate([[7, 2**53], other]).astype(np.float64))
+
+
+def test_csr_beside_dense_inputs_are_refused_for_their_layout(tmp_path, capsys):
+    """A CSR and a dense input of the same width were refused as not sharing "the feature
+    axis", naming the same (3,) for both: the layout differs, and the message says so."""
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    ad.AnnData(X=sp.csr_matrix(x)).write_h5ad(tmp_path / "s.h5ad")
+    ad.AnnData(X=x).write_h5ad(tmp_path / "d.h5ad")
+    assert run("convert", tmp_path / "s.h5ad", tmp_path / "d.h5ad", tmp_path / "o.zarr") == 2
+    err = one_line_error(capsys)
+    assert "d.h5ad has dense X but" in err and "s.h5ad has csr X" in err, err
+    assert "feature axis" not in err and "csr_matrix(adata.X)" in err, err
