@@ -652,7 +652,10 @@ def _combined_obs(inputs: Sequence[_Input]):
             )
         columns[c] = merged
     index = pd.Index(np.concatenate([np.asarray(f.index, dtype=object) for f in frames]))
-    return pd.DataFrame(columns, index=index.astype(str)), dropped
+    # the index's name (e.g. "cell_id"), where every input gives it the same one
+    names = {f.index.name for f in frames}
+    name = names.pop() if len(names) == 1 else None
+    return pd.DataFrame(columns, index=index.astype(str).rename(name)), dropped
 
 
 def _integers_kept(parts, merged) -> bool:

@@ -1155,3 +1155,15 @@ def test_csr_beside_dense_inputs_are_refused_for_their_layout(tmp_path, capsys):
     err = one_line_error(capsys)
     assert "d.h5ad has dense X but" in err and "s.h5ad has csr X" in err, err
     assert "feature axis" not in err and "csr_matrix(adata.X)" in err, err
+
+
+def test_concatenated_obs_keeps_the_index_name(tmp_path):
+    """The obs index's name ("cell_id") was kept for one input but dropped for several."""
+    x = sp.random(3, 2, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    for name in "ab":
+        index = pd.Index([f"{name}{i}" for i in range(3)], name="cell_id")
+        ad.AnnData(X=x, obs=pd.DataFrame(index=index)).write_h5ad(tmp_path / f"{name}.h5ad")
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "b.h5ad", tmp_path / "o.zarr", "-q") == 0
+    back = ad.read_zarr(tmp_path / "o.zarr").obs
+    assert back.index.name == "cell_id"
+    assert list(back.index) == ["a0", "a1", "a2", "b0", "b1", "b2"]
