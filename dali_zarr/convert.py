@@ -690,7 +690,10 @@ def _column_kind(column, pd) -> str:
 
 
 def _check_var(inputs: Sequence[_Input]):
+    """The first input's var (every input's var_names checked to be the same), and a note
+    naming its columns that another input holds otherwise (they are the first's only)."""
     var = _frame(inputs[0], inputs[0].var_key, inputs[0].feature_shape[0])
+    differ: set[str] = set()
     for inp in inputs[1:]:
         other = _frame(inp, inp.var_key, inp.feature_shape[0])
         if not var.index.equals(other.index):
@@ -701,7 +704,13 @@ def _check_var(inputs: Sequence[_Input]):
                 f"{other.index[j]!r} vs {var.index[j]!r}); align the features of all inputs "
                 "before concatenating them."
             )
-    return var
+        differ |= {str(c) for c in var.columns if c not in other or not var[c].equals(other[c])}
+    if not differ:
+        return var, None
+    return var, (
+        f"var columns {', '.join(sorted(differ))}: other inputs hold other values (or none); "
+        f"the output's are {inputs[0].path}'s"
+    )
 
 
 # ---------------------------------------------------------------------------- convert
@@ -1172,12 +1181,12 @@ def _convert(
         piece_rows=piece_rows,
         seed=seed,
     )
-    obs = var = None
+    obs = var = var_note = None
     dropped: tuple[str, ...] = ()
     if first.anndata:  # read (and check) before touching the file system
         obs, dropped = _combined_obs(inputs)
-        var = _check_var(inputs)
-    notes = [n for n in (_shuffle_note(inputs, plan),) if n]
+        var, var_note = _check_var(inputs)
+    notes = [n for n in (_shuffle_note(inputs, plan), var_note) if n]
     if obs is not None:  # convert writes these columns: an input's own are replaced
         ours = (ORIGINAL_INDEX, ORIGINAL_SOURCE) if len(inputs) > 1 else (ORIGINAL_INDEX,)
         notes += [
