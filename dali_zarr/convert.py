@@ -689,6 +689,29 @@ def _column_kind(column, pd) -> str:
     return "text" if pd.api.types.is_string_dtype(column.dtype) else "other"
 
 
+def _not_copied(inputs: Sequence[_Input]) -> str | None:
+    """A note naming the inputs' AnnData elements the output leaves out (it holds one
+    element as X, obs and var): the summary said nothing of a layer or an obsm entry gone."""
+    left: set[str] = set()
+    for inp in inputs:
+        root = inp.root
+        if "X" in root and inp.element != "X":
+            left.add("X")
+        if "raw" in root and "X" in root["raw"] and inp.element != "raw/X":
+            left.add("raw")
+        for key in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
+            node = root.get(key)
+            names = list(node.keys()) if node is not None and hasattr(node, "keys") else []
+            left |= {f"{key}/{n}" for n in names if f"{key}/{n}" != inp.element}
+    if not left:
+        return None
+    return (
+        f"not copied (the output holds X, obs and var): {', '.join(sorted(left))}; "
+        "--element (element=) converts a layer, raw/X or an obsm/obsp entry as the X of a "
+        "store of its own"
+    )
+
+
 def _check_var(inputs: Sequence[_Input]):
     """The first input's var (every input's var_names checked to be the same), and a note
     naming its columns that another input holds otherwise (they are the first's only)."""
@@ -1181,12 +1204,13 @@ def _convert(
         piece_rows=piece_rows,
         seed=seed,
     )
-    obs = var = var_note = None
+    obs = var = var_note = left_out = None
     dropped: tuple[str, ...] = ()
     if first.anndata:  # read (and check) before touching the file system
         obs, dropped = _combined_obs(inputs)
         var, var_note = _check_var(inputs)
-    notes = [n for n in (_shuffle_note(inputs, plan), var_note) if n]
+        left_out = _not_copied(inputs)
+    notes = [n for n in (_shuffle_note(inputs, plan), var_note, left_out) if n]
     if obs is not None:  # convert writes these columns: an input's own are replaced
         ours = (ORIGINAL_INDEX, ORIGINAL_SOURCE) if len(inputs) > 1 else (ORIGINAL_INDEX,)
         notes += [

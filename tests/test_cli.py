@@ -1182,3 +1182,24 @@ def test_concatenated_var_columns_that_differ_are_named(tmp_path, capsys):
     notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
     assert any("var columns hv:" in line and "a.h5ad's" in line for line in notes), notes
     assert list(ad.read_zarr(tmp_path / "o.zarr").var["hv"]) == [True, False]
+
+
+def test_convert_names_the_elements_it_leaves_out(tmp_path, capsys):
+    """A layer, an obsm entry or uns were left out of the output without a word in the
+    summary (only --help said convert copies X, obs and var)."""
+    x = sp.random(5, 3, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    a = ad.AnnData(X=x, layers={"counts": x.copy()}, obsm={"pca": np.ones((5, 2))})
+    a.uns["note"] = "kept in the input"
+    a.raw = a.copy()
+    a.write_h5ad(tmp_path / "a.h5ad")
+
+    def left_out(*argv) -> str:
+        capsys.readouterr()
+        assert run("convert", *argv, tmp_path / "a.h5ad", tmp_path / "o.zarr", "--overwrite") == 0
+        notes = [s for s in capsys.readouterr().out.splitlines() if "not copied" in s]
+        assert len(notes) == 1, notes
+        return notes[0].split(": ", 2)[2].split(";")[0]
+
+    assert left_out() == "layers/counts, obsm/pca, raw, uns/note"
+    assert left_out("--element", "raw/X") == "X, layers/counts, obsm/pca, uns/note"
+    assert left_out("--element", "layers/counts") == "X, obsm/pca, raw, uns/note"
