@@ -727,7 +727,12 @@ def _check_var(inputs: Sequence[_Input]):
                 f"{other.index[j]!r} vs {var.index[j]!r}); align the features of all inputs "
                 "before concatenating them."
             )
-        differ |= {str(c) for c in var.columns if c not in other or not var[c].equals(other[c])}
+        # values compared, not dtypes (other unused categories, 0.13's text beside 0.12's)
+        differ |= {
+            str(c)
+            for c in var.columns
+            if c not in other or not var[c].astype(object).equals(other[c].astype(object))
+        }
     if not differ:
         return var, None
     return var, (
