@@ -586,6 +586,14 @@ def _frame(inp: _Input, key: str | None, n: int):
     aio, pd = _anndata_io()
     if inp.root is not None and key is not None and key in inp.root:
         node = inp.root[key]
+        if getattr(getattr(node, "dtype", None), "names", None):
+            # anndata < 0.7 wrote obs/var as one table (categories in uns): read_elem
+            # cannot read it (a bare AttributeError); anndata.read_h5ad can
+            raise DatasetError(
+                f"{inp.path}/{key}: is a table in the format of anndata before 0.7, which "
+                "convert does not read; write the file again in today's format first: "
+                "anndata.read_h5ad(path).write_h5ad(new_path)."
+            )
         # a column rewritten after the store was consolidated is read (by anndata) with the
         # stale metadata, as another dtype: refused, as the loader refuses it (h5py: no such)
         members = node.members(max_depth=None) if hasattr(node, "members") else ()

@@ -1205,3 +1205,23 @@ def test_convert_names_the_elements_it_leaves_out(tmp_path, capsys):
     assert left_out() == "layers/counts, obsm/pca, raw, uns/note"
     assert left_out("--element", "raw/X") == "X, layers/counts, obsm/pca, uns/note"
     assert left_out("--element", "layers/counts") == "X, obsm/pca, raw, uns/note"
+
+
+def test_legacy_obs_table_is_refused_by_name(tmp_path, capsys):
+    """anndata before 0.7 wrote obs and var as one compound table (categories in uns), which
+    anndata.read_h5ad still reads; convert ended in a bare AttributeError ('numpy.ndarray'
+    object has no attribute 'columns')."""
+    import h5py
+
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    ad.AnnData(x).write_h5ad(tmp_path / "old.h5ad")
+    with h5py.File(tmp_path / "old.h5ad", "r+") as f:
+        del f["obs"]
+        table = np.zeros(4, dtype=[("index", "S8"), ("louvain", np.int8)])
+        table["index"], table["louvain"] = [b"c0", b"c1", b"c2", b"c3"], [0, 1, 0, 1]
+        f.create_dataset("obs", data=table)
+    assert ad.read_h5ad(tmp_path / "old.h5ad").n_obs == 4  # anndata reads it
+    assert run("convert", tmp_path / "old.h5ad", tmp_path / "o.zarr") == 2
+    err = one_line_error(capsys)
+    assert "old.h5ad/obs: is a table in the format of anndata before 0.7" in err, err
+    assert "write_h5ad" in err and not (tmp_path / "o.zarr").exists()
