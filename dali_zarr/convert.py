@@ -708,8 +708,11 @@ def _not_copied(inputs: Sequence[_Input]) -> str | None:
         if "raw" in root and "X" in root["raw"] and inp.element != "raw/X":
             left.add("raw")
         for key in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
-            node = root.get(key)
-            names = list(node.keys()) if node is not None and hasattr(node, "keys") else []
+            try:  # a note only: metadata it cannot parse is no reason to stop the convert
+                node = root.get(key)
+                names = list(node.keys()) if node is not None and hasattr(node, "keys") else []
+            except Exception:
+                names = ["?"]
             left |= {f"{key}/{n}" for n in names if f"{key}/{n}" != inp.element}
     if not left:
         return None
