@@ -730,7 +730,9 @@ def _check_var(inputs: Sequence[_Input]):
     differ: set[str] = set()
     for inp in inputs[1:]:
         other = _frame(inp, inp.var_key, inp.feature_shape[0])
-        if not var.index.equals(other.index):
+        # as object arrays: anndata 0.13's text index (pandas' string dtype) never .equals
+        # 0.12's object index, whose names are the same
+        if not var.index.astype(object).equals(other.index.astype(object)):
             differ = np.flatnonzero(np.asarray(var.index) != np.asarray(other.index))
             j = int(differ[0]) if len(differ) else 0
             raise DatasetError(

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import zarr
 
@@ -180,3 +181,22 @@ def test_the_store_n_obs_of_anndata_013_stores_is_read(written):
     out, ref = written
     for store in STORES:
         assert store_n_obs(zarr.open_group(out / f"{store}.zarr", mode="r")) == len(ref["X"])
+
+
+def test_convert_joins_anndata_013_and_012_inputs_of_the_same_genes(written, tmp_path):
+    """anndata 0.13's var index (pandas' string dtype) never .equals 0.12's object index:
+    convert refused them as 'var_names differ (feature 0: 'gene0' vs 'gene0')'."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    from dali_zarr.convert import convert
+
+    out, ref = written
+    var = pd.DataFrame(index=[f"gene{j}" for j in range(ref["X"].shape[1])])
+    old = ad.AnnData(X=sp.csr_matrix(ref["X"]), var=var)  # written by anndata 0.12
+    old.obs_names = [f"old{i}" for i in range(old.n_obs)]
+    old.write_h5ad(tmp_path / "old.h5ad")
+    convert([out / "default_csr.zarr", tmp_path / "old.h5ad"], tmp_path / "both.zarr")
+    back = ad.read_zarr(tmp_path / "both.zarr")
+    assert back.var_names.tolist() == var.index.tolist()
+    np.testing.assert_array_equal(back.X.toarray(), np.concatenate([ref["X"], ref["X"]]))
