@@ -733,8 +733,8 @@ def _check_var(inputs: Sequence[_Input]):
         # as object arrays: anndata 0.13's text index (pandas' string dtype) never .equals
         # 0.12's object index, whose names are the same
         if not var.index.astype(object).equals(other.index.astype(object)):
-            differ = np.flatnonzero(np.asarray(var.index) != np.asarray(other.index))
-            j = int(differ[0]) if len(differ) else 0
+            unequal = np.flatnonzero(np.asarray(var.index) != np.asarray(other.index))
+            j = int(unequal[0]) if len(unequal) else 0
             raise DatasetError(
                 f"{inp.path}: var_names differ from {inputs[0].path} (feature {j}: "
                 f"{other.index[j]!r} vs {var.index[j]!r}); align the features of all inputs "
