@@ -194,6 +194,40 @@ def test_obs_annotated_after_consolidation_is_named(tmp_path: Path) -> None:
     assert set(epoch(dataset, obs=["split"])["split"].tolist()) == {1}
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_arrays_deleted_after_consolidation_are_refused(tmp_path: Path, zarr_format: int) -> None:
+    """The consolidated copy still lists arrays deleted from disk since (obs rewritten
+    without a column, a CSR X rewritten dense through ``anndata.io.write_elem``): zarr
+    reads their missing chunks as fill values, so the column's labels all came as code 0
+    (categories ``''``) and every row of X as zeros, with no error."""
+    import anndata as ad
+
+    adata = make_adata()
+    path = write_store(tmp_path / "gone.zarr", adata, zarr_format=zarr_format)
+    group = zarr.open_group(path, mode="a", use_consolidated=False)
+    with ad.settings.override(zarr_write_format=zarr_format):
+        ad.io.write_elem(group, "obs", adata.obs[["score"]])  # cell_type dropped
+        ad.io.write_elem(group, "X", adata.X.toarray())  # X/data, X/indptr, ... gone
+    with pytest.raises(dz.DatasetError, match=r"gone\.zarr/X/\w+: .*no metadata file.*consol"):
+        dz.open_dataset(path)
+    zarr.consolidate_metadata(path)  # what the error asks for: the store as it is on disk
+    dataset = dz.open_dataset(path)
+    got = epoch(dataset, obs=["score"])
+    np.testing.assert_array_equal(got["X"], adata.X.toarray()[got["index"]])
+    with pytest.raises(dz.DatasetError, match=r"no column 'cell_type'"):
+        dataset.obs_column("cell_type")
+
+
+def test_obs_column_deleted_after_consolidation_is_refused(tmp_path: Path) -> None:
+    """An obs column the consolidated copy lists but that is gone from disk read as fill
+    values: every label code 0, categories ``('', '', '')``."""
+    path = write_store(tmp_path / "gone.zarr", make_adata())
+    del zarr.open_group(path, mode="a", use_consolidated=False)["obs/cell_type"]
+    dataset = dz.open_dataset(path)
+    with pytest.raises(dz.DatasetError, match=r"obs/cell_type/\w+: .*no metadata file.*consol"):
+        dataset.obs_column("cell_type")
+
+
 def test_int64_csr_values_densify_rounded_once(tmp_path: Path) -> None:
     """Past 2**53, int64 + float32 went through float64 and rounded twice (one float32 step
     off what output="csr", dense int64 stores and NumPy give)."""

@@ -1060,9 +1060,19 @@ def _refuse_stale_metadata(array: Any, directory: str, name: str) -> None:
     matches the chunks depends on how they were written, so neither is guessed at."""
     import zarr
 
+    if metadata_file(directory) is None:
+        # opened from the consolidated copy alone: the array was deleted (or replaced by a
+        # group or an array elsewhere) since, and zarr reads its missing chunks as fill values
+        raise DatasetError(
+            f"{name}: the store's consolidated metadata lists this array, but {directory} "
+            "holds no metadata file of its own: it was deleted or moved after the store was "
+            "consolidated (e.g. obs or X rewritten with anndata.io.write_elem), and zarr "
+            "would read it as fill values. Run zarr.consolidate_metadata on the store so it "
+            "lists what is on disk."
+        )
     try:
         own = zarr.open_array(directory, mode="r")
-    except Exception:  # no metadata file of its own: nothing to compare (zarr reads on)
+    except Exception:  # its own file is unreadable: nothing to compare (zarr reads on)
         return
     theirs, mine = _metadata_without_attributes(array), _metadata_without_attributes(own)
     if theirs == mine:
