@@ -228,6 +228,25 @@ def test_obs_column_deleted_after_consolidation_is_refused(tmp_path: Path) -> No
         dataset.obs_column("cell_type")
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_var_index_renamed_after_consolidation_is_refused(tmp_path: Path, zarr_format: int):
+    """var rewritten with a named index (``var/symbol``) after consolidation: the copy's
+    ``var/_index`` is gone from disk, so every var name read as ``''`` and ``features=`` by
+    any name said "not in the store's var index"."""
+    import anndata as ad
+
+    path = write_store(tmp_path / "renamed.zarr", make_adata(), zarr_format=zarr_format)
+    group = zarr.open_group(path, mode="a", use_consolidated=False)
+    symbols = pd.Index([f"S{j}" for j in range(N_VARS)], name="symbol")
+    with ad.settings.override(zarr_write_format=zarr_format):
+        ad.io.write_elem(group, "var", pd.DataFrame(index=symbols))
+    with pytest.raises(dz.DatasetError, match=r"renamed\.zarr/var/_index: .*no metadata file"):
+        dz.open_dataset(path, features=["S3"])
+    zarr.consolidate_metadata(path)
+    got = epoch(dz.open_dataset(path, features=["S3", "S0"]))
+    np.testing.assert_array_equal(got["X"], make_adata().X.toarray()[got["index"]][:, [3, 0]])
+
+
 def test_int64_csr_values_densify_rounded_once(tmp_path: Path) -> None:
     """Past 2**53, int64 + float32 went through float64 and rounded twice (one float32 step
     off what output="csr", dense int64 stores and NumPy give)."""

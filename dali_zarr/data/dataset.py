@@ -679,9 +679,13 @@ def _check_var_width(
 ) -> None:
     """Refuse X as wide as var's index is not (anndata refuses it too): by position, columns
     past the names (or names past the columns) would be some other gene's. Reads only the
-    index's metadata, not its names."""
+    index's metadata, not its names; an index deleted since the store was consolidated is
+    refused here too (its names would read as ``''``: no feature name found)."""
     node = frame_index(var, where=var_name)
-    if node is None or not node.shape or len(feature_shape) != 1:
+    if node is None:
+        return
+    refuse_stale_metadata(node, name=f"{var_name}/{var.attrs.get('_index')}")
+    if not node.shape or len(feature_shape) != 1:
         return
     if node.shape[0] != feature_shape[0]:
         raise DatasetError(
