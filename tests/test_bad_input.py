@@ -229,6 +229,28 @@ def test_obs_column_deleted_after_consolidation_is_refused(tmp_path: Path) -> No
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
+def test_arrays_made_groups_after_consolidation_are_refused(tmp_path: Path, zarr_format: int):
+    """A numeric obs column made categorical (clusters as labels) and a dense X made sparse
+    after consolidation: the copy's arrays are groups on disk now, and zarr read them as
+    fill values (every value 0, every row of X zeros), with no error."""
+    import anndata as ad
+
+    adata = make_adata(sparse=False, obs_extra={"leiden": np.arange(N_OBS) % 4 + 1})
+    path = write_store(tmp_path / "regrouped.zarr", adata, zarr_format=zarr_format)
+    obs = adata.obs.copy()
+    obs["leiden"] = pd.Categorical(obs["leiden"].astype(str))
+    group = zarr.open_group(path, mode="a", use_consolidated=False)
+    with ad.settings.override(zarr_write_format=zarr_format):
+        ad.io.write_elem(group, "obs", obs)
+    with pytest.raises(dz.DatasetError, match=r"obs/leiden: .*holds a group, not an array"):
+        dz.open_dataset(path).obs_column("leiden")
+    with ad.settings.override(zarr_write_format=zarr_format):
+        ad.io.write_elem(group, "X", sp.csr_matrix(adata.X))
+    with pytest.raises(dz.DatasetError, match=r"regrouped\.zarr/X: .*holds a group, not an"):
+        dz.open_dataset(path)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
 def test_var_index_renamed_after_consolidation_is_refused(tmp_path: Path, zarr_format: int):
     """var rewritten with a named index (``var/symbol``) after consolidation: the copy's
     ``var/_index`` is gone from disk, so every var name read as ``''`` and ``features=`` by

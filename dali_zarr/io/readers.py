@@ -1053,6 +1053,20 @@ def _metadata_without_attributes(array: Any) -> dict[str, Any]:
     return json.loads(json.dumps(meta, sort_keys=True, default=str))  # NaN fills compare equal
 
 
+def _is_group_file(path: str) -> bool:
+    """Whether the metadata file ``path`` (of :func:`metadata_file`) is a group's; one that
+    cannot be parsed is not called a group (it is named where it is read)."""
+    import json
+
+    if os.path.basename(path) != "zarr.json":
+        return os.path.basename(path) == ".zgroup"
+    try:
+        with open(path, "rb") as f:
+            return json.load(f).get("node_type") == "group"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _refuse_stale_metadata(array: Any, directory: str, name: str) -> None:
     """DatasetError where the metadata ``array`` was opened with (a store's consolidated
     copy, as anndata and ``zarr.open`` read it) differs from the array's own file. zarr does
@@ -1060,12 +1074,15 @@ def _refuse_stale_metadata(array: Any, directory: str, name: str) -> None:
     matches the chunks depends on how they were written, so neither is guessed at."""
     import zarr
 
-    if metadata_file(directory) is None:
-        # opened from the consolidated copy alone: the array was deleted (or replaced by a
-        # group or an array elsewhere) since, and zarr reads its missing chunks as fill values
+    own_file = metadata_file(directory)
+    if own_file is None or _is_group_file(own_file):
+        # opened from the consolidated copy alone: the array was deleted or replaced by a
+        # group since (a numeric obs column made categorical, a dense X made sparse), and
+        # zarr reads its chunks, now missing, as fill values
+        held = "no metadata file of its own" if own_file is None else "a group, not an array"
         raise DatasetError(
-            f"{name}: the store's consolidated metadata lists this array, but {directory} "
-            "holds no metadata file of its own: it was deleted or moved after the store was "
+            f"{name}: the store's consolidated metadata lists this array, but on disk "
+            f"{directory} holds {held}: it was deleted or replaced after the store was "
             "consolidated (e.g. obs or X rewritten with anndata.io.write_elem), and zarr "
             "would read it as fill values. Run zarr.consolidate_metadata on the store so it "
             "lists what is on disk."
