@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -127,8 +127,10 @@ class Loader:
         rank, world = getattr(sampler, "rank", 0), getattr(sampler, "world_size", 1)
         self._exchange = over if over is not None and world_is(over, rank, world) else None
         self.device_id: int | None = None
+        self._source: BatchSource | None = None  # type: ignore[assignment]
         with self._checked_on_every_rank(
             f"Loader over {getattr(dataset, 'name', dataset)}",
+            release=self._release_source,
             hints={
                 "n_obs": "open the same store (or the same subset of it) on every rank; "
                 "the sampler shards one dataset among the ranks, it does not join "
@@ -161,6 +163,17 @@ class Loader:
             # (a copy on each node's local disk)
             mine.update(dataset_fingerprint(dataset))
             del mine["name"]
+            # built before the exchange: its own checks (obs columns, read_threads, ...)
+            # refusing on one rank after it let the other ranks go on to train alone
+            self._source = self._new_source(
+                gpu_backend,
+                output=output,
+                obs=obs,
+                return_index=return_index,
+                prefetch_windows=prefetch_windows,
+                prefetch_queue_depth=prefetch_queue_depth,
+                **({} if read_threads is None else {"read_threads": read_threads}),
+            )
         self._panel_reorders = output == "csr" and panel_reorders(dataset)
         self.output: Output = output
         self.obs = list(obs)
@@ -179,28 +192,6 @@ class Loader:
         self.enable_checkpointing = bool(enable_checkpointing)
         self.epoch = 0
         self._epoch_set = False  # set_epoch called since the last epoch started
-        source_args = {
-            "output": output,
-            "obs": self.obs,
-            "return_index": return_index,
-            "prefetch_windows": prefetch_windows,
-            "prefetch_queue_depth": prefetch_queue_depth,
-        }
-        if read_threads is not None:
-            source_args["read_threads"] = read_threads
-        self._source: BatchSource
-        if self.device == "gpu":
-            from dali_zarr.graph.gpu_pipeline import GpuBatchSource
-
-            self._source = GpuBatchSource(
-                dataset,
-                sampler,
-                **source_args,
-                backend=gpu_backend,
-                device_id=self.device_id,
-            )
-        else:
-            self._source = BatchSource(dataset, sampler, **source_args)
         log.info("%s; read paths: %s", self.device_reason, self.read_paths())
         self._closed = False
         self._iterator: Any = None  # DaliEpochIterator or a framework's DALI iterator
@@ -220,6 +211,21 @@ class Loader:
         self._run: tuple[int, tuple[Segment, ...], int] | None = None
         self._pending: ResumePoint | None = None  # from load_state_dict, not yet started
         self._restore: dict[str, Any] | None = None  # DALI checkpoint to build the pipeline from
+
+    def _new_source(self, gpu_backend: Any, **source_args: Any) -> BatchSource:
+        """The DALI callback's source on this loader's device (its reader threads start
+        with the first window)."""
+        if self.device == "gpu":
+            from dali_zarr.graph.gpu_pipeline import GpuBatchSource
+
+            return GpuBatchSource(
+                self.dataset,
+                self.sampler,
+                **source_args,
+                backend=gpu_backend,
+                device_id=self.device_id,
+            )
+        return BatchSource(self.dataset, self.sampler, **source_args)
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -393,14 +399,15 @@ class Loader:
 
     @contextlib.contextmanager
     def _checked_on_every_rank(
-        self, what: str, *, hints: Mapping[str, str]
+        self, what: str, *, hints: Mapping[str, str], release: Callable[[], None] = lambda: None
     ) -> Iterator[dict[str, object]]:
         """The block runs this rank's own checks and fills the yielded dict with what the
         ranks must agree on. Where the ranks exchange (:attr:`_exchange`), a refusal of the
         block (any error, not only a ConfigError) waits for the exchange, so no rank is left
         waiting for one that stopped: this rank raises its own error, the others one that
         names it, and all raise the same error where the dicts differ. Without an exchange
-        the block's errors pass through."""
+        the block's errors pass through. ``release`` frees what the block built where
+        another rank refused."""
         mine: dict[str, object] = {}
         refused: Exception | None = None
         try:
@@ -410,7 +417,19 @@ class Loader:
                 raise
             refused = exc
         if self._exchange is not None:
-            agree_or_raise(mine, over=self._exchange, local_error=refused, what=what, hints=hints)
+            try:
+                agree_or_raise(
+                    mine, over=self._exchange, local_error=refused, what=what, hints=hints
+                )
+            except BaseException:
+                release()
+                raise
+
+    def _release_source(self) -> None:
+        """Close the source a refused construction built (its reader, on the GPU path its
+        device and files)."""
+        if self._source is not None:
+            self._source.close()
 
     def _steps_must_agree(self, settings: PlanSettings, point: ResumePoint) -> bool:
         """Whether the ranks must have as many batches left in the resumed epoch: always

@@ -131,7 +131,14 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         except OSError as e:
             return f"OSError: {e}"
 
+    def obs_refused_on_one_rank():  # rank 1's copy of the store lacks a column it asks for
+        try:
+            loader(big, sampler(), obs=["cell_type" if rank == 0 else "no_such_column"])
+        except dz.DatasetError as e:
+            return f"DatasetError: {e}"
+
     return {
+        "obs_refused_on_one_rank": obs_refused_on_one_rank,
         "raw_error_on_one_rank": raw_error_on_one_rank,
         "seed_per_rank_unshuffled": seed_per_rank_unshuffled,
         "refused_on_one_rank": refused_on_one_rank,

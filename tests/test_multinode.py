@@ -330,6 +330,11 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         assert kind0 == kind1 == "error", name
         assert text0.split(": ", 1)[1].startswith("rank 1 could not go on"), text0
         assert "rank 1" not in text1.split(": ", 1)[0], text1  # rank 1 raises its own
+    # ... also where the refusal comes from the loader's reader (an obs column missing
+    # from rank 1's store): rank 0 went on alone and waited in its first DDP step
+    obs = [r["obs_refused_on_one_rank"] for r in ranks]
+    assert obs[0][0] == "error" and "rank 1 could not go on (DatasetError: " in obs[0][1], obs
+    assert obs[1][0] == "ok" and "no column 'no_such_column'" in obs[1][1], obs
     assert ranks[0]["refused_on_one_rank"][1].count("sideways") == 1
     assert "unknown shard 'rows'" in ranks[0]["sampler_refused_on_one_rank"][1]
     assert "open the store first" in ranks[0]["path_on_one_rank"][1]
