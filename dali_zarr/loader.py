@@ -361,11 +361,6 @@ class Loader:
         is fine) to continue it. A state of another dataset or other sampler settings is
         refused with a ConfigError that says what differs.
         """
-        if self._iterator is not None:
-            raise ConfigError(
-                "load_state_dict must be called on a fresh Loader, before it is iterated: "
-                "build a new Loader and load the state into it"
-            )
         same_step = "load states saved at the same step on every rank (the same checkpoint)"
         # every rank must resume the same epoch after the same history, and (with equal
         # batches) have as many batches left: ranks that loaded states of other steps do not
@@ -373,6 +368,11 @@ class Loader:
             f"Loader.load_state_dict over {self.dataset.name}",
             hints={"batches left": same_step, "epoch": same_step},
         ) as position:
+            if self._iterator is not None:  # in the block: the other ranks wait for this one
+                raise ConfigError(
+                    "load_state_dict must be called on a fresh Loader, before it is iterated: "
+                    "build a new Loader and load the state into it"
+                )
             settings = PlanSettings.of(self.sampler)
             point = resume_point(
                 state,

@@ -137,8 +137,18 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         except dz.DatasetError as e:
             return f"DatasetError: {e}"
 
+    def state_into_a_used_loader_on_one_rank():  # rank 1 took a batch before loading
+        s = sampler()
+        with loader(big, s) as first:
+            state = first.state_dict()
+        with loader(big, s) as again:
+            if rank == 1:
+                next(iter(again))
+            again.load_state_dict(state)
+
     return {
         "obs_refused_on_one_rank": obs_refused_on_one_rank,
+        "state_into_a_used_loader_on_one_rank": state_into_a_used_loader_on_one_rank,
         "raw_error_on_one_rank": raw_error_on_one_rank,
         "seed_per_rank_unshuffled": seed_per_rank_unshuffled,
         "refused_on_one_rank": refused_on_one_rank,

@@ -331,10 +331,16 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         assert text0.split(": ", 1)[1].startswith("rank 1 could not go on"), text0
         assert "rank 1" not in text1.split(": ", 1)[0], text1  # rank 1 raises its own
     # ... also where the refusal comes from the loader's reader (an obs column missing
-    # from rank 1's store): rank 0 went on alone and waited in its first DDP step
+    # from rank 1's store; rank 0 went on alone and waited in its first DDP step), or from
+    # loading a state into a loader rank 1 had already iterated (rank 0 waited in the
+    # exchange of load_state_dict)
     obs = [r["obs_refused_on_one_rank"] for r in ranks]
     assert obs[0][0] == "error" and "rank 1 could not go on (DatasetError: " in obs[0][1], obs
     assert obs[1][0] == "ok" and "no column 'no_such_column'" in obs[1][1], obs
+    used = [r["state_into_a_used_loader_on_one_rank"] for r in ranks]
+    assert used[0][0] == used[1][0] == "error", used
+    assert "rank 1 could not go on" in used[0][1] and "fresh Loader" in used[0][1], used
+    assert "fresh Loader" in used[1][1] and "rank 1" not in used[1][1].split(": ", 1)[0], used
     assert ranks[0]["refused_on_one_rank"][1].count("sideways") == 1
     assert "unknown shard 'rows'" in ranks[0]["sampler_refused_on_one_rank"][1]
     assert "open the store first" in ranks[0]["path_on_one_rank"][1]
