@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-from dali_zarr.data.dataset import Dataset
+from dali_zarr.data.dataset import Collection, Dataset
+from dali_zarr.data.features import FeatureSubset
+from dali_zarr.data.subset import Subset
 from dali_zarr.distributed import Exchange, agree_or_raise, collectives_may_hang, world_is
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
@@ -75,9 +77,10 @@ class Loader:
 
     **Ranks that disagree.** With a DistributedSampler whose ranks are torch.distributed's
     or JAX's processes (its ``exchange``), construction exchanges the dataset's size, row
-    shape, dtype and layout, and :meth:`load_state_dict` the resumed position, refusing on
-    every rank alike ranks that differ (another store; states saved at other steps); every
-    rank must then build the loader and load its state at the same point.
+    shape, dtype, layout and selection (:func:`selection_of`), and :meth:`load_state_dict`
+    the resumed position, refusing on every rank alike ranks that differ (another store or
+    split; states saved at other steps); every rank must then build the loader and load its
+    state at the same point.
 
     **Resuming.** :meth:`state_dict` / :meth:`load_state_dict` save and restore the position
     in the epoch (see :mod:`dali_zarr.planning.resume`), on the same or on another number of
@@ -135,6 +138,8 @@ class Loader:
                 "n_obs": "open the same store (or the same subset of it) on every rank; "
                 "the sampler shards one dataset among the ranks, it does not join "
                 "one store per rank",
+                "selection": "select the same rows and features on every rank (a split drawn "
+                "on each rank, e.g. with an unseeded RNG, gives each rank other rows)",
             },
         ) as mine:
             if not isinstance(dataset, Dataset):  # a path failed later: 'str' has no 'name'
@@ -163,6 +168,7 @@ class Loader:
             # (a copy on each node's local disk)
             mine.update(dataset_fingerprint(dataset))
             del mine["name"]
+            mine["selection"] = selection_of(dataset)
             # built before the exchange: its own checks (obs columns, read_threads, ...)
             # refusing on one rank after it let the other ranks go on to train alone
             self._source = self._new_source(
@@ -683,6 +689,18 @@ def _teach_dali_unsigned_types() -> None:
         ours = getattr(torch, name.lower(), None)
         if ours is not None:
             torch_utils.to_torch_type.setdefault(getattr(dali_types.DALIDataType, name), ours)
+
+
+def selection_of(dataset: Dataset) -> list[Any]:
+    """What ``dataset`` selects of its stores, without their paths: each Subset's rows and
+    FeatureSubset's features (counts and crc32), through collections. Ranks whose
+    selections differ in size have other ``n_obs``; of the same size, only this tells them
+    apart (each rank would shard its own rows: some twice, some never)."""
+    if isinstance(dataset, Subset | FeatureSubset):
+        return [dataset.selection, *selection_of(dataset.parent)]
+    if isinstance(dataset, Collection):
+        return [selection_of(part) for part in dataset.parts]
+    return []
 
 
 def panel_reorders(dataset: Dataset) -> bool:

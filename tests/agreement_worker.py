@@ -146,7 +146,16 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
                 next(iter(again))
             again.load_state_dict(state)
 
+    def subset_per_rank():  # a split drawn on each rank (an unseeded RNG): same size, other rows
+        rows = np.random.default_rng(rank).choice(1_000, 600, replace=False)
+        loader(dz.Subset(dz.open_dataset(big), rows), sampler()).close()
+
+    def features_per_rank():  # as many genes on each rank, other ones
+        loader(dz.FeatureSubset(dz.open_dataset(big), [rank, 2]), sampler()).close()
+
     return {
+        "subset_per_rank": subset_per_rank,
+        "features_per_rank": features_per_rank,
         "obs_refused_on_one_rank": obs_refused_on_one_rank,
         "state_into_a_used_loader_on_one_rank": state_into_a_used_loader_on_one_rank,
         "raw_error_on_one_rank": raw_error_on_one_rank,

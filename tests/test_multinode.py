@@ -310,6 +310,9 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         "batch_per_rank": ["batch_size (rank 0: 32; rank 1: 64)"],
         "mixed_drawn_seed": ["seed (rank 0: None; rank 1: 7)"],
         "store_per_rank": ["n_obs (rank 0: 1000; rank 1: 900)", "same store"],
+        # the same size but other rows or genes (their digests): rows twice or never
+        "subset_per_rank": ["selection (rank 0: ['600 of 1000 rows #", "same rows"],
+        "features_per_rank": ["selection (rank 0: ['2 of 16 features #", "same rows"],
         "resume_other_steps": ["load_state_dict", "batches left (rank 0: ", "same step"],
         # equal counts without enforce_equal_batches: the epoch runs under DDP, so the
         # steps must agree too (they were not compared: rows twice, then a hang)

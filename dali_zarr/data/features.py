@@ -196,7 +196,9 @@ class FeatureSubset(Dataset):
         self.column_map[ids] = np.arange(len(ids))
         self.column_map.setflags(write=False)
         digest = zlib.crc32(np.ascontiguousarray(ids).view(np.uint8))
-        self.name = f"{dataset.name}[{len(ids)} of {dataset.n_features} features #{digest:08x}]"
+        #: the features taken, without the store's path (the ranks compare it)
+        self.selection = f"{len(ids)} of {dataset.n_features} features #{digest:08x}"
+        self.name = f"{dataset.name}[{self.selection}]"
         self.n_obs = dataset.n_obs
         self.feature_shape = (len(ids),)
         self.dtype = dataset.dtype

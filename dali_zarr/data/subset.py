@@ -106,7 +106,9 @@ class Subset(Dataset):
         self.parent_rows.setflags(write=False)
         # the row set is part of the name, which identifies the dataset (e.g. when resuming)
         digest = zlib.crc32(np.ascontiguousarray(selected).view(np.uint8))
-        self.name = f"{dataset.name}[{len(selected)} of {dataset.n_obs} rows #{digest:08x}]"
+        #: the rows taken, without the store's path (the ranks compare it: dali_zarr.loader)
+        self.selection = f"{len(selected)} of {dataset.n_obs} rows #{digest:08x}"
+        self.name = f"{dataset.name}[{self.selection}]"
         self.n_obs = len(selected)
         self.feature_shape = dataset.feature_shape
         self.dtype = dataset.dtype
