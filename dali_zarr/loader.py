@@ -18,9 +18,7 @@ import numpy as np
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-from dali_zarr.data.dataset import Collection, Dataset
-from dali_zarr.data.features import FeatureSubset
-from dali_zarr.data.subset import Subset
+from dali_zarr.data.dataset import Dataset
 from dali_zarr.distributed import Exchange, agree_or_raise, collectives_may_hang, world_is
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
@@ -77,7 +75,7 @@ class Loader:
 
     **Ranks that disagree.** With a DistributedSampler whose ranks are torch.distributed's
     or JAX's processes (its ``exchange``), construction exchanges the dataset's size, row
-    shape, dtype, layout and selection (:func:`selection_of`), and :meth:`load_state_dict`
+    shape, dtype, layout and selection (``Dataset.selections``), and :meth:`load_state_dict`
     the resumed position, refusing on every rank alike ranks that differ (another store or
     split; states saved at other steps); every rank must then build the loader and load its
     state at the same point.
@@ -168,7 +166,7 @@ class Loader:
             # (a copy on each node's local disk)
             mine.update(dataset_fingerprint(dataset))
             del mine["name"]
-            mine["selection"] = selection_of(dataset)
+            mine["selection"] = dataset.selections()
             # built before the exchange: its own checks (obs columns, read_threads, ...)
             # refusing on one rank after it let the other ranks go on to train alone
             self._source = self._new_source(
@@ -689,18 +687,6 @@ def _teach_dali_unsigned_types() -> None:
         ours = getattr(torch, name.lower(), None)
         if ours is not None:
             torch_utils.to_torch_type.setdefault(getattr(dali_types.DALIDataType, name), ours)
-
-
-def selection_of(dataset: Dataset) -> list[Any]:
-    """What ``dataset`` selects of its stores, without their paths: each Subset's rows and
-    FeatureSubset's features (counts and crc32), through collections. Ranks whose
-    selections differ in size have other ``n_obs``; of the same size, only this tells them
-    apart (each rank would shard its own rows: some twice, some never)."""
-    if isinstance(dataset, Subset | FeatureSubset):
-        return [dataset.selection, *selection_of(dataset.parent)]
-    if isinstance(dataset, Collection):
-        return [selection_of(part) for part in dataset.parts]
-    return []
 
 
 def panel_reorders(dataset: Dataset) -> bool:

@@ -192,6 +192,11 @@ class Dataset(ABC):
     def n_features(self) -> int:
         return int(np.prod(self.feature_shape, dtype=np.int64))
 
+    def selections(self) -> list[object]:
+        """What this dataset selects of its stores, without their paths (the ranks compare
+        it: two splits of one size differ only here): a store selects nothing."""
+        return []
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}({self.name!r}, n_obs={self.n_obs}, "
@@ -528,6 +533,9 @@ class Collection(Dataset):
             if mine.any():
                 out[mine] = self.id_offsets[i] + p.global_ids(rows[mine] - self.offsets[i])
         return out
+
+    def selections(self) -> list[object]:
+        return [part.selections() for part in self.parts]
 
     def var_names(self) -> tuple[str, ...] | None:
         """The parts' common feature names (None if a part names none); parts whose names

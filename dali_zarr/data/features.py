@@ -216,6 +216,9 @@ class FeatureSubset(Dataset):
         assert isinstance(rows, DenseRows)
         return DenseRows(np.take(rows.values, self.columns, axis=1))
 
+    def selections(self) -> list[object]:
+        return [self.selection, *self.parent.selections()]
+
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
         runs = self.parent.store_runs(ranges)
         return None if runs is None else [self._through(run) for run in runs]

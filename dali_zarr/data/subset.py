@@ -140,6 +140,9 @@ class Subset(Dataset):
         lens = np.maximum(r[:, 1] - r[:, 0], 0)
         return self.parent_rows[concat_aranges(r[:, 0], lens)], run_offsets(lens)
 
+    def selections(self) -> list[object]:
+        return [self.selection, *self.parent.selections()]
+
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
         return self.parent.store_runs(self._parent_ranges(ranges))
 
