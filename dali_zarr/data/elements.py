@@ -344,7 +344,8 @@ def matrix_layout(node: Any, *, where: str, any_rank: bool = False) -> Literal["
     if encoding in ("csc_matrix", "csc"):
         raise DatasetError(
             f"{where}: is CSC (column-major); rows cannot be read by range. Re-write it as "
-            "CSR (e.g. adata.X = adata.X.tocsr(); adata.write_zarr(...))."
+            "CSR (e.g. adata.X = adata.X.tocsr(), then write it again with "
+            "adata.write_zarr(...) or, for an .h5ad file, adata.write_h5ad(...))."
         )
     raise DatasetError(
         f"{where}: encoding {encoding!r} is not supported (expected csr_matrix or a dense "
