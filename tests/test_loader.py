@@ -991,6 +991,29 @@ def test_canonical_csr_keeps_the_stored_order_of_duplicate_ids():
             assert (np.diff(v[c == j]) > 0).all(), f"column {j}: duplicates reordered"
 
 
+def test_a_bool_csr_with_a_column_id_stored_twice_densifies_to_one(tmp_path: Path) -> None:
+    """Dense X of a bool CSR adds a row's values up per column, as for numbers, so a column id
+    stored twice (a non-canonical CSR) gave 2.0 where scipy's ``toarray()`` gives True."""
+    import anndata as ad
+
+    x = sp.csr_matrix(
+        (np.array([True, True, True, False]), np.array([1, 1, 2, 0]), np.array([0, 3, 4])),
+        shape=(2, 3),
+    )
+    path = tmp_path / "bool.zarr"
+    ad.AnnData(X=sp.csr_matrix(np.zeros((2, 3), bool))).write_zarr(path)
+    group = zarr.open_group(path, mode="a")["X"]
+    for name in ("data", "indices", "indptr"):
+        del group[name]
+        values = getattr(x, name)
+        group.create_array(name, shape=values.shape, dtype=values.dtype, chunks=(10,))[...] = values
+    zarr.consolidate_metadata(path)
+    sampler = dz.ChunkSampler(chunk_size=2, preload_nchunks=1, batch_size=2, shuffle=False)
+    with dz.Loader(dz.open_dataset(path), sampler, device="cpu") as loader:
+        (batch,) = loader
+    np.testing.assert_array_equal(batch["X"].numpy(), x.toarray().astype(np.float32))
+
+
 def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None:
     """A path for the dataset, None (or torch's sampler) for the sampler, obs that are not
     column names, an epoch that is not a whole number and a state that is not a dict failed

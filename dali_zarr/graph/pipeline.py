@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 from nvidia.dali import fn, types
+from nvidia.dali import math as dmath
 from nvidia.dali.pipeline import Pipeline
 
 from dali_zarr.errors import ConfigError
@@ -262,6 +263,8 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
             pos, node["data"], node["indices"], node["indptr"],
             n_features=ds.n_features, **csr_types,
         )  # fmt: skip
+        if np.dtype(ds.dtype) == np.bool_:  # a column id stored twice is True, not 2 (scipy)
+            out["X"] = dmath.min(out["X"], 1.0)
     else:
         x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
         if len(ds.feature_shape) != 1:
