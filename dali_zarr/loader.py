@@ -264,7 +264,8 @@ class Loader:
         return self._source.plan(self.epoch, history)
 
     def categories(self, column: str) -> tuple[str, ...] | None:
-        """Label names of a categorical obs column: ``categories(c)[code]``."""
+        """Label names of a categorical obs column: ``categories(c)[code]``, as text (integer
+        or bool categories too, ``"1"``: a collection merges its stores' categories by name)."""
         return self.dataset.categories(column)
 
     def read_paths(self) -> dict[str, str]:

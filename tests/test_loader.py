@@ -1014,6 +1014,27 @@ def test_a_bool_csr_with_a_column_id_stored_twice_densifies_to_one(tmp_path: Pat
     np.testing.assert_array_equal(batch["X"].numpy(), x.toarray().astype(np.float32))
 
 
+def test_integer_and_bool_categories_are_named_as_text(tmp_path: Path) -> None:
+    """``categories()`` names every category as text (README "Use"), integers and bools too,
+    and a batch's codes index them."""
+    import anndata as ad
+    import pandas as pd
+
+    obs = pd.DataFrame(
+        {"batch": pd.Categorical([3, 1, 3, 1]), "ok": pd.Categorical([True, False, True, True])},
+        index=[f"c{i}" for i in range(4)],
+    )
+    ad.AnnData(X=np.ones((4, 2), np.float32), obs=obs).write_zarr(tmp_path / "cats.zarr")
+    sampler = dz.ChunkSampler(chunk_size=4, preload_nchunks=1, batch_size=4, shuffle=False)
+    ds = dz.open_dataset(tmp_path / "cats.zarr")
+    with dz.Loader(ds, sampler, obs=["batch", "ok"], device="cpu") as loader:
+        (batch,) = loader
+        assert loader.categories("batch") == ("1", "3")
+        assert loader.categories("ok") == ("False", "True")
+    assert [loader.categories("batch")[c] for c in batch["batch"]] == ["3", "1", "3", "1"]
+    assert [loader.categories("ok")[c] for c in batch["ok"]] == ["True", "False", "True", "True"]
+
+
 def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None:
     """A path for the dataset, None (or torch's sampler) for the sampler, obs that are not
     column names, an epoch that is not a whole number and a state that is not a dict failed
