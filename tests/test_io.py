@@ -431,6 +431,78 @@ def test_fallback_for_unsupported_codec(tmp_path):
     check_reader(reader, data)
 
 
+BIG_ENDIAN_FILTERS = {
+    # name: (data, filter); every filter here encodes to items of more than one byte
+    "delta": (np.arange(-300, 500, 3, dtype="int32"), lambda: znc.Delta(dtype="int32")),
+    "fixedscaleoffset": (
+        np.linspace(-30, 30, 267),
+        lambda: znc.FixedScaleOffset(offset=0, scale=100, dtype="float64", astype="int16"),
+    ),
+    "astype": (
+        np.linspace(-30, 30, 267),
+        lambda: znc.AsType(encode_dtype="float32", decode_dtype="float64"),
+    ),
+    "quantize": (np.linspace(-30, 30, 267), lambda: znc.Quantize(digits=3, dtype="float64")),
+}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["chunks", "sharded"])
+@pytest.mark.parametrize("name", sorted(BIG_ENDIAN_FILTERS))
+def test_big_endian_chunks_behind_numcodecs_filters(tmp_path, name, sharded):
+    # zarr-python hands these filters the big-endian array, which numcodecs views as
+    # native: it reads every value byte-swapped. The direct path reads the values written;
+    # the zarr fallback refuses the array.
+    data, make_filter = BIG_ENDIAN_FILTERS[name]
+    layout = dict(chunks=(16,), shards=(64,) if sharded else None, compressors=ZstdCodec())
+    little = write(tmp_path / "le.zarr", data, filters=[make_filter()], **layout)
+    big = write(
+        tmp_path / "be.zarr",
+        data,
+        filters=[make_filter()],
+        serializer=BytesCodec(endian="big"),
+        **layout,
+    )
+    want = little[:]  # what the filter keeps of the data (zarr reads the little-endian copy right)
+    assert not np.array_equal(big[:], want)  # zarr-python's misreading, which this guards
+    reader = open_reader(big, name="be.zarr")
+    assert reader.path == "direct"
+    check_reader(reader, want)
+    with pytest.raises(
+        DatasetError,
+        match=r"be\.zarr: zarr-python would read this array .*"
+        rf"force_zarr=True.*numcodecs\.{name}.*big-endian.*without force_zarr",
+    ):
+        open_reader(big, name="be.zarr", force_zarr=True)
+    mem = zarr.create_array(
+        zarr.storage.MemoryStore(),
+        shape=data.shape,
+        dtype=data.dtype,
+        filters=[make_filter()],
+        serializer=BytesCodec(endian="big"),
+        **layout,
+    )
+    with pytest.raises(DatasetError, match=r"MemoryStore.*Copy the store to a local disk"):
+        open_reader(mem, name="mem")
+
+
+def test_big_endian_chunks_behind_one_byte_filters_are_read_by_zarr(tmp_path):
+    # a filter that encodes to one-byte items sees no byte order: zarr reads it right
+    data = np.linspace(0, 25, 100)
+    arr = write(
+        tmp_path / "a.zarr",
+        data,
+        chunks=(16,),
+        filters=[
+            TransposeCodec(order=(0,)),
+            znc.FixedScaleOffset(offset=0, scale=10, dtype="float64", astype="uint8"),
+        ],
+        serializer=BytesCodec(endian="big"),
+    )
+    reader = open_reader(arr, name="a")
+    assert reader.path == "zarr"  # the transpose codec
+    check_reader(reader, np.round(data * 10) / 10)
+
+
 def test_fallback_wraps_zarr_errors(tmp_path):
     data = _compressible(4096)
     arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=ZstdCodec())

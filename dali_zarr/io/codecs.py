@@ -470,6 +470,10 @@ class ChunkDecoder:
         if flat.size != math.prod(self.chunk_shape) * stored.itemsize:
             raise DecodeError(self._size_message(flat.size, stored.itemsize))
         arr = flat.view(stored).reshape(self.chunk_shape, order=codecs.order)
+        if not stored.isnative:
+            # numcodecs filters view their input as their own native dtype, so a big-endian
+            # array (the bytes codec's endian "big") would be read byte-swapped
+            arr = arr.astype(stored.newbyteorder("="))
         for f in self.filters:
             arr = np.asarray(f.decode(arr))
         if arr.size != math.prod(self.chunk_shape):

@@ -28,6 +28,7 @@ __all__ = [
     "ChunkCodecs",
     "ShardLayout",
     "parse_layout",
+    "zarr_misreads",
 ]
 
 # bytes→bytes codecs the direct path decodes (numcodecs ids). "crc32c" is verified by us.
@@ -305,6 +306,60 @@ def _parse_v3_chain(codecs: Sequence[tuple[str, dict[str, Any]]], dtype: np.dtyp
     )
     _check_numcodecs(out.filters + tuple(c for c in out.bytes_codecs if c["id"] != "crc32c"))
     return out
+
+
+#: array→array codecs that hand the array on as they got it (zarr's own transpose; bitround
+#: decodes to its input): a big-endian array passes through them unchanged
+_PASS_THROUGH = frozenset({"transpose", "numcodecs.bitround"})
+
+
+def zarr_misreads(array: Any) -> str:
+    """Why zarr-python reads ``array``'s values wrong, or "" where it reads them right.
+
+    A format 3 chain whose ``bytes`` codec is big-endian for multi-byte items, behind a
+    numcodecs array→array codec (delta, fixedscaleoffset, astype, quantize): zarr-python
+    (3.1) hands that codec the big-endian array, which numcodecs views as native, so every
+    value comes back byte-swapped, without an error. The direct path decodes such chunks
+    right (:class:`~dali_zarr.io.codecs.ChunkDecoder` makes the array native first); the
+    zarr fallback refuses them rather than deliver those numbers.
+    """
+    md = getattr(array, "metadata", None)
+    if md is None or int(getattr(md, "zarr_format", 0)) != 3:
+        return ""
+    try:
+        dtype = np.dtype(array.dtype)
+        codecs = [_named(c) for c in md.to_dict()["codecs"]]
+        while codecs and codecs[0][0] == "sharding_indexed":  # the inner chunks' chain
+            codecs = [_named(c) for c in codecs[0][1].get("codecs", [])]
+        filters: list[tuple[str, dict[str, Any]]] = []
+        for name, cfg in codecs:
+            if name == "bytes":
+                break
+            filters.append((name, cfg))
+        else:
+            return ""
+        if (cfg or {}).get("endian", "little") != "big":
+            return ""
+        # the dtype each codec decodes to (its input when decoding is the next one's output)
+        dtypes = [dtype]
+        for name, cfg in filters:
+            fid = name.removeprefix("numcodecs.")
+            nxt = _filter_encoded_dtype({"id": fid, **cfg}, dtypes[-1])
+            dtypes.append(nxt)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return ""  # metadata this check does not understand: as zarr reads it
+    for (name, _), encoded in zip(reversed(filters), reversed(dtypes[1:]), strict=True):
+        if encoded.itemsize <= 1:
+            return ""  # one-byte items have no byte order: what comes next is native
+        if name in _PASS_THROUGH:
+            continue
+        if name.startswith("numcodecs."):
+            return (
+                f"its {name!r} codec sits before a big-endian 'bytes' codec; zarr-python "
+                "hands it the big-endian values and reads them byte-swapped"
+            )
+        return ""
+    return ""
 
 
 def _filter_encoded_dtype(conf: Mapping[str, Any], dtype: np.dtype) -> np.dtype:

@@ -31,8 +31,11 @@
   - storage transformers or a chunk grid other than ``regular``.
 
 Both readers return native-endian data: a big-endian format 2 array (dtype ``>f4``) is read
-as ``float32``. A missing chunk file (zarr does not write chunks equal to the fill value), a
-missing shard, or an empty inner chunk of a shard reads as the fill value.
+as ``float32``. A format 3 array whose numcodecs filter sits before a big-endian ``bytes``
+codec is not given to ``ZarrReader`` (zarr-python reads its values byte-swapped:
+`layout.zarr_misreads`); the direct path decodes it right. A missing chunk file (zarr
+does not write chunks equal to the fill value), a missing shard, or an empty inner chunk of
+a shard reads as the fill value.
 
 The direct reader caches each shard's index (a few KiB) the first time it reads that shard
 and checks the shard file's stamp before each use (a shard rewritten in place is indexed
@@ -64,7 +67,7 @@ from ..errors import ChunkReadError, DatasetError
 from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
 from . import buffers
 from .codecs import ChunkDecoder, DecodeError, verify_crc32c
-from .layout import ArrayLayout, parse_layout
+from .layout import ArrayLayout, parse_layout, zarr_misreads
 
 __all__ = [
     "ArrayReader",
@@ -1120,14 +1123,39 @@ def open_reader(
     layout = parse_layout(array)  # raises DatasetError for 0-d arrays
     directory, why = local_directory(array)
     if directory is None:
+        _refuse_zarr_misreads(
+            array, name, why, "Copy the store to a local disk, where dali_zarr decodes them itself"
+        )
         return ZarrReader(array, name=name, reason=why, executor=executor)
     _refuse_stale_metadata(array, directory, name)
     if force_zarr or layout.unsupported:
         reason = "force_zarr=True" if force_zarr else layout.unsupported
+        _refuse_zarr_misreads(
+            array,
+            name,
+            reason,
+            "Open it without force_zarr, where dali_zarr decodes them itself"
+            if force_zarr and not layout.unsupported
+            else "",
+        )
         return ZarrReader(
             array, name=name, reason=reason, executor=executor, directory=directory, layout=layout
         )
     return DirectReader(layout, directory, name=name, executor=executor)
+
+
+def _refuse_zarr_misreads(array: Any, name: str, why_zarr: str, direct: str) -> None:
+    """DatasetError where zarr-python, which would read ``array`` (``why_zarr``), reads its
+    values wrong (:func:`~dali_zarr.io.layout.zarr_misreads`); ``direct``: how to get the
+    direct path instead ("" where it cannot decode the array either)."""
+    problem = zarr_misreads(array)
+    if problem:
+        fix = f"{direct}, or re-write" if direct else "Re-write"
+        raise DatasetError(
+            f"{name}: zarr-python would read this array ({why_zarr}), but {problem}, so "
+            f"every chunk would arrive as other numbers. {fix} the array with "
+            "BytesCodec(endian='little')."
+        )
 
 
 def refuse_stale_metadata(array: Any, *, name: str) -> None:
