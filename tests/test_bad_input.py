@@ -391,6 +391,36 @@ def test_names_stored_as_fixed_length_bytes_read_as_text(tmp_path: Path) -> None
     assert dz.open_dataset(path, features=np.array([b"g5", b"g2"])).var_names() == ("g5", "g2")
 
 
+@pytest.mark.parametrize("key", ["obs/depth", "X/indptr"])
+def test_arrays_zarr_reads_byte_swapped_are_refused_at_open(tmp_path: Path, key: str) -> None:
+    """A v3 array with a numcodecs delta filter before a big-endian bytes codec: zarr-python
+    reads it byte-swapped (depth 3 as 50331648), and obs columns and indptr are read through
+    zarr at open: the labels arrived wrong without a word, the row offsets as "truncated"."""
+    from zarr.codecs import BytesCodec
+    from zarr.codecs import numcodecs as znc
+
+    depth = np.arange(N_OBS, dtype=np.int32) * 3
+    path = write_store(tmp_path / "a.zarr", make_adata(obs_extra={"depth": depth}))
+    group = zarr.open_group(path, mode="a")
+    parent, _, name = key.rpartition("/")
+    values = np.asarray(group[key][...]).astype(np.int32)
+    attrs = dict(group[key].attrs)
+    array = group[parent].create_array(
+        name, shape=values.shape, dtype=values.dtype, chunks=(16,), overwrite=True,
+        filters=[znc.Delta(dtype="int32")], serializer=BytesCodec(endian="big"),
+    )  # fmt: skip
+    array[...] = values
+    array.attrs.update(attrs)
+    zarr.consolidate_metadata(path)
+    assert not np.array_equal(zarr.open_array(path / key, mode="r")[...], values)
+    with pytest.raises(
+        dz.DatasetError,
+        match=rf"a\.zarr/{key}: zarr-python would read this array \(it is read whole at open\)"
+        r".*'numcodecs\.delta'.*big-endian.*Re-write the array with BytesCodec\(endian='little'\)",
+    ):
+        epoch(dz.open_dataset(path), obs=["depth"])
+
+
 def test_float16_obs_column_arrives_as_float32(tmp_path: Path) -> None:
     """A float16 column failed at the first batch ("no DALI equivalent"), naming no column."""
     import anndata as ad

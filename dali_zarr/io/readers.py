@@ -1160,7 +1160,10 @@ def _refuse_zarr_misreads(array: Any, name: str, why_zarr: str, direct: str) -> 
 
 def refuse_stale_metadata(array: Any, *, name: str) -> None:
     """:func:`_refuse_stale_metadata` for an array read whole at open (obs columns, a CSR's
-    row offsets), where it is in a local store."""
+    row offsets), where it is in a local store; and, since zarr-python reads such arrays,
+    :func:`_refuse_zarr_misreads` (a delta-filtered ``indptr`` read byte-swapped would
+    cut every row at other offsets)."""
+    _refuse_zarr_misreads(array, name, "it is read whole at open", "")
     directory, _ = local_directory(array)
     if directory is not None:
         _refuse_stale_metadata(array, directory, name)
