@@ -226,6 +226,40 @@ def test_missing_chunks_read_as_fill_value(tmp_path):
         np.testing.assert_array_equal(reader.read_rows(np.array([[0, n]])), arr[:])
 
 
+@pytest.mark.parametrize("written", ["/", "."])
+def test_chunks_under_the_other_dimension_separator_are_refused(tmp_path, written):
+    # zarr-python < 2.8's NestedDirectoryStore wrote 0/0 folders without recording "/" in
+    # .zarray: zarr then reads every chunk as the fill value, without an error
+    import json
+
+    data = np.arange(40 * 6, dtype=np.float32).reshape(40, 6) + 1
+    path = tmp_path / "a.zarr"
+    enc = {"name": "v2", "separator": written}
+    write(path, data, fmt=2, chunks=(10, 3), chunk_key_encoding=enc)
+    meta = json.loads((path / ".zarray").read_text())
+    said = meta["dimension_separator"] = "." if written == "/" else "/"
+    if written == "/":
+        del meta["dimension_separator"]  # as zarr < 2.8 wrote it: "." by default
+    (path / ".zarray").write_text(json.dumps(meta))
+    arr = zarr.open_array(str(path), mode="r")
+    assert not arr[:].any()  # what zarr reads: all fill values
+    for force_zarr in (False, True):
+        with pytest.raises(
+            DatasetError,
+            match=rf"a\.zarr: its \.zarray says chunk keys look like '0{said}0'"
+            rf".*dimension_separator '{written}'.*Add \"dimension_separator\": \"{written}\" to "
+            rf".*a\.zarr/\.zarray",
+        ):
+            open_reader(arr, name="a.zarr", force_zarr=force_zarr)
+    # the advice works
+    meta["dimension_separator"] = written
+    (path / ".zarray").write_text(json.dumps(meta))
+    check_reader(open_reader(zarr.open_array(str(path), mode="r"), name="a"), data)
+    # an array whose first chunks were never written (fill values) is not refused
+    blank = write(tmp_path / "b.zarr", np.zeros((40, 6), np.float32), fmt=2, chunks=(10, 3))
+    assert open_reader(blank, name="b").path == "direct"
+
+
 # ---------------------------------------------------------------------------- chunk reads
 
 

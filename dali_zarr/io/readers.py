@@ -35,7 +35,9 @@ as ``float32``. A format 3 array whose numcodecs filter sits before a big-endian
 codec is not given to ``ZarrReader`` (zarr-python reads its values byte-swapped:
 `layout.zarr_misreads`); the direct path decodes it right. A missing chunk file (zarr
 does not write chunks equal to the fill value), a missing shard, or an empty inner chunk of
-a shard reads as the fill value.
+a shard reads as the fill value; a format 2 array whose chunk files use the other
+``dimension_separator`` than its ``.zarray`` says (all of them would be "missing") is
+refused at open.
 
 The direct reader caches each shard's index (a few KiB) the first time it reads that shard
 and checks the shard file's stamp before each use (a shard rewritten in place is indexed
@@ -1128,6 +1130,7 @@ def open_reader(
         )
         return ZarrReader(array, name=name, reason=why, executor=executor)
     _refuse_stale_metadata(array, directory, name)
+    _refuse_other_separator(layout, directory, name)
     if force_zarr or layout.unsupported:
         reason = "force_zarr=True" if force_zarr else layout.unsupported
         _refuse_zarr_misreads(
@@ -1142,6 +1145,35 @@ def open_reader(
             array, name=name, reason=reason, executor=executor, directory=directory, layout=layout
         )
     return DirectReader(layout, directory, name=name, executor=executor)
+
+
+def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> None:
+    """DatasetError for a format 2 array whose chunks are stored under the other
+    ``dimension_separator`` than its ``.zarray`` names: zarr-python < 2.8's
+    NestedDirectoryStore wrote ``0/0`` folders without recording ``"/"``, and such an
+    array reads as fill values throughout, by zarr too, without an error. One stat at open:
+    an array holds no folders of its own, so a folder ``0`` means nested keys, and a file
+    ``0.0`` beside no such folder flat ones."""
+    if layout.zarr_format != 2 or len(layout.shape) < 2:
+        return
+    zeros = (0,) * len(layout.shape)
+    key = layout.key(zeros)
+    nested = os.path.isdir(os.path.join(directory, "0"))
+    if "/" in key and not nested:
+        found, want = ".".join(map(str, zeros)), "."
+        if not os.path.isfile(os.path.join(directory, found)):
+            return
+    elif "/" not in key and nested:
+        found, want = "/".join(map(str, zeros[:1])) + "/...", "/"
+    else:
+        return
+    raise DatasetError(
+        f"{name}: its .zarray says chunk keys look like {key!r}, but {directory} holds "
+        f"{found!r}: the chunks were written with dimension_separator {want!r} (zarr-python "
+        "< 2.8's NestedDirectoryStore did not record it), so every chunk would read as the "
+        f'fill value. Add "dimension_separator": "{want}" to '
+        f"{os.path.join(directory, '.zarray')} (and to the store's .zmetadata, if it has one)."
+    )
 
 
 def _refuse_zarr_misreads(array: Any, name: str, why_zarr: str, direct: str) -> None:
