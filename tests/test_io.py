@@ -247,7 +247,7 @@ def test_chunks_under_the_other_dimension_separator_are_refused(tmp_path, writte
         with pytest.raises(
             DatasetError,
             match=rf"a\.zarr: its \.zarray says chunk keys look like '0{said}0'"
-            rf".*dimension_separator '{written}'.*Add \"dimension_separator\": \"{written}\" to "
+            rf".*separator '{written}'.*Add \"dimension_separator\": \"{written}\" to "
             rf".*a\.zarr/\.zarray",
         ):
             open_reader(arr, name="a.zarr", force_zarr=force_zarr)
@@ -255,6 +255,17 @@ def test_chunks_under_the_other_dimension_separator_are_refused(tmp_path, writte
     meta["dimension_separator"] = written
     (path / ".zarray").write_text(json.dumps(meta))
     check_reader(open_reader(zarr.open_array(str(path), mode="r"), name="a"), data)
+    # `zarr migrate v3` of such a store keeps its keys: format 3, chunk_key_encoding "v2"
+    meta["dimension_separator"] = said
+    (path / ".zarray").write_text(json.dumps(meta))
+    from zarr.metadata.migrate_v3 import migrate_v2_to_v3
+
+    migrate_v2_to_v3(input_store=str(path))
+    assert json.loads((path / "zarr.json").read_text())["chunk_key_encoding"]["name"] == "v2"
+    migrated = zarr.open_array(str(path), mode="r", zarr_format=3)
+    assert not migrated[:].any()
+    with pytest.raises(DatasetError, match=r"its zarr\.json says .*Set the chunk_key_encoding"):
+        open_reader(migrated, name="a.zarr")
     # an array whose first chunks were never written (fill values) is not refused
     blank = write(tmp_path / "b.zarr", np.zeros((40, 6), np.float32), fmt=2, chunks=(10, 3))
     assert open_reader(blank, name="b").path == "direct"

@@ -1148,31 +1148,36 @@ def open_reader(
 
 
 def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> None:
-    """DatasetError for a format 2 array whose chunks are stored under the other
-    ``dimension_separator`` than its ``.zarray`` names: zarr-python < 2.8's
+    """DatasetError for an array with v2-style chunk keys (``0.0`` or ``0/0``: format 2, or
+    format 3 with the ``v2`` chunk key encoding that ``zarr migrate v3`` writes) whose chunks
+    are stored under the other separator than its metadata names: zarr-python < 2.8's
     NestedDirectoryStore wrote ``0/0`` folders without recording ``"/"``, and such an
     array reads as fill values throughout, by zarr too, without an error. One stat at open:
     an array holds no folders of its own, so a folder ``0`` means nested keys, and a file
     ``0.0`` beside no such folder flat ones."""
-    if layout.zarr_format != 2 or len(layout.shape) < 2:
-        return
     zeros = (0,) * len(layout.shape)
     key = layout.key(zeros)
+    if len(zeros) < 2 or not key.startswith("0"):  # one axis: "0" either way; or "c/0/0"
+        return
     nested = os.path.isdir(os.path.join(directory, "0"))
     if "/" in key and not nested:
         found, want = ".".join(map(str, zeros)), "."
         if not os.path.isfile(os.path.join(directory, found)):
             return
     elif "/" not in key and nested:
-        found, want = "/".join(map(str, zeros[:1])) + "/...", "/"
+        found, want = "0/...", "/"
     else:
         return
+    if layout.zarr_format == 2:
+        meta, fix = ".zarray", f'Add "dimension_separator": "{want}" to'
+    else:
+        meta, fix = "zarr.json", f'Set the chunk_key_encoding\'s "separator" to "{want}" in'
     raise DatasetError(
-        f"{name}: its .zarray says chunk keys look like {key!r}, but {directory} holds "
-        f"{found!r}: the chunks were written with dimension_separator {want!r} (zarr-python "
-        "< 2.8's NestedDirectoryStore did not record it), so every chunk would read as the "
-        f'fill value. Add "dimension_separator": "{want}" to '
-        f"{os.path.join(directory, '.zarray')} (and to the store's .zmetadata, if it has one)."
+        f"{name}: its {meta} says chunk keys look like {key!r}, but {directory} holds "
+        f"{found!r}: the chunks were written with separator {want!r} (zarr-python < 2.8's "
+        "NestedDirectoryStore did not record it), so every chunk would read as the fill "
+        f"value. {fix} {os.path.join(directory, meta)} (and in the store's consolidated "
+        "metadata, if it has any)."
     )
 
 
