@@ -395,7 +395,22 @@ class Loader:
         self._restore = None
         self.epoch = point.epoch
         dali = point.own_state.get("dali") if point.own_state is not None else None
-        if dali and self.enable_checkpointing:
+        saved_pipeline = dali.get("pipeline") if isinstance(dali, Mapping) else None
+        if (
+            dali
+            and self.enable_checkpointing
+            and isinstance(saved_pipeline, Mapping)
+            and saved_pipeline.get("transform") is None
+            and self.transform is None
+        ):
+            # our own operators keep no state (the rows come from the plan): a checkpoint
+            # of a pipeline without a transform has nothing to continue, and restoring it
+            # into one built with other obs, dtype, output or device fails in DALI
+            log.info(
+                "dali_zarr: the state's DALI checkpoint holds no operator state (no "
+                "transform); not restored"
+            )
+        elif dali and self.enable_checkpointing:
             self._restore = dict(dali)
         elif dali:
             log.info(
@@ -483,6 +498,24 @@ class Loader:
             "epoch_idx": self._dali_epoch,
             "iteration": self._iter0 + self._consumed,
             "bound": bound,
+            "pipeline": self._pipeline_arguments(),
+        }
+
+    def _pipeline_arguments(self) -> dict[str, Any]:
+        """The arguments that decide which DALI operators the pipeline has, as plain values:
+        a DALI checkpoint fits only a pipeline of the same operators, and a refused one is
+        explained by naming the arguments that differ."""
+        t = self.transform
+        name = None if t is None else getattr(t, "__module__", None) or ""
+        if t is not None:
+            name += "." + getattr(t, "__qualname__", type(t).__qualname__)
+        return {
+            "device": self.device,
+            "output": self.output,
+            "dtype": str(self.dtype),
+            "obs": list(self.obs),
+            "return_index": bool(self.return_index),
+            "transform": name,
         }
 
     def _check_even(self, history: tuple[Segment, ...]) -> None:
@@ -613,6 +646,24 @@ class Loader:
             self._pending, self._restore, self._pipe = pending, restore, None
             if self._source.error is not None:  # our callback failed (a bad chunk), not DALI
                 raise self._original_error(exc) from exc
+            saved, now = restore.get("pipeline"), self._pipeline_arguments()
+            diffs = [
+                f"{key}: saved {saved.get(key)!r}, now {value!r}"
+                for key, value in now.items()
+                if isinstance(saved, Mapping) and saved.get(key) != value
+            ]
+            if diffs:  # name what changed; "another transform" misled where none did
+                changed = saved.get("transform") != now["transform"]
+                what = "another transform" if changed else "other arguments"
+                raise ConfigError(
+                    f"{self.dataset.name}: the loaded state's DALI checkpoint (state['dali']) "
+                    "does not fit this Loader's DALI pipeline: it was saved by a Loader with "
+                    f"{what} (other DALI operators): {'; '.join(diffs)}. Build the Loader "
+                    "with the arguments that saved the state, or with "
+                    "enable_checkpointing=False to resume the same rows without DALI's "
+                    "operator state (random ops in the transform then restart from their "
+                    f"seeds). DALI said: {exc}"
+                ) from exc
             raise ConfigError(
                 f"{self.dataset.name}: the loaded state's DALI checkpoint (state['dali']) "
                 "does not fit this Loader's DALI pipeline: it was saved by a Loader with "

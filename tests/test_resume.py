@@ -317,6 +317,37 @@ def test_a_dali_checkpoint_of_another_transform_is_refused_by_name(store) -> Non
             assert len(take(ld, 0)) == ld.plan().n_batches - 5
 
 
+def test_a_dali_checkpoint_of_other_loader_arguments_is_named_or_not_needed(store) -> None:
+    """A DALI checkpoint fits only a pipeline of the same operators: one saved with other
+    obs columns, dtype, output or device was refused as if the transform had changed ("saved
+    by a Loader with another transform"), also where neither loader has a transform, whose
+    pipeline holds no operator state to continue. Without a transform on either side the
+    checkpoint is not needed and the rows resume; with one, the refusal names what differs."""
+    from nvidia.dali import fn
+
+    def noisy(outputs: dict) -> dict:
+        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
+        return outputs
+
+    full = cat(b["index"] for b in take(loader(store, sampler()), 0))
+    saved = {}
+    for name, transform in (("plain", None), ("noisy", noisy)):
+        with loader(store, sampler(), transform=transform, enable_checkpointing=True) as run:
+            got = take(run, 0, stop=5)
+            saved[name] = roundtrip(run.state_dict())
+    for changed in (dict(obs=["cell_type"]), dict(dtype="float16"), dict(output="csr")):
+        with loader(store, sampler(), enable_checkpointing=True, **changed) as ld:
+            ld.load_state_dict(saved["plain"])
+            rest = [b["index"].numpy() for b in ld]
+        np.testing.assert_array_equal(cat([b["index"] for b in got] + rest), full)
+    with loader(
+        store, sampler(), transform=noisy, enable_checkpointing=True, obs=["cell_type"]
+    ) as ld:
+        ld.load_state_dict(saved["noisy"])
+        with pytest.raises(ConfigError, match=r"obs: saved \[\], now \['cell_type'\]"):
+            take(ld, 0)
+
+
 def test_a_dali_checkpoint_after_a_failed_batch_loses_no_batch(tmp_path: Path) -> None:
     """DALI's iterator counts a batch before the read behind it fails; its checkpoint then
     resumed one batch late, and that batch was never delivered. The state is saved without
