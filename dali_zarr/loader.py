@@ -339,7 +339,23 @@ class Loader:
             dali = self._dali_checkpoint(bound=True)
         else:
             epoch, history, consumed = self.epoch, (), 0
-            dali = self._dali_checkpoint(bound=False)
+            drained = True
+            if self.enable_checkpointing and self._open_epoch and self._iterator is not None:
+                # a loop was left early: the next loop first drains what DALI prefetched,
+                # drawing the transform's random ops for it; a checkpoint taken before that
+                # resumed the ops short of those draws (other values than the run's)
+                try:
+                    self._end_left_loop()
+                except Exception as exc:
+                    log.warning(
+                        "dali_zarr: the batches DALI had prefetched past the loop left early "
+                        "failed (%s); the state is saved without DALI's checkpoint (the data "
+                        "position is exact; DALI operators restart from their initial state "
+                        "on resume)",
+                        exc,
+                    )
+                    drained = False
+            dali = self._dali_checkpoint(bound=False) if drained else None
             if dali is None and self._restore is not None:
                 dali = {**self._restore, "bound": False}
         return make_state(
@@ -611,15 +627,7 @@ class Loader:
             self._iterator = self._restored_iterator(pipe, restore, pending)
             self._open_epoch, self._consumed = True, 0
         if self._open_epoch:  # the last loop was left early: drain what DALI prefetched
-            self._source.cut_epoch(self._dali_epoch, self._iter0 + self._consumed)
-            # next(), not `for`: iter() on a DALI iterator resets it when its pipeline has
-            # already reached the end (the loop stopped at exactly len(self) batches, as
-            # Lightning does), which would skip the next epoch
-            while True:
-                try:
-                    next(self._iterator)
-                except StopIteration:
-                    break
+            self._end_left_loop()
         self._dali_epoch += 1
         self._source.bind_epoch(
             self._dali_epoch, self.epoch, history=history, start=start, next_epoch=next_epoch
@@ -630,6 +638,21 @@ class Loader:
         self._iter0 = 0
         self._dali_ahead = False
         return self._iterator
+
+    def _end_left_loop(self) -> None:
+        """End the DALI epoch of a loop left early: drain the batches DALI had prefetched past
+        the last one handed out (their rows are not delivered; the transform's random ops
+        have run on them)."""
+        self._source.cut_epoch(self._dali_epoch, self._iter0 + self._consumed)
+        # next(), not `for`: iter() on a DALI iterator resets it when its pipeline has
+        # already reached the end (the loop stopped at exactly len(self) batches, as
+        # Lightning does), which would skip the next epoch
+        while True:
+            try:
+                next(self._iterator)
+            except StopIteration:
+                break
+        self._open_epoch = False
 
     def _restored_iterator(
         self, pipe: Any, restore: dict[str, Any], pending: ResumePoint | None

@@ -289,6 +289,36 @@ def test_dali_checkpoint_restores_random_ops(store) -> None:
             np.testing.assert_array_equal(a["X"], b["X"])
 
 
+def test_a_dali_checkpoint_after_a_loop_left_early_continues_the_random_ops(store) -> None:
+    """A loop left early (break) leaves batches DALI had prefetched, the transform's random
+    ops already drawn for them; the next loop drains them first. A state saved before that
+    loop restored the ops at the last batch handed out, short of those draws, so the resumed
+    epoch's random values differed from the uninterrupted run's."""
+    from nvidia.dali import fn
+
+    def noisy(outputs: dict) -> dict:
+        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
+        return outputs
+
+    def make() -> dz.Loader:
+        return loader(store, sampler(), transform=noisy, enable_checkpointing=True)
+
+    for stop in (1, 3):
+        with make() as run:
+            take(run, 0, stop=stop)
+            run.set_epoch(1)
+            state = roundtrip(run.state_dict())
+            want = take(run, 1)
+        assert (state["epoch"], state["consumed"]) == (1, 0)
+        with make() as resumed:
+            resumed.load_state_dict(state)
+            got = take(resumed, 1)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a["index"], b["index"])
+            np.testing.assert_array_equal(a["noise"], b["noise"])
+
+
 def test_a_dali_checkpoint_of_another_transform_is_refused_by_name(store) -> None:
     """A state whose DALI checkpoint came from a pipeline with other operators (another
     transform) failed at the first batch with DALI's bare RuntimeError ("There's no
