@@ -246,6 +246,47 @@ def test_elastic_resume(store, reference, old_world, new_world, stop, as_list, o
     )
 
 
+def test_a_run_that_delivered_nothing_of_the_epoch_adds_no_split(store) -> None:
+    """A state saved at an epoch's start (after set_epoch, before its first batch) and
+    loaded on another number of ranks was replanned as the remainder of a run that had
+    delivered nothing: the old world's split and then the new one's each left rows out
+    (2 -> 3 ranks: 900 rows where a 3-rank epoch delivers 990), in other batches than the
+    new world's epoch; a restart that saved before its first step lost rows again. Such a
+    run is no segment of the epoch's history: the new world runs the epoch's normal plan
+    (or the remainder of the runs before)."""
+    states = []
+    for r in range(2):
+        with loader(store, sampler(2, r)) as ld:
+            take(ld, 0)
+            ld.set_epoch(1)
+            states.append(roundtrip(ld.state_dict()))
+    for r in range(3):
+        with loader(store, sampler(3, r)) as ld:
+            ld.load_state_dict(states if r else states[0])
+            got = [b["index"].tolist() for b in take(ld, 1)]
+        assert got == [b.tolist() for b in plan_ids(sampler(3, r).plan_epoch(N_OBS, 1))]
+    # 2 ranks stop after 3 batches; 3 ranks load it and save before their first step; 2
+    # ranks finish the epoch: the rows of going 2 -> 2 directly (in the remainder plan's
+    # batches), none left out on the way
+    done, mid, chained, direct = [], [], [], []
+    for r in range(2):
+        with loader(store, sampler(2, r)) as ld:
+            done += [b["index"] for b in take(ld, 0, stop=3)]
+            states[r] = roundtrip(ld.state_dict())
+    for r in range(3):
+        with loader(store, sampler(3, r)) as ld:
+            ld.load_state_dict(states)
+            mid.append(roundtrip(ld.state_dict()))
+    for r in range(2):
+        for loaded, out in ((mid, chained), (states, direct)):
+            with loader(store, sampler(2, r)) as ld:
+                ld.load_state_dict(loaded)
+                out += [b["index"] for b in take(ld, 0)]
+    np.testing.assert_array_equal(np.sort(cat(chained)), np.sort(cat(direct)))
+    everything = cat(done + chained)
+    assert len(np.unique(everything)) == len(everything)
+
+
 # --------------------------------------------------------------------------- DALI checkpoints
 
 

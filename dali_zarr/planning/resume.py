@@ -21,7 +21,8 @@ restarted job needs:
 
 An epoch may be resumed elastically more than once: the state keeps the earlier runs of the
 epoch as a ``history`` of :class:`Segment` (world size and batches consumed per rank), and
-the remainder of the remainder is planned the same way.
+the remainder of the remainder is planned the same way. A run that delivered nothing of the
+epoch (saved before its first batch) is no segment: its split would only leave rows out.
 
 **How many batches each old rank consumed.** :func:`resume_point` takes one state or the
 list of all old ranks' states. A list gives every rank's exact count. A single state
@@ -607,4 +608,9 @@ def resume_point(
             )
     if world_size == old_world:
         return ResumePoint(epoch, history, consumed[rank], by_rank.get(rank))
+    if not any(consumed):
+        # the run delivered nothing of the epoch (saved before its first step): as a segment
+        # its split would only leave rows out, and the new world would not run the epoch's
+        # normal plan after a checkpoint taken at its start
+        return ResumePoint(epoch, history, 0, None)
     return ResumePoint(epoch, (*history, Segment(old_world, tuple(consumed))), 0, None)
