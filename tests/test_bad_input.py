@@ -784,6 +784,48 @@ def test_values_rewritten_in_place_are_read_anew(tmp_path: Path, where: str, sha
     np.testing.assert_array_equal(got, new)
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_a_collection_of_like_stores_reads_values_rewritten_in_place_and_names_a_bad_chunk(
+    tmp_path: Path, where: str
+) -> None:
+    """Stores written alike (a collection of plates) share one byte plan per array on the GPU
+    path, run through a stand-in reader of all of them that had no
+    ``forget_changed_chunks``: a chunk rewritten in place, and a corrupted one, ended the
+    epoch in a bare AttributeError. The rewrite now reads anew, and the damage is named by
+    its store and chunk, as on the CPU path."""
+    paths = []
+    for k in range(2):
+        z = zarr.create_array(
+            tmp_path / f"plate{k}.zarr", shape=(400, 16), chunks=(10, 16), dtype="float32",
+            compressors=zarr.codecs.ZstdCodec(),
+        )  # fmt: skip
+        z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16) + k
+        paths.append(tmp_path / f"plate{k}.zarr")
+    loader = dz.Loader(
+        dz.open_dataset(paths), sampler(), return_index=True, num_threads=1, **_device(where)
+    )
+    new = np.random.default_rng(0).standard_normal((400, 16)).astype(np.float32)
+    try:
+        assert sum(len(b["X"]) for b in loader) == 800
+        zarr.open_array(paths[1], mode="r+")[...] = new  # incompressible: other sizes
+        loader.set_epoch(1)
+        got = np.zeros((800, 16), dtype=np.float32)
+        for batch in loader:
+            got[batch["index"].cpu().numpy()] = batch["X"].cpu().numpy()
+        np.testing.assert_array_equal(got[400:], new)
+    finally:
+        loader.close()
+    with open(paths[1] / "c" / "3" / "0", "r+b") as f:
+        f.write(b"garbage!")  # not a zstd frame any more
+    loader = dz.Loader(dz.open_dataset(paths), sampler(), num_threads=1, **_device(where))
+    try:
+        with pytest.raises(dz.ChunkReadError, match=r"plate1\.zarr: chunk 'c/3/0'"):
+            for _ in loader:
+                pass
+    finally:
+        loader.close()
+
+
 @pytest.mark.parametrize("compressors", [None, "zstd"])
 def test_a_shard_rewritten_to_fill_values_reads_as_fill(tmp_path: Path, compressors) -> None:
     """zarr deletes a shard whose values are all set to the fill value (metadata unchanged).

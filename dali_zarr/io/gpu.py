@@ -424,8 +424,9 @@ def place_plan(
 
 class StoreReaders:
     """Stands in for the reader of a plan of several stores' arrays (:func:`window_plans`):
-    the executors ask a plan's reader only for chunk errors and a thread pool, and a chunk
-    error must name the store, array and chunk it came from.
+    the executors ask a plan's reader only for chunk errors and a thread pool (the window
+    reader also asks it to forget chunk files that changed), and a chunk error must name
+    the store, array and chunk it came from.
 
     The plan numbers chunks ``bases[i] + chunk`` for the ``i``-th reader's chunks.
     """
@@ -442,6 +443,11 @@ class StoreReaders:
         i = int(np.searchsorted(self.bases, coords[0], side="right")) - 1
         local = (int(coords[0] - self.bases[i]), *coords[1:])
         return self.readers[i].chunk_error(local, problem)
+
+    def forget_changed_chunks(self) -> bool:
+        """Every store's :meth:`DirectReader.forget_changed_chunks` (each asked, none
+        skipped): a failed joint plan is planned again where any store's chunks changed."""
+        return any([reader.forget_changed_chunks() for reader in self.readers])
 
 
 def window_plans(
