@@ -215,6 +215,36 @@ def test_collection_concatenates_and_merges_categories(tmp_path: Path) -> None:
     np.testing.assert_array_equal(names[got["cell_type"]], np.concatenate(labels)[got["index"]])
 
 
+def test_an_opened_dataset_pickles_and_reads_the_same_batches(
+    sc_store: Path, tmp_path: Path
+) -> None:
+    """An opened dataset goes to spawned processes by pickle (Lightning's
+    ``strategy="ddp_spawn"`` after ``dm.setup()``, or ``ZarrDataModule(data=dataset)``):
+    every dataset failed with "cannot pickle '_thread.lock' object" (the direct reader's
+    lock). The copy reads the same rows."""
+    import pickle
+
+    dense = tmp_path / "dense.zarr"
+    zarr.create_array(
+        dense, data=np.arange(4_000, dtype=np.float32).reshape(400, 10), chunks=(64, 10)
+    )
+    csr = dz.open_dataset(sc_store)
+    datasets = {
+        "csr": csr,
+        "dense": dz.open_dataset(dense),
+        "subset": dz.Subset(csr, np.arange(0, 3_001, 3)),
+        "collection": dz.open_dataset([sc_store, sc_store]),
+        "features": dz.FeatureSubset(csr, [3, 1]),
+    }
+    for name, dataset in datasets.items():
+        run_epoch(dz.Loader(dataset, sampler(), return_index=True))  # used before it travels
+        copy = pickle.loads(pickle.dumps(dataset))
+        got, want = (run_epoch(dz.Loader(d, sampler(), return_index=True)) for d in (copy, dataset))
+        assert got.keys() == want.keys(), name
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=name)
+
+
 # --- epochs, determinism, leaving a loop early ----------------------------------------------
 
 

@@ -427,6 +427,19 @@ class DirectReader:
         (see :class:`_MetadataWatch`)."""
         self._watch.check()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable (an opened dataset goes to spawned processes: Lightning's
+        ``strategy="ddp_spawn"``, multiprocessing): the lock is made anew there; a thread
+        pool of the caller's cannot travel, the copy reads with the default pool."""
+        state = self.__dict__.copy()
+        del state["_count_lock"]
+        state["_executor"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._count_lock = threading.Lock()
+
     def __repr__(self) -> str:
         return f"DirectReader({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
