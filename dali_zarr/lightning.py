@@ -21,7 +21,9 @@ Splits come from a categorical obs column (``split_column="split"`` with values 
   evaluation step. (Lightning's epoch-level ``sync_dist=True`` averages the ranks' means,
   which is not exact when the ranks hold different counts.)
 - An eval split needs at least one observation per rank (Lightning refuses a rank with an
-  empty evaluation loader); a smaller one raises a ConfigError.
+  empty evaluation loader); a smaller one raises a ConfigError. An empty val split (none
+  given in ``splits``, or no row with its label) gives no val loader: Lightning skips
+  validation, with a warning; an empty test split raises.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_warn
 
 from dali_zarr.data.dataset import Dataset, Source, open_dataset
 from dali_zarr.data.subset import Subset
@@ -236,7 +239,13 @@ class ZarrDataModule(LightningDataModule):
     def train_dataloader(self) -> Loader:
         return self._loader("train")
 
-    def val_dataloader(self) -> Loader:
+    def val_dataloader(self) -> Loader | list[Loader]:
+        """The val loader; none (``[]``: Lightning then skips validation, with a warning) where
+        the val split is empty: ``splits`` without "val", or no row with its label (a model's
+        ``validation_step`` must not make a datamodule without val rows unusable for fit)."""
+        if not self._split_size("val"):
+            rank_zero_warn(f"ZarrDataModule: {self._empty_reason('val')}; validation is skipped.")
+            return []
         return self._loader("val")
 
     def test_dataloader(self) -> Loader:
@@ -259,18 +268,25 @@ class ZarrDataModule(LightningDataModule):
         if split not in SPLITS:
             raise ConfigError(f"unknown split {split!r}; use one of {SPLITS}.")
         self.setup()
-        rows = self.split_rows.get(split)
-        if rows is None or len(rows) == 0:
-            how = (
-                f"no observation has {self.split_column}={self.split_labels.get(split)!r}"
-                if self.splits is None
-                else "no rows were given for it in splits"
-            )
-            raise ConfigError(f"split {split!r} is empty: {how}.")
+        if not self._split_size(split):
+            raise ConfigError(f"{self._empty_reason(split)}.")
         assert self.dataset is not None
-        return Subset(self.dataset, rows)
+        return Subset(self.dataset, self.split_rows[split])
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _split_size(self, split: str) -> int:
+        self.setup()
+        return len(self.split_rows.get(split, ()))
+
+    def _empty_reason(self, split: str) -> str:
+        if self.splits is not None:
+            how = "no rows were given for it in splits"
+        elif split not in self.split_labels:
+            how = f"split_labels give it no value of {self.split_column!r}"
+        else:
+            how = f"no observation has {self.split_column}={self.split_labels[split]!r}"
+        return f"split {split!r} is empty: {how}"
 
     def _find_split_rows(self, dataset: Dataset) -> dict[str, np.ndarray]:
         """Each split's rows, from ``splits`` or from ``split_column``'s labels; splits that

@@ -230,8 +230,10 @@ def main(argv: list[str] | None = None) -> int:
         enable_model_summary=False,
     )
     trainer.fit(model, datamodule=dm)
-    if not args.no_test:
+    if not args.no_test and len(dm.split_rows.get("test", ())):
         trainer.test(model, datamodule=dm, verbose=False)
+    elif not args.no_test and trainer.global_rank == 0:  # --n-test 0: nothing to test
+        print("no test rows (split 'test' is empty): trainer.test skipped")
     rank = trainer.global_rank
     if rank == 0:
         print(json.dumps({k: v for k, v in model.record.items() if v}))

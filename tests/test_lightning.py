@@ -428,3 +428,28 @@ def test_device_auto_follows_the_trainer(split_store: str) -> None:
     alone.teardown("fit")
     with pytest.raises(dz.ConfigError, match="device='tpu'"):
         ZarrDataModule(data=split_store, device="tpu")
+
+
+def test_no_val_rows_fit_without_validation_and_an_empty_test_split_raises(
+    split_store: str,
+) -> None:
+    """``splits`` without "val" (or a column without val rows: lightning_train.py
+    ``--n-val 0``, which its parser takes) made every fit of a model with a
+    ``validation_step`` fail in its sanity check ("split 'val' is empty"). There is no val
+    loader now, so Lightning skips validation, and every train row is delivered."""
+    codes = split_codes(split_store)
+    train_rows = np.flatnonzero(codes == 0)
+    dm = ZarrDataModule(
+        data=split_store, splits={"train": train_rows}, chunk_size=32, preload_nchunks=4,
+        batch_size=64, obs=["cell_type"], return_index=True,
+    )  # fmt: skip
+    fitted = model()
+    with pytest.warns(UserWarning, match="split 'val' is empty: no rows were given"):
+        trainer(max_epochs=1).fit(fitted, datamodule=dm)
+    np.testing.assert_array_equal(np.sort(fitted.ids["train0"]), train_rows)
+    assert "val0" not in fitted.ids
+    with pytest.raises(ConfigError, match="split 'test' is empty"):
+        trainer().test(fitted, datamodule=dm)
+    labels = ZarrDataModule(data=split_store, split_labels={"train": "train"})
+    with pytest.warns(UserWarning, match="split_labels give it no value of 'split'"):
+        assert labels.val_dataloader() == []
