@@ -132,7 +132,8 @@ class ZarrDataModule(LightningDataModule):
     Sampling: ``chunk_size``, ``preload_nchunks`` (unset: what ``dali-zarr inspect``
     suggests for the split's rows, from the store's chunking), ``batch_size``
     (``eval_batch_size`` for val/test, default ``batch_size``), ``seed`` (the same on every
-    rank; ``None`` draws one on rank 0 and broadcasts it), ``shard``. Loading: ``obs``
+    rank; ``None`` draws one on rank 0 and broadcasts it, once per module; Lightning's
+    checkpoints keep it, so ``fit(ckpt_path=...)`` resumes with it), ``shard``. Loading: ``obs``
     columns, ``output``, ``return_index``, ``dtype``, ``device`` (``"auto"`` follows the
     trainer: the GPU path on its CUDA device when usable, the CPU path for a CPU trainer),
     and ``loader_kwargs`` for the other :class:`Loader` arguments (``num_threads``,
@@ -214,6 +215,9 @@ class ZarrDataModule(LightningDataModule):
         self.dataset: Dataset | None = data if isinstance(data, Dataset) else None
         self.split_rows: dict[str, np.ndarray] = {}
         self._loaders: dict[tuple[str, int, int], Loader] = {}
+        # seed=None: the train seed drawn once (rank 0's), kept in Lightning's checkpoints by
+        # state_dict, so that a resumed fit plans the same epochs as the run that saved it
+        self._drawn_seed: int | None = None
         # the sampler settings checked now, not at the first batch
         for name, value in (("chunk_size", chunk_size), ("preload_nchunks", preload_nchunks)):
             if value is not None:
@@ -255,6 +259,18 @@ class ZarrDataModule(LightningDataModule):
         for loader in self._loaders.values():
             loader.close()
         self._loaders.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What Lightning saves of the module in a checkpoint: with ``seed=None``, the seed
+        the train loader drew (its position is in the loader's own state, which refuses a
+        resume under another seed)."""
+        return {} if self._drawn_seed is None else {"seed": self._drawn_seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restored by Lightning before the train loader is built (``fit(ckpt_path=...)``):
+        with ``seed=None`` the saved seed is taken instead of drawing a new one."""
+        if self.seed is None and state_dict.get("seed") is not None:
+            self._drawn_seed = int(state_dict["seed"])
 
     def on_exception(self, exception: BaseException) -> None:
         """A failed fit skips ``teardown``: close the loaders here (their pipelines and read
@@ -388,12 +404,14 @@ class ZarrDataModule(LightningDataModule):
                 batch_size=batch_size,
                 shuffle=train,
                 drop_last=False,
-                seed=self.seed if train else 0,  # unshuffled: the seed is unused
-            ),
+                seed=(self._drawn_seed if self.seed is None else self.seed) if train else 0,
+            ),  # unshuffled (val/test): the seed is unused
             dist_info=dist_info,
             enforce_equal_batches=train,
             shard=self.shard if train else "chunks",
         )
+        if train and self.seed is None:
+            self._drawn_seed = int(sampler.seed)
         most = PlanSettings.of(sampler).max_world(n_obs=subset.n_obs)
         if train and world > most:  # refused here, with what this module lets you change
             each = max(1, subset.n_obs // world)

@@ -453,3 +453,39 @@ def test_no_val_rows_fit_without_validation_and_an_empty_test_split_raises(
     labels = ZarrDataModule(data=split_store, split_labels={"train": "train"})
     with pytest.warns(UserWarning, match="split_labels give it no value of 'split'"):
         assert labels.val_dataloader() == []
+
+
+def test_seed_none_resumes_from_a_checkpoint_with_the_drawn_seed(
+    split_store: str, tmp_path
+) -> None:
+    """``ZarrDataModule(seed=None)`` drew a new seed in the resumed process, and the train
+    loader refused the checkpoint's state ("sampler seed: saved ..., now ...", advising a
+    ChunkSampler the module builds itself): no such fit could resume. Lightning keeps the
+    drawn seed in the checkpoint (the module's state_dict); the resumed run continues the
+    same stream."""
+
+    def dm(seed: int | None) -> ZarrDataModule:
+        return ZarrDataModule(
+            data=split_store, chunk_size=32, preload_nchunks=4, batch_size=64, seed=seed,
+            obs=["cell_type"], return_index=True,
+        )  # fmt: skip
+
+    fit = dict(max_epochs=2, limit_val_batches=0, num_sanity_val_steps=0)
+    first = model()
+    trainer(
+        max_steps=5,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)],
+        enable_checkpointing=True,
+        **fit,
+    ).fit(first, datamodule=dm(None))
+    (path,) = tmp_path.glob("*.ckpt")
+    rest = model()
+    trainer(**fit).fit(rest, datamodule=dm(None), ckpt_path=path)
+    seed = torch.load(path, weights_only=False)["ZarrDataModule"]["seed"]
+    whole = model()
+    trainer(**fit).fit(whole, datamodule=dm(seed))
+    np.testing.assert_array_equal(
+        np.concatenate([np.concatenate(first._ids["train"]), rest.ids["train0"]]),
+        whole.ids["train0"],
+    )
+    np.testing.assert_array_equal(rest.ids["train1"], whole.ids["train1"])
