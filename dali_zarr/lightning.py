@@ -68,7 +68,9 @@ class _EpochForwarder:
 
 
 class TrainLoader(Loader):
-    """The train :class:`Loader` as Lightning expects a dataloader to look.
+    """The train :class:`Loader` as Lightning expects a dataloader to look: build this one,
+    with the Loader's arguments, for a Lightning train loader of your own (a plain Loader
+    is never reshuffled by the trainer, and a resumed one ends its epoch early).
 
     - ``batch_sampler.sampler.set_epoch`` reaches :meth:`Loader.set_epoch`, so the trainer's
       epoch reshuffles every epoch.

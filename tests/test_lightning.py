@@ -489,3 +489,37 @@ def test_seed_none_resumes_from_a_checkpoint_with_the_drawn_seed(
         whole.ids["train0"],
     )
     np.testing.assert_array_equal(rest.ids["train1"], whole.ids["train1"])
+
+
+def test_a_train_loader_of_your_own_reshuffles_and_resumes_exactly(
+    split_store: str, tmp_path
+) -> None:
+    """README: a train loader given to Lightning directly must be a TrainLoader. A plain
+    Loader kept epoch 0's order every epoch (Lightning's set_epoch did not reach it) and,
+    resumed at step 5, Lightning ended the epoch at its len() after load_state_dict (what
+    was left) counting from step 5: 304 of 1,200 rows never came. Both hold for TrainLoader."""
+    from dali_zarr.lightning import TrainLoader
+
+    def loader() -> TrainLoader:
+        ds = dz.open_dataset(split_store)
+        sampler = dz.ChunkSampler(chunk_size=32, preload_nchunks=4, batch_size=64, seed=0)
+        return TrainLoader(ds, sampler, obs=["cell_type"], return_index=True)
+
+    whole = model()
+    trainer(max_epochs=2).fit(whole, train_dataloaders=loader())
+    assert not np.array_equal(whole.ids["train0"], whole.ids["train1"])
+    first = model()
+    trainer(
+        max_epochs=2,
+        max_steps=5,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=5, save_top_k=-1)],
+        enable_checkpointing=True,
+    ).fit(first, train_dataloaders=loader())
+    (path,) = tmp_path.glob("*.ckpt")
+    rest = model()
+    trainer(max_epochs=2).fit(rest, train_dataloaders=loader(), ckpt_path=path)
+    np.testing.assert_array_equal(
+        np.concatenate([np.concatenate(first._ids["train"]), rest.ids["train0"]]),
+        whole.ids["train0"],
+    )
+    np.testing.assert_array_equal(rest.ids["train1"], whole.ids["train1"])
