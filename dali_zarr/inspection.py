@@ -564,13 +564,18 @@ def format_report(report: StoreReport) -> str:
         else:
             lines.append("  obs columns: none")
     s = r.suggestion
+    # a window that holds no batch is not "0 rows" beside the warning that says why
+    window = (
+        f"a window is {s.window_rows:,} rows, ~{s.window_mib:,.1f} MiB decoded"
+        + (f"; the store's {r.n_obs:,} fit in one" if 0 < r.n_obs < s.window_rows else "")
+        if s.window_rows
+        else f"a window of {s.chunk_size * s.preload_nchunks:,} rows holds no batch: see the "
+        "warning"
+    )
     lines += [
         "",
         f"  suggested: chunk_size={s.chunk_size}, preload_nchunks={s.preload_nchunks} "
-        f"(batch_size={s.batch_size}: a window is {s.window_rows:,} rows, "
-        f"~{s.window_mib:,.1f} MiB decoded"
-        + (f"; the store's {r.n_obs:,} fit in one" if 0 < r.n_obs < s.window_rows else "")
-        + ")",
+        f"(batch_size={s.batch_size}: {window})",
         f"  store rows per chunk: {s.rows_per_store_chunk:,.1f}; store chunk bytes decoded "
         f"per byte of rows used: ~{s.read_amplification:.2f}",
         *([f"  warning: {s.warning}"] if s.warning else []),

@@ -517,6 +517,16 @@ def test_inspect_v3_sharded_zstd(sc_store, capsys):
     assert "gpu-decode" in text and "suggested: chunk_size=" in text and "rule:" in text
 
 
+def test_inspect_of_rows_too_wide_for_a_window_of_a_batch_says_so_once(tmp_path, capsys):
+    """Rows so wide that 1 GiB holds no batch: the suggested line said "a window is 0 rows,
+    ~0.0 MiB decoded" beside the warning that the window of 256 rows holds no batch."""
+    path = tmp_path / "frames.zarr"
+    zarr.create_array(path, shape=(40, 1024, 1024), dtype="float32", chunks=(1, 1024, 1024))
+    assert run("inspect", path, "--batch-size", 5000) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "suggested:" in x]
+    assert line.endswith("(batch_size=5000: a window of 256 rows holds no batch: see the warning)")
+
+
 def test_inspect_v2_blosc_and_fallback(tmp_path, capsys):
     v2 = synthetic.make_single_cell(tmp_path / "v2.zarr", n_obs=400, n_features=60, zarr_format=2)
     report = inspect_json(v2, capsys)
