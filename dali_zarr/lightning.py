@@ -262,6 +262,15 @@ class ZarrDataModule(LightningDataModule):
             loader.close()
         self._loaders.clear()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its loaders (DALI pipelines, reader threads: not picklable), as
+        Lightning's ``strategy="ddp_spawn"`` sends the module to each rank: a module whose
+        loaders were built (``len(dm.train_dataloader())`` before fit) failed with "cannot
+        pickle '_queue.SimpleQueue' object". Each process builds its own."""
+        state = self.__dict__.copy()
+        state["_loaders"] = {}
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """What Lightning saves of the module in a checkpoint: with ``seed=None``, the seed
         the train loader drew (its position is in the loader's own state, which refuses a

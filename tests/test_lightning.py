@@ -523,3 +523,20 @@ def test_a_train_loader_of_your_own_reshuffles_and_resumes_exactly(
         whole.ids["train0"],
     )
     np.testing.assert_array_equal(rest.ids["train1"], whole.ids["train1"])
+
+
+def test_a_module_whose_loaders_were_built_pickles_without_them(split_store: str) -> None:
+    """``strategy="ddp_spawn"`` pickles the datamodule to every rank: one whose train loader
+    was built first (``len(dm.train_dataloader())``) failed with "cannot pickle
+    '_queue.SimpleQueue' object". The copy builds its own loaders and reads the same rows."""
+    import pickle
+
+    dm = make_dm(split_store)
+    loader = dm.train_dataloader()
+    want = [b["index"].numpy() for b in loader]
+    copy = pickle.loads(pickle.dumps(dm))
+    assert dm._loaders and not copy._loaders
+    got = [b["index"].numpy() for b in copy.train_dataloader()]
+    np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
+    copy.teardown()
+    dm.teardown()
