@@ -13,6 +13,7 @@ Under several JAX processes (``jax.distributed.initialize``) pass
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -61,11 +62,6 @@ class JaxLoader(Loader):
     ``jax.config.update("jax_enable_x64", True)`` was set.
     """
 
-    def __init__(self, dataset, sampler, **kwargs: Any) -> None:
-        super().__init__(dataset, sampler, **kwargs)
-        if not jax.config.read("jax_enable_x64"):
-            self._check_int32_fits()
-
     # -- adapter hooks --------------------------------------------------------------------------
 
     def _make_iterator(self, pipe, names: list[str]) -> _JaxIterator:
@@ -90,32 +86,43 @@ class JaxLoader(Loader):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _check_int32_fits(self) -> None:
-        hint = (
-            'call jax.config.update("jax_enable_x64", True) (or set JAX_ENABLE_X64=1) before '
-            "creating the loader, so that JAX keeps 64-bit integers."
-        )
-        n = self.dataset.n_obs
-        if self.return_index and n:
-            last = int(np.max(self.dataset.global_ids(np.array([0, n - 1], dtype=np.int64))))
-            if last > _INT32_MAX:
-                raise ConfigError(
-                    f"{self.dataset.name}: observation ids reach {last}, beyond int32, and JAX "
-                    f"runs in 32-bit mode, which would wrap batch['index']; {hint}"
-                )
-        if self.output == "csr" and self.dataset.n_features - 1 > _INT32_MAX:
+    def _check_outputs(
+        self, dataset: Any, *, output: str, obs: Sequence[str], return_index: bool
+    ) -> None:
+        """JAX's 32-bit mode would wrap ids, column ids or obs values beyond int32: refused
+        among the ranks' checks (a rank refused after them left the others waiting), unless
+        ``jax_enable_x64`` is set."""
+        if not jax.config.read("jax_enable_x64"):
+            _check_int32_fits(dataset, output=output, obs=obs, return_index=return_index)
+
+
+def _check_int32_fits(dataset: Any, *, output: str, obs: Sequence[str], return_index: bool) -> None:
+    """ConfigError where an output JAX's 32-bit mode would hand out exceeds int32."""
+    hint = (
+        'call jax.config.update("jax_enable_x64", True) (or set JAX_ENABLE_X64=1) before '
+        "creating the loader, so that JAX keeps 64-bit integers."
+    )
+    n = dataset.n_obs
+    if return_index and n:
+        last = int(np.max(dataset.global_ids(np.array([0, n - 1], dtype=np.int64))))
+        if last > _INT32_MAX:
             raise ConfigError(
-                f"{self.dataset.name}: {self.dataset.n_features} features, so column ids reach "
-                f"{self.dataset.n_features - 1}, beyond int32, and JAX runs in 32-bit mode, "
-                f"which would wrap the BCSR's indices; {hint}"
+                f"{dataset.name}: observation ids reach {last}, beyond int32, and JAX "
+                f"runs in 32-bit mode, which would wrap batch['index']; {hint}"
             )
-        for name in self.obs:
-            values = self.dataset.obs_column(name).values
-            if values.dtype.kind in "iu" and values.dtype.itemsize == 8 and len(values):
-                low, high = int(values.min()), int(values.max())
-                if low < -_INT32_MAX - 1 or high > _INT32_MAX:
-                    raise ConfigError(
-                        f"{self.dataset.name}: obs column {name!r} holds values in "
-                        f"[{low}, {high}], beyond int32, and JAX runs in 32-bit mode, which "
-                        f"would wrap them; {hint}"
-                    )
+    if output == "csr" and dataset.n_features - 1 > _INT32_MAX:
+        raise ConfigError(
+            f"{dataset.name}: {dataset.n_features} features, so column ids reach "
+            f"{dataset.n_features - 1}, beyond int32, and JAX runs in 32-bit mode, "
+            f"which would wrap the BCSR's indices; {hint}"
+        )
+    for name in obs:
+        values = dataset.obs_column(name).values
+        if values.dtype.kind in "iu" and values.dtype.itemsize == 8 and len(values):
+            low, high = int(values.min()), int(values.max())
+            if low < -_INT32_MAX - 1 or high > _INT32_MAX:
+                raise ConfigError(
+                    f"{dataset.name}: obs column {name!r} holds values in "
+                    f"[{low}, {high}], beyond int32, and JAX runs in 32-bit mode, which "
+                    f"would wrap them; {hint}"
+                )

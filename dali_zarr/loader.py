@@ -153,6 +153,7 @@ class Loader:
             )  # fmt: skip
             obs = obs_list(obs)
             _check_batch_fits(dataset, sampler, output)
+            self._check_outputs(dataset, output=output, obs=obs, return_index=return_index)
             self.device, self.device_reason = _choose_device(device, gpu_backend)
             if self.device == "gpu":  # a rank past its node's GPUs is refused on every rank
                 from dali_zarr.graph.gpu_pipeline import default_device_id
@@ -215,6 +216,13 @@ class Loader:
         self._run: tuple[int, tuple[Segment, ...], int] | None = None
         self._pending: ResumePoint | None = None  # from load_state_dict, not yet started
         self._restore: dict[str, Any] | None = None  # DALI checkpoint to build the pipeline from
+
+    def _check_outputs(
+        self, dataset: Dataset, *, output: str, obs: Sequence[str], return_index: bool
+    ) -> None:
+        """An adapter's own refusal of what it would hand out (JaxLoader: values JAX's
+        32-bit mode would wrap). Runs among the ranks' checks, so a rank refused here alone
+        does not leave the others waiting for it."""
 
     def _new_source(self, gpu_backend: Any, **source_args: Any) -> BatchSource:
         """The DALI callback's source on this loader's device (its reader threads start

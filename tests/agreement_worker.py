@@ -18,9 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import zarr
 
 import dali_zarr as dz
-from dali_zarr import distributed
+from dali_zarr import distributed, synthetic
 
 #: "torch" or "jax": whose processes the ranks are (set by main)
 FRAMEWORK = ["torch"]
@@ -153,6 +154,17 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
     def features_per_rank():  # as many genes on each rank, other ones
         loader(dz.FeatureSubset(dz.open_dataset(big), [rank, 2]), sampler()).close()
 
+    def int32_refused_on_one_rank():  # JaxLoader: rank 1's copy holds values int32 wraps
+        path = Path(big).parent / f"int64_obs_rank{rank}.zarr"
+        if not path.exists():
+            synthetic.make_single_cell(path, n_obs=1_000, n_features=16, chunk_elements=256)
+            obs = zarr.open_group(path, mode="r+")["obs"]
+            counts = np.arange(1_000, dtype=np.int64) + (2**40 if rank == 1 else 0)
+            obs.create_array("count", data=counts).attrs.update(
+                {"encoding-type": "array", "encoding-version": "0.2.0"}
+            )
+        loader(str(path), sampler(), obs=["count"]).close()
+
     return {
         "subset_per_rank": subset_per_rank,
         "features_per_rank": features_per_rank,
@@ -175,6 +187,7 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "resume_other_steps": resume(2 + rank),
         "resume_same_step": resume(2),
         "resume_other_steps_unenforced": resume(2 + rank, enforce_equal_batches=False),
+        "int32_refused_on_one_rank": int32_refused_on_one_rank,
     }
 
 

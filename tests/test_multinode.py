@@ -354,6 +354,15 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
     )
     assert kind0 == "error" and "rank 1 could not go on (OSError: disk gone" in text0, text0
     assert kind1 == "ok" and text1 == "OSError: disk gone", text1
+    # JaxLoader's refusal of values its 32-bit mode would wrap (rank 1's copy of the store)
+    # came after the exchange: rank 0 went on alone
+    wrapped = [r["int32_refused_on_one_rank"] for r in ranks]
+    if world == "jax":
+        assert wrapped[0][0] == wrapped[1][0] == "error", wrapped
+        assert "rank 1 could not go on" in wrapped[0][1], wrapped
+        assert "beyond int32" in wrapped[1][1], wrapped
+    else:  # torch's int64 holds them
+        assert wrapped[0][0] == wrapped[1][0] == "ok", wrapped
     # uneven counts are refused on every rank before a batch (DDP or JAX would wait forever)
     uneven = [r["uneven_counts"] for r in ranks]
     assert uneven[0] == uneven[1] and uneven[0][0] == "error", uneven
