@@ -303,10 +303,12 @@ def suggest(
     min_rows = MIN_CHUNK_ROWS if aligned else max(MIN_CHUNK_ROWS, CSR_MIN_STORE_CHUNKS * r)
     chunk_size = min(r * max(1, math.ceil(min_rows / r)), max(1, n_obs // max(1, world_size)))
     preload = max(TARGET_PRELOAD, math.ceil(MIN_WINDOW_BATCHES * batch_size / chunk_size))
-    by_memory = max(1, int(WINDOW_BYTES_CAP // max(1.0, chunk_size * row_bytes)))
     # no more chunks than the store has, but always a window of a batch: a store (or split)
     # of fewer rows than one batch still gets one batch, as it does from the planner
     n_chunks = max(n_chunks_of(n_obs, chunk_size), math.ceil(batch_size / chunk_size))
+    by_memory = max(1, int(WINDOW_BYTES_CAP // max(1.0, chunk_size * row_bytes)))
+    if n_obs * row_bytes <= WINDOW_BYTES_CAP:  # a window reads at most the store's rows, so
+        by_memory = n_chunks  # the cap cannot bind (it refused batches larger than the store)
     preload = max(1, min(preload, by_memory, n_chunks))
     window = window_rows_of(chunk_size, preload, batch_size)  # what the loader will use
     warning = ""

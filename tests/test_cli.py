@@ -521,7 +521,7 @@ def test_inspect_of_rows_too_wide_for_a_window_of_a_batch_says_so_once(tmp_path,
     """Rows so wide that 1 GiB holds no batch: the suggested line said "a window is 0 rows,
     ~0.0 MiB decoded" beside the warning that the window of 256 rows holds no batch."""
     path = tmp_path / "frames.zarr"
-    zarr.create_array(path, shape=(40, 1024, 1024), dtype="float32", chunks=(1, 1024, 1024))
+    zarr.create_array(path, shape=(400, 1024, 1024), dtype="float32", chunks=(1, 1024, 1024))
     assert run("inspect", path, "--batch-size", 5000) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if "suggested:" in x]
     assert line.endswith("(batch_size=5000: a window of 256 rows holds no batch: see the warning)")
@@ -749,6 +749,12 @@ def test_suggested_window_is_the_loaders() -> None:
     assert "no observations" in suggest(n_obs=0, rows_per_chunk=10, row_bytes=4).warning
     huge = suggest(n_obs=1_000, rows_per_chunk=1, row_bytes=2**30, batch_size=64)
     assert huge.window_rows == 0 and "lower batch_size or raise preload_nchunks" in huge.warning
+    # a whole store within the 1 GiB cap: the window (at most the store) is too, so the cap
+    # must not leave a batch larger than the store without a window (inspect warned, and
+    # bench refused, 100 frames of 4 MiB with batches of 512, which the loader serves)
+    small = suggest(n_obs=100, rows_per_chunk=1, row_bytes=2**22, batch_size=512)
+    assert (small.chunk_size, small.preload_nchunks, small.window_rows) == (32, 16, 512)
+    assert not small.warning and small.window_mib == 400
 
 
 def test_csr_suggestion_spans_several_store_chunks() -> None:
