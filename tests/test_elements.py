@@ -166,6 +166,11 @@ def test_element_errors_name_the_store_and_what_it_has(rich, tmp_path: Path) -> 
                        r"layers/counts"):  # fmt: skip
         dz.open_dataset(no_x)
     assert dz.open_dataset(no_x, element="layers/counts").n_obs == 50
+    # a store's sparse X opened as if it were a store: its arrays are no observations, so
+    # "pass element='data'" (the advice for a plain group) would load X's values as rows
+    with pytest.raises(dz.DatasetError, match=r"sparse matrix group .*element=") as err:
+        dz.open_dataset(no_x / "layers" / "counts")
+    assert "element='data'" not in str(err.value)
 
 
 def test_plain_groups_and_arrays(tmp_path: Path) -> None:

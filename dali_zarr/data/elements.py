@@ -249,6 +249,14 @@ def pick_element(
     # AnnData stores written inside a plain group (anndata's write_elem(group, "sample1", ...))
     nested = [f"{store}/{k}" for k, v in _readable_members(root) if _is_anndata_group(v)]
     inside = f" It holds AnnData stores: open one of {', '.join(nested)}." if nested else ""
+    if element is None and encoding in ("csr_matrix", "csc_matrix", "csr", "csc"):
+        # its arrays (data, indices, indptr) are no observations: loading one is no advice
+        raise DatasetError(
+            f"{store}: is a sparse matrix group (encoding-type {encoding!r}), an element of an "
+            "AnnData store, not a store: open the AnnData store that holds it and name the "
+            "matrix with element= (e.g. dz.open_dataset('cells.zarr', element='layers/counts'); "
+            "X is the default; `dali-zarr inspect cells.zarr` lists the elements)."
+        )
     if element is None:
         arrays = _arrays_in(root)
         listing = _listing_of(arrays)
