@@ -344,6 +344,30 @@ def test_collections_select_by_each_stores_names(tmp_path: Path) -> None:
     assert dz.FeatureSubset(stacked, [5]).n_features == 1 and stacked.var_names() is None
 
 
+def test_collection_of_paths_is_refused_naming_open_dataset(tmp_path: Path) -> None:
+    """dz.Collection of store paths (the README's check_var_names=False case, written with
+    paths) failed with AttributeError: 'str' object has no attribute 'layout'; one dataset
+    or a generator failed with TypeError. Now paths and a lone dataset are refused naming
+    open_dataset, and a generator of datasets joins like a list."""
+    a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    make_adata(0, n_obs=30).write_zarr(a)
+    second = make_adata(1, n_obs=20)
+    second.var_names = [f"h{j}" for j in range(N_VARS)]
+    second.write_zarr(b)
+    with pytest.raises(dz.DatasetError, match=r"item 0 is a str .*dz.open_dataset\(p\) for p"):
+        dz.Collection([str(a), str(b)], check_var_names=False)
+    with pytest.raises(dz.DatasetError, match=r"item 1 is a PosixPath"):
+        dz.Collection([dz.open_dataset(a), b], check_var_names=False)
+    one = dz.open_dataset(a)
+    with pytest.raises(dz.DatasetError, match=r"list of datasets, got one CsrDataset"):
+        dz.Collection(one)
+    stacked = dz.Collection((dz.open_dataset(p) for p in (a, b)), check_var_names=False)
+    assert stacked.n_obs == 50 and len(stacked.parts) == 2
+    got = run_epoch(dz.Loader(stacked, sampler(chunk_size=16), return_index=True))
+    both = np.concatenate([make_adata(0, n_obs=30).X.toarray(), second.X.toarray()])
+    assert_rows_match(got, both, 50)
+
+
 def test_panel_of_a_collection_with_uint64_and_int64_column_ids(tmp_path: Path) -> None:
     """A store whose X/indices are uint64 beside one with int64 ids: NumPy joins the two as
     float64, and the panel's column filter then failed to compile (numba TypingError)

@@ -428,8 +428,24 @@ class Collection(Dataset):
         """``check_var_names``: refuse parts whose var names differ (their columns would be
         other genes); ``False`` stacks them by position, for stores that name the same
         genes otherwise (Ensembl ids here, symbols there)."""
+        if isinstance(parts, Dataset | str | bytes | os.PathLike):
+            raise DatasetError(
+                f"Collection needs a list of datasets, got one {type(parts).__name__} "
+                f"({parts!r}); pass [dataset, ...]."
+            )
+        parts = list(parts)  # a generator too (indexed and walked more than once below)
         if not parts:
             raise DatasetError("an empty list of stores is not a dataset.")
+        for i, part in enumerate(parts):
+            # a path here (stores that name their genes otherwise, check_var_names=False)
+            # failed with AttributeError: 'str' object has no attribute 'layout'
+            if not isinstance(part, Dataset):
+                raise DatasetError(
+                    f"Collection joins datasets, but item {i} is a {type(part).__name__} "
+                    f"({part!r}); open each store first: dz.Collection([dz.open_dataset(p) "
+                    "for p in paths], ...), or dz.open_dataset(paths) to join stores whose "
+                    "var names agree."
+                )
         first = parts[0]
         for part in parts[1:]:
             if (part.layout, part.feature_shape) != (first.layout, first.feature_shape):
