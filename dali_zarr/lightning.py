@@ -38,7 +38,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_warn
 
 from dali_zarr.data.dataset import Dataset, Source, open_dataset
-from dali_zarr.data.subset import Subset
+from dali_zarr.data.subset import Subset, select_rows
 from dali_zarr.distributed import DistInfo, resolve_rank_world, torch_dist_initialized
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.source import obs_list
@@ -319,7 +319,14 @@ class ZarrDataModule(LightningDataModule):
         """Each split's rows, from ``splits`` or from ``split_column``'s labels; splits that
         share rows are refused (a row in train and val would leak)."""
         if self.splits is not None:
-            rows = {name: Subset(dataset, value).parent_rows for name, value in self.splits.items()}
+            # the data's own row ids: a Subset's parent_rows are its stored rows where the
+            # data is a subset itself (a QC filter), which subset() then took as the data's
+            # rows, so each split delivered other rows than asked (or was refused as out
+            # of range)
+            rows = {
+                name: select_rows(value, dataset.n_obs, f"splits[{name!r}] of {dataset.name}")
+                for name, value in self.splits.items()
+            }
             what = "splits"
         else:
             rows = self._rows_by_label(dataset)

@@ -83,6 +83,34 @@ def test_splits_from_column_masks_and_ids(split_store: str) -> None:
         ZarrDataModule(data=split_store, splits={"valid": [1]})
 
 
+def test_splits_of_a_subset_are_rows_of_that_subset(split_store: str) -> None:
+    """data= a Subset (a QC filter): splits= masks or ids over its rows were turned into the
+    store's rows, which subset() then read as the subset's rows again, so every split
+    delivered rows shifted past the filtered-out ones (other rows than asked, silently), or
+    was refused as out of range where a split held the last rows."""
+    keep = np.ones(1_200, bool)
+    keep[[10, 500]] = False  # QC drops two cells: local row i > 10 is stored row i + 1 ...
+    data = dz.Subset(dz.open_dataset(split_store), keep)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(data.n_obs)
+    train = np.zeros(data.n_obs, bool)
+    train[order[:900]] = True
+    dm = ZarrDataModule(
+        data=data, splits={"train": train, "val": order[900:1_100]}, batch_size=32,
+        chunk_size=16, return_index=True, device="cpu",
+    )  # fmt: skip
+    dm.setup()
+    stored = np.flatnonzero(keep)
+    for name, local in (("train", np.flatnonzero(train)), ("val", np.sort(order[900:1_100]))):
+        np.testing.assert_array_equal(dm.split_rows[name], local)
+        np.testing.assert_array_equal(dm.subset(name).parent_rows, stored[local])
+        loader = dm.train_dataloader() if name == "train" else dm.val_dataloader()
+        ids = np.concatenate([batch["index"].numpy() for batch in loader])
+        np.testing.assert_array_equal(np.sort(ids), stored[local])  # the store's own ids
+    with pytest.raises(dz.DatasetError, match=r"splits\['val'\] of .*row id 1198 is outside"):
+        ZarrDataModule(data=data, splits={"val": [1_198]}).setup()
+
+
 def test_integer_labels_select_an_integer_categorical(tmp_path) -> None:
     """obs categories are text, so split_labels={"train": 0, ...} on an integer categorical
     matched nothing and said "no observation has fold=0" of a column a third of which is 0."""

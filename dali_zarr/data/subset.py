@@ -49,8 +49,10 @@ def refuse_integer_mask(ids: np.ndarray, n: int, *, where: str, argument: str, i
         )
 
 
-def _select(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarray:
-    """Sorted int64 parent row ids from a boolean mask or an array of ids."""
+def select_rows(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.ndarray:
+    """Sorted int64 row ids of a dataset of ``n_obs`` rows from a boolean mask or an array
+    of ids (checked, duplicates refused): the dataset's own ids, where a :class:`Subset`
+    of a subset holds its stored rows instead."""
     rows = np.asarray(rows)
     if rows.dtype == bool:
         if rows.shape != (n_obs,):
@@ -97,7 +99,7 @@ class Subset(Dataset):
             raise DatasetError(
                 f"Subset needs a dali_zarr Dataset (from open_dataset), got {type(dataset)!r}."
             )
-        selected = _select(rows, dataset.n_obs, f"subset of {dataset.name}")
+        selected = select_rows(rows, dataset.n_obs, f"subset of {dataset.name}")
         if isinstance(dataset, Subset):  # flatten: one mapping straight onto the stored rows
             selected = dataset.parent_rows[selected]
             dataset = dataset.parent
