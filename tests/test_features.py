@@ -344,6 +344,44 @@ def test_collections_select_by_each_stores_names(tmp_path: Path) -> None:
     assert dz.FeatureSubset(stacked, [5]).n_features == 1 and stacked.var_names() is None
 
 
+def test_a_collection_around_an_unchecked_one_still_checks_its_other_parts(
+    tmp_path: Path,
+) -> None:
+    """dz.Collection([dz.Collection([a, b], check_var_names=False), c]): the inner collection
+    names no features, so the outer one (check_var_names=True) joined c unchecked, whatever
+    genes c names: a column held other genes in c's rows, silently. The inner collection's
+    columns stand for its first part's genes, and c is compared with those."""
+    a, b, c, other = (tmp_path / f"{n}.zarr" for n in ("a", "b", "c", "other"))
+    first, renamed, same, shuffled = (
+        make_adata(k, n_obs=n) for k, n in enumerate((30, 20, 25, 15))
+    )
+    renamed.var_names = [f"h{j}" for j in range(N_VARS)]  # the same genes named otherwise
+    shuffled.var_names = list(first.var_names[::-1])  # other genes at each position
+    for path, adata in ((a, first), (b, renamed), (c, same), (other, shuffled)):
+        adata.write_zarr(path)
+    stacked = dz.Collection([dz.open_dataset(a), dz.open_dataset(b)], check_var_names=False)
+    for parts in (
+        [stacked, dz.open_dataset(other)],
+        [dz.Subset(stacked, np.arange(0, 50, 2)), dz.open_dataset(other)],
+        [dz.FeatureSubset(stacked, [5, 1]), dz.open_dataset(other, features=[5, 1])],
+        [dz.Collection([stacked, dz.open_dataset(c)]), dz.open_dataset(other)],
+    ):
+        with pytest.raises(dz.DatasetError, match=r"other.zarr/X.* names feature 0 'g\d+' but"):
+            dz.Collection(parts)
+    joined = dz.Collection([stacked, dz.open_dataset(c)])  # c names a's genes: joins
+    assert joined.var_names() is None  # b's names differ: no names to select by
+    with pytest.raises(dz.DatasetError, match="names no features"):
+        dz.FeatureSubset(joined, ["g1"])
+    panel = dz.Collection(
+        [dz.FeatureSubset(stacked, [5, 1]), dz.open_dataset(c, features=["g5", "g1"])]
+    )
+    got = run_epoch(dz.Loader(panel, sampler(chunk_size=8, batch_size=16), return_index=True))
+    rows = [first.X.toarray(), renamed.X.toarray(), same.X.toarray()]
+    assert_rows_match(got, np.concatenate(rows)[:, [5, 1]], 75)
+    with pytest.raises(dz.DatasetError, match=r"c.zarr/X.* names feature 0 'g1' but"):
+        dz.Collection([dz.FeatureSubset(stacked, [5, 1]), dz.open_dataset(c, features=[1, 5])])
+
+
 def test_collection_of_paths_is_refused_naming_open_dataset(tmp_path: Path) -> None:
     """dz.Collection of store paths (the README's check_var_names=False case, written with
     paths) failed with AttributeError: 'str' object has no attribute 'layout'; one dataset

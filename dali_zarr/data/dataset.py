@@ -141,6 +141,13 @@ class Dataset(ABC):
         names none (plain arrays, ``obsm``/``obsp`` entries)."""
         return None
 
+    def names_by_position(self) -> tuple[str, ...] | None:
+        """The names a collection compares this dataset's columns by: :meth:`var_names`,
+        or, where those are None for a collection joined with ``check_var_names=False``,
+        its first part's (the genes its columns stand for), so a collection around it
+        still refuses a part naming other genes."""
+        return self.var_names()
+
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun] | None:
         """Which stores and rows ``read_rows(ranges)`` reads, in order, or None where the rows
         are not stored rows (a dataset that computes them).
@@ -556,8 +563,21 @@ class Collection(Dataset):
     def var_names(self) -> tuple[str, ...] | None:
         """The parts' common feature names (None if a part names none); parts whose names
         differ are refused: their columns would not mean the same genes."""
-        names = [p.var_names() for p in self.parts]
-        if any(n is None for n in names) or not self._check_var_names:
+        names = self._checked_names()
+        return names if all(p.var_names() is not None for p in self.parts) else None
+
+    def names_by_position(self) -> tuple[str, ...] | None:
+        return self._checked_names() if self._check_var_names else self.parts[0].names_by_position()
+
+    def _checked_names(self) -> tuple[str, ...] | None:
+        """The first part's names by position, after refusing parts that name a column
+        otherwise (None: unchecked, or a part names none)."""
+        if not self._check_var_names:
+            return None
+        # by position: a part that is a collection joined with check_var_names=False names
+        # no features, and was joined unchecked here (other genes in one column)
+        names = [p.names_by_position() for p in self.parts]
+        if any(n is None for n in names):
             return None
         for part, other in zip(self.parts[1:], names[1:], strict=True):
             if other != names[0]:

@@ -268,6 +268,10 @@ class FeatureSubset(Dataset):
         names = self.parent.var_names()
         return None if names is None else tuple(names[i] for i in self.columns.tolist())
 
+    def names_by_position(self) -> tuple[str, ...] | None:
+        names = self.parent.names_by_position()
+        return None if names is None else tuple(names[i] for i in self.columns.tolist())
+
 
 def selects_by_name(features: FeatureSelection, *, dataset: str = "") -> bool:
     """Whether ``features`` are names (looked up in a ``var`` index), not ids or a mask;

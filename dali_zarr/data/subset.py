@@ -178,5 +178,8 @@ class Subset(Dataset):
     def var_names(self) -> tuple[str, ...] | None:
         return self.parent.var_names()
 
+    def names_by_position(self) -> tuple[str, ...] | None:
+        return self.parent.names_by_position()
+
     def readers(self) -> list[ArrayReader]:
         return self.parent.readers()
