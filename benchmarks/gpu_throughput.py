@@ -255,18 +255,27 @@ def make_store(args: argparse.Namespace, inner_chunk: int | None = None) -> str:
 # ---------------------------------------------------------------------------- measurements
 
 
-def timed(args: argparse.Namespace, batches, consume) -> dict:
-    """Time ``consume`` over ``args.batches`` batches after the warm-up: rows, seconds. The
-    warm-up is ``--warmup`` batches or more, past what our loader reads ahead when it starts
-    (the rule of ``throughput.py``), the same for every contender."""
-    it = iter(batches)
-    warmup = steady_warmup(
+def warmup_batches(args: argparse.Namespace) -> int:
+    """Batches before the clock starts: ``--warmup`` or more, past what our loader reads
+    ahead when it starts (the rule of ``throughput.py``), the same for every contender. The
+    annbatch worker takes its parent's figure as given: the rule imports dali_zarr, which
+    annbatch's own environment need not have (the worker then skipped annbatch with
+    ``ModuleNotFoundError``)."""
+    if args.worker:
+        return args.warmup
+    return steady_warmup(
         args.warmup,
         chunk_size=args.chunk_size,
         preload_nchunks=args.preload_nchunks,
         batch_size=args.batch_size,
     )
-    for _ in range(warmup):
+
+
+def timed(args: argparse.Namespace, batches, consume) -> dict:
+    """Time ``consume`` over ``args.batches`` batches after the warm-up
+    (:func:`warmup_batches`): rows, seconds."""
+    it = iter(batches)
+    for _ in range(warmup_batches(args)):
         consume(next(it))
     synchronize(args)
     rows = 0
@@ -417,7 +426,7 @@ def run_annbatch(args, store: str) -> dict:
     cmd = ["--worker", "annbatch", "--store", store]
     cmd += ["--batch-size", str(args.batch_size), "--chunk-size", str(args.chunk_size)]
     cmd += ["--preload-nchunks", str(args.preload_nchunks), "--batches", str(args.batches)]
-    cmd += ["--warmup", str(args.warmup)] + (["--smoke"] if args.smoke else [])
+    cmd += ["--warmup", str(warmup_batches(args))] + (["--smoke"] if args.smoke else [])
     result = run_script(py, os.path.abspath(__file__), cmd, timeout=1800)
     if "error" in result:
         return {"skipped": f"annbatch worker failed: {result['error']}"}

@@ -372,3 +372,35 @@ def test_gpu_check_demo_step_trains_under_torchrun(tmp_path: Path) -> None:
     epochs = [json.loads(line) for line in (tmp_path / "out" / "gpu_demo.jsonl").open()]
     assert [e["epoch"] for e in epochs] == [0, 1], epochs
     assert (tmp_path / "out" / "gpu_demo.txt").read_text() == run.stdout
+
+
+def test_gpu_throughput_annbatch_worker_runs_without_dali_zarr(tmp_path: Path, monkeypatch) -> None:
+    """The annbatch worker runs in annbatch's own environment (``--annbatch-python``,
+    ``benchmarks/.venv-annbatch``), which need not have dali_zarr or its dependencies: its
+    timing loop computed the warm-up with dali_zarr's planning code, so the annbatch row was
+    always skipped with ``ModuleNotFoundError`` there. The parent now passes the warm-up."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "sys.modules['dali_zarr'] = None  # as in an environment without it\n"
+        f"sys.path.insert(0, {str(BENCHMARKS)!r})\n"
+        "import gpu_throughput as g\n"
+        "args = g.parse_args(['--worker', 'annbatch', '--smoke', '--store', 'x.zarr',\n"
+        "    '--warmup', '7', '--batches', '3', '--batch-size', '64'])\n"
+        "seen = []\n"
+        "result = g.timed(args, iter(range(100)), lambda b: seen.append(b) or 64)\n"
+        "print(len(seen), result['rows'])\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["10", "192"], run.stdout  # the 7 given, then 3 timed
+    # the parent hands the worker the warm-up its own contenders get
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_throughput = importlib.import_module("gpu_throughput")
+    sizes = ["--batch-size", "64", "--chunk-size", "16", "--preload-nchunks", "8"]
+    parent = gpu_throughput.parse_args(["--smoke", "--warmup", "2", *sizes])
+    # a window of 8 x 16 rows is 2 batches: past 3 windows and DALI's 2 queued batches
+    assert gpu_throughput.warmup_batches(parent) == 8
