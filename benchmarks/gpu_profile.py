@@ -10,11 +10,12 @@ Same store as ``gpu_throughput.py`` (same arguments, same cache under ``--out``)
    the byte plan (host), the reads into device memory, the nvCOMP decode and the row
    copies. Prints milliseconds per window for each stage and the reader's rows/s.
 2. **The loader end to end** for each ``--read-threads`` value: rows/s of dense batches over
-   ``--batches`` batches after ``--warmup``, and where the reader threads' time went, per
-   window (:data:`THREAD_STAGES`, timed without added syncs: waiting in a sync is waiting
-   for the device, in the reads for the files, the rest is host work), and the device
-   memory in use. Keep ``--batches`` far above the batches of the
-   windows read ahead: reads done during the warm-up are free for the clock. (On 2026-11-22
+   ``--batches`` batches after ``--warmup`` (or more: past the windows read ahead with
+   that many threads, as ``gpu_throughput.py`` warms up), and where the reader threads'
+   time went, per window (:data:`THREAD_STAGES`, timed without added syncs: waiting in a
+   sync is waiting for the device, in the reads for the files, the rest is host work), and
+   the device memory in use. Keep ``--batches`` far above the batches of the windows read
+   ahead: reads done during the warm-up are free for the clock. (On 2026-11-22
    an 18-batch measurement of a 6-window epoch gave 919k rows/s where the 50-batch
    benchmark gave 214k.)
 
@@ -58,6 +59,7 @@ from gpu_throughput import (
     sampler,
     synchronize,
 )
+from throughput import gpu_windows_ahead, steady_warmup
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -297,6 +299,20 @@ def print_thread_times(totals: dict[str, float], threads: int, seconds: float) -
             print(f"    {label:40s} {1e3 * spent / windows:8.1f}")
 
 
+def loader_warmup(args: argparse.Namespace, threads: int) -> int:
+    """Batches before part 2's clock starts: ``--warmup`` or more, past the windows the
+    loader reads ahead with ``threads`` read threads (the GPU path reads at least that many
+    ahead), so that no ``read_threads`` value starts its clock with windows read for free
+    (more threads read more ahead: a fixed warm-up favoured them)."""
+    return steady_warmup(
+        args.warmup,
+        chunk_size=args.chunk_size,
+        preload_nchunks=args.preload_nchunks,
+        batch_size=args.batch_size,
+        windows_ahead=gpu_windows_ahead(read_threads=threads),
+    )
+
+
 def profile_loader(args: argparse.Namespace, dataset) -> None:
     import dali_zarr as dz
     from dali_zarr.graph.window_backends import HostBackend
@@ -312,7 +328,7 @@ def profile_loader(args: argparse.Namespace, dataset) -> None:
             read_threads=threads,
         )
         batches = _endless(loader)
-        for _ in range(args.warmup):
+        for _ in range(loader_warmup(args, threads)):
             next(batches)
         synchronize(args)
         with thread_timers() as thread_totals:

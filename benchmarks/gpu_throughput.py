@@ -51,6 +51,7 @@ from contenders._common import emit, epochs  # benchmarks/ is this script's dire
 from throughput import (
     ANNBATCH_ENV,
     ensure_sparse_store,
+    gpu_windows_ahead,
     run_script,
     steady_warmup,
     warm_page_cache,
@@ -268,6 +269,10 @@ def warmup_batches(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         preload_nchunks=args.preload_nchunks,
         batch_size=args.batch_size,
+        # the GPU rows read --prefetch-windows ahead, at least their read threads: past 2
+        # windows only, 8 read threads started the clock with windows read already (6 of 30
+        # timed windows on the host backend), which the timed interval did not pay for
+        windows_ahead=gpu_windows_ahead(args.prefetch_windows, args.read_threads),
     )
 
 

@@ -300,16 +300,33 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def steady_warmup(warmup: int, *, chunk_size: int, preload_nchunks: int, batch_size: int) -> int:
+def steady_warmup(
+    warmup: int,
+    *,
+    chunk_size: int,
+    preload_nchunks: int,
+    batch_size: int,
+    windows_ahead: int = 2,
+) -> int:
     """Batches to consume before the clock starts: at least ``warmup``, and past what our
-    loader reads ahead when it starts (2 windows, plus DALI's queue of 2 batches). With 2
-    warm-up batches its clock started with up to two windows read already, batches the
-    timed interval did not pay for (a window is 2 batches at full size: 24 timed batches
-    are 12 windows, so up to 2 of them free). annbatch gets the same warm-up."""
+    loader reads ahead when it starts (``windows_ahead`` windows beyond the current one:
+    ``prefetch_windows``, 2 by default, and on the GPU path at least ``read_threads``, 4 by
+    default; plus DALI's queue of 2 batches). With 2 warm-up batches its clock started with
+    up to two windows read already, batches the timed interval did not pay for (a window is
+    2 batches at full size: 24 timed batches are 12 windows, so up to 2 of them free).
+    annbatch gets the same warm-up."""
     from dali_zarr.planning.partition import window_rows_of
 
     per_window = window_rows_of(chunk_size, preload_nchunks, batch_size) // batch_size
-    return max(warmup, 3 * per_window + 2)
+    return max(warmup, (windows_ahead + 1) * per_window + 2)
+
+
+def gpu_windows_ahead(prefetch_windows: int = 2, read_threads: int | None = None) -> int:
+    """Windows the GPU path reads ahead of the one consumed: ``prefetch_windows``, raised to
+    its read threads (``GpuBatchSource``)."""
+    from dali_zarr.graph.gpu_pipeline import DEFAULT_READ_THREADS
+
+    return max(prefetch_windows, DEFAULT_READ_THREADS if read_threads is None else read_threads)
 
 
 def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
@@ -342,8 +359,11 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
         ),
     ):
         outputs = ("csr", "dense") if store == "sparse" else ("dense",)
-        # the chunked loaders (ours, annbatch) all warm up past our deepest read-ahead
-        sizes_measure = {**sizes, **measure, "warmup": steady_warmup(args.warmup, **sizes)}
+        # the chunked loaders (ours, annbatch) all warm up past our deepest read-ahead (the
+        # GPU path's, where it runs)
+        ahead = gpu_windows_ahead() if cuda else 2
+        warmup = steady_warmup(args.warmup, **sizes, windows_ahead=ahead)
+        sizes_measure = {**sizes, **measure, "warmup": warmup}
         ref = {o: f"{store}/annbatch/{o}" for o in outputs}
         ceiling = {"csr": f"{store}/ceiling/csr", "dense": f"{store}/ceiling/dense"}
         for device in ("cpu", "gpu") if cuda else ("cpu",):

@@ -402,5 +402,59 @@ def test_gpu_throughput_annbatch_worker_runs_without_dali_zarr(tmp_path: Path, m
     gpu_throughput = importlib.import_module("gpu_throughput")
     sizes = ["--batch-size", "64", "--chunk-size", "16", "--preload-nchunks", "8"]
     parent = gpu_throughput.parse_args(["--smoke", "--warmup", "2", *sizes])
-    # a window of 8 x 16 rows is 2 batches: past 3 windows and DALI's 2 queued batches
-    assert gpu_throughput.warmup_batches(parent) == 8
+    # a window of 8 x 16 rows is 2 batches: past the window consumed, the GPU path's 4 read
+    # ahead (its read threads) and DALI's 2 queued batches
+    assert gpu_throughput.warmup_batches(parent) == 12
+
+
+def test_gpu_benchmarks_warm_up_past_the_gpu_paths_read_ahead(tmp_path: Path, monkeypatch) -> None:
+    """The GPU path reads ``max(prefetch_windows, read_threads)`` windows ahead, not the
+    CPU path's 2: gpu_throughput's warm-up (and gpu_profile's fixed ``--warmup`` per
+    ``read_threads`` value) stopped short of it, so with 8 read threads (or
+    ``--prefetch-windows 4``) the clock started with windows read that the timed interval
+    did not pay for, more of them the more threads. Each warm-up is now past the read-ahead
+    the source itself reports."""
+    import dali_zarr as dz
+    from dali_zarr.graph.gpu_pipeline import GpuBatchSource
+    from dali_zarr.graph.window_backends import HostBackend
+    from dali_zarr.synthetic import make_single_cell
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_throughput = importlib.import_module("gpu_throughput")
+    gpu_profile = importlib.import_module("gpu_profile")
+    store = make_single_cell(tmp_path / "s.zarr", n_obs=400, n_features=30, density=0.2)
+    sizes = ["--batch-size", "64", "--chunk-size", "16", "--preload-nchunks", "8"]
+    per_window = 2  # 8 chunks of 16 rows, batches of 64
+    for prefetch, threads in ((2, None), (2, 8), (4, 4), (6, 1)):
+        argv = ["--smoke", "--warmup", "2", "--prefetch-windows", str(prefetch), *sizes]
+        args = gpu_throughput.parse_args(
+            argv + ([] if threads is None else ["--read-threads", str(threads)])
+        )
+        source = GpuBatchSource(
+            dz.open_dataset(store),
+            gpu_throughput.sampler(args),
+            output="dense",
+            obs=[],
+            return_index=False,
+            prefetch_windows=prefetch,
+            **({} if threads is None else {"read_threads": threads}),
+            backend=HostBackend(),
+        )
+        ahead = source.prefetch_windows  # windows read beyond the one consumed
+        source.close()
+        past = (ahead + 1) * per_window + 2  # and DALI's queue of 2 batches
+        assert gpu_throughput.warmup_batches(args) == past, (prefetch, threads, ahead)
+        if prefetch == 2 and threads is not None:  # gpu_profile's loaders: the default prefetch
+            profile_args = gpu_profile.parse_args(["--smoke", "--warmup", "2", *sizes])
+            assert gpu_profile.loader_warmup(profile_args, threads) == past, threads
+    # throughput.py on a CUDA machine: its GPU rows (and the others, alike) past the GPU
+    # path's default read-ahead; without CUDA past the CPU path's 2 windows
+    throughput = importlib.import_module("throughput")
+    cpu_args = throughput.parse_args(["--stores", "sparse", "--warmup", "2", *sizes])
+    envs = {"annbatch_python": None, "annbatch_why": "-", "ztd_site": None, "ztd_why": "-"}
+    default_ahead = GpuBatchSource.__init__.__kwdefaults__["read_threads"]
+    for cuda, ahead in ((False, 2), (True, max(2, default_ahead))):
+        contenders = throughput.build_contenders(cpu_args, envs, cuda)
+        chunked = [c for c in contenders if c.family in ("dali_zarr", "annbatch")]
+        assert len(chunked) == (6 if cuda else 4)
+        assert {c.settings["warmup"] for c in chunked} == {(ahead + 1) * per_window + 2}

@@ -211,6 +211,11 @@ class DeviceWindow(Window):
 # ---------------------------------------------------------------------------- the source
 
 
+#: windows the GPU path reads at once unless told (``Loader(read_threads=...)``); it reads at
+#: least that many windows ahead of the consumer, which a benchmark's warm-up must pass
+DEFAULT_READ_THREADS = 4
+
+
 class GpuBatchSource(BatchSource):
     """:class:`BatchSource` whose windows live on the device; feeds two external sources.
 
@@ -228,7 +233,7 @@ class GpuBatchSource(BatchSource):
         return_index: bool,
         prefetch_windows: int = 2,
         prefetch_queue_depth: int = 2,
-        read_threads: int = 4,
+        read_threads: int = DEFAULT_READ_THREADS,
         backend: Any = None,
         device_id: int = 0,
     ) -> None:
