@@ -21,8 +21,9 @@ float32 ``[B, genes]`` on the GPU (``[B, panel]`` for the panel row):
 * ``baseline``: zarr-python reads of ``chunk_size``-row blocks → NumPy CSR → ``torch.cuda`` →
   ``torch.sparse_csr_tensor(...).to_dense()`` (what one writes without a loader);
 * ``annbatch gpu``: ``annbatch.Loader(preload_to_gpu=True, to="torch")`` + ``.to_dense()``,
-  run by ``--annbatch-python`` (default: ``benchmarks/.venv-annbatch/bin/python`` if present,
-  else this interpreter if it imports annbatch; skipped with the reason when it cannot run);
+  run by ``--annbatch-python`` (default: this interpreter if it imports annbatch, else
+  ``benchmarks/.venv-annbatch/bin/python`` if present, which needs torch and cupy added;
+  skipped with the reason when it cannot run);
 * ceilings: host→device copy bandwidth (pinned, 256 MiB), raw read bandwidth of the store's
   files (``os.preadv`` of 16 MiB pieces on 8 threads into reused buffers; page cache likely
   warm) and, with kvikio, raw reads into GPU memory (kvikio's pool sized as the GPU path
@@ -414,13 +415,17 @@ def run_baseline(args, store: str) -> dict:
 
 
 def annbatch_python(args) -> str | None:
-    """The interpreter that runs annbatch: as given, its own environment, or this one."""
+    """The interpreter that runs annbatch: as given, this one where it imports annbatch (it
+    has torch and the GPU), else annbatch's own environment. That environment is the one
+    ``throughput.py`` makes for the CPU benchmark, without torch or cupy: preferred over
+    this interpreter, it skipped the annbatch row ("No module named 'torch'") on any machine
+    where the CPU benchmark had run, annbatch installed here or not."""
     if args.annbatch_python:
         return args.annbatch_python
+    if importlib.util.find_spec("annbatch") is not None:
+        return sys.executable
     own = ANNBATCH_ENV / "bin" / "python"
-    if own.exists():
-        return str(own)
-    return sys.executable if importlib.util.find_spec("annbatch") is not None else None
+    return str(own) if own.exists() else None
 
 
 def run_annbatch(args, store: str) -> dict:

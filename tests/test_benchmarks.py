@@ -458,3 +458,32 @@ def test_gpu_benchmarks_warm_up_past_the_gpu_paths_read_ahead(tmp_path: Path, mo
         chunked = [c for c in contenders if c.family in ("dali_zarr", "annbatch")]
         assert len(chunked) == (6 if cuda else 4)
         assert {c.settings["warmup"] for c in chunked} == {(ahead + 1) * per_window + 2}
+
+
+def test_gpu_throughput_runs_annbatch_where_it_has_torch(tmp_path: Path, monkeypatch) -> None:
+    """``benchmarks/.venv-annbatch`` is made by ``throughput.py`` for the CPU benchmark,
+    without torch or cupy: preferred over an interpreter that imports annbatch (which has
+    torch, being the one running the GPU benchmark), it skipped the annbatch row with
+    "No module named 'torch'" on every machine where the CPU benchmark had run."""
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    gpu_throughput = importlib.import_module("gpu_throughput")
+    own = tmp_path / "venv" / "bin" / "python"  # the CPU benchmark's environment, no torch
+    own.parent.mkdir(parents=True)
+    own.symlink_to(sys.executable)
+    monkeypatch.setattr(gpu_throughput, "ANNBATCH_ENV", tmp_path / "venv")
+    args = gpu_throughput.parse_args(["--smoke"])
+    if importlib.util.find_spec("annbatch") is None:
+        assert gpu_throughput.annbatch_python(args) == str(own)  # the only one there is
+        site = tmp_path / "site"  # annbatch importable here, as on the GPU machines
+        (site / "annbatch").mkdir(parents=True)
+        (site / "annbatch" / "__init__.py").write_text("")
+        monkeypatch.syspath_prepend(str(site))
+        importlib.invalidate_caches()
+    chosen = gpu_throughput.annbatch_python(args)
+    assert chosen == sys.executable, chosen
+    has_torch = subprocess.run([chosen, "-c", "import torch"], capture_output=True)
+    assert has_torch.returncode == 0
+    given = gpu_throughput.parse_args(["--smoke", "--annbatch-python", "/x/python"])
+    assert gpu_throughput.annbatch_python(given) == "/x/python"
