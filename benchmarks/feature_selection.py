@@ -22,6 +22,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # throughput.py's warm-up rule
 
 import dali_zarr as dz  # noqa: E402
 from dali_zarr import synthetic  # noqa: E402
@@ -43,10 +44,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def rows_per_s(loader: dz.Loader, panel: torch.Tensor | None, batches: int) -> float:
-    """Rows/s over ``batches`` batches after one untimed batch (pipeline build, JIT)."""
+def warmup_batches(args: argparse.Namespace) -> int:
+    """Untimed batches (pipeline build, JIT), past the windows the loader reads ahead when it
+    starts, as ``throughput.py`` warms up: after one batch the clock started with the next
+    window read already (1 of the 15 timed windows of 4 batches each), free for the clock."""
+    from throughput import steady_warmup
+
+    return steady_warmup(
+        1,
+        chunk_size=args.chunk_size,
+        preload_nchunks=args.preload_nchunks,
+        batch_size=args.batch_size,
+    )
+
+
+def rows_per_s(
+    loader: dz.Loader, panel: torch.Tensor | None, batches: int, warmup: int = 1
+) -> float:
+    """Rows/s over ``batches`` batches after ``warmup`` untimed ones."""
     it = iter(_forever(loader))
-    next(it)
+    for _ in range(warmup):
+        next(it)
     rows, t0 = 0, time.perf_counter()
     for _ in range(batches):
         x = next(it)["X"]
@@ -85,16 +103,17 @@ def main(argv: list[str] | None = None) -> int:
         "features=panel": (dz.open_dataset(store, features=panel), None),
     }
     rates: dict[str, list[float]] = {name: [] for name in contenders}
+    warmup = warmup_batches(args)
     for rep in range(args.reps):
         for name, (dataset, select) in contenders.items():
             with dz.Loader(dataset, sampler) as loader:
-                rates[name].append(rows_per_s(loader, select, args.batches))
+                rates[name].append(rows_per_s(loader, select, args.batches, warmup))
             print(f"rep {rep}: {name}: {rates[name][-1]:,.0f} rows/s", file=sys.stderr)
     base = statistics.median(rates["every gene, then x[:, panel] in torch"])
     print(
         f"\n{args.cells:,} cells x {args.genes:,} genes, panel of {args.panel:,}; batch "
         f"{args.batch_size}, chunk {args.chunk_size}, preload {args.preload_nchunks}; CPU path; "
-        f"median of {args.reps} interleaved runs of {args.batches} batches\n"
+        f"median of {args.reps} interleaved runs of {args.batches} batches after {warmup}\n"
     )
     print("| loader | rows/s | x every-gene |")
     print("|---|---:|---:|")

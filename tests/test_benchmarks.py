@@ -184,6 +184,9 @@ def test_feature_selection_benchmark_runs(tmp_path: Path) -> None:
         *("--store", tmp_path / "fs.zarr", "--json", out),
     )
     assert "| features=panel |" in stdout and "x every-gene" in stdout
+    # the clock starts past the windows read ahead (a window of 4 chunks of 64 rows is 4
+    # batches: the one consumed, 2 read ahead, DALI's 2 queued batches), not after 1 batch
+    assert "runs of 3 batches after 14\n" in stdout, stdout
     rates = json.loads(out.read_text())["rows_per_s"]
     assert set(rates) == {"every gene, then x[:, panel] in torch", "features=panel"}
     assert all(len(v) == 1 and v[0] > 0 for v in rates.values())
