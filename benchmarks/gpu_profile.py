@@ -59,14 +59,14 @@ from gpu_throughput import (
     sampler,
     synchronize,
 )
-from throughput import gpu_windows_ahead, steady_warmup
+from throughput import _at_least_one, gpu_windows_ahead, steady_warmup
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_store_and_sampler_arguments(p, cells=400_000, genes=20_000)
-    p.add_argument("--windows", type=int, default=8, help="windows timed in part 1")
-    p.add_argument("--batches", type=int, default=200, help="batches timed per loader")
+    p.add_argument("--windows", type=_at_least_one, default=8, help="windows timed in part 1")
+    p.add_argument("--batches", type=_at_least_one, default=200, help="batches timed per loader")
     p.add_argument("--read-threads", default="1,4,8", help="comma-separated")
     p.add_argument(
         "--configs",

@@ -51,6 +51,7 @@ import numpy as np
 from contenders._common import emit, epochs  # benchmarks/ is this script's directory
 from throughput import (
     ANNBATCH_ENV,
+    _at_least_one,
     ensure_sparse_store,
     gpu_windows_ahead,
     run_script,
@@ -150,7 +151,7 @@ def run_dali_config(args, store: str, config: tuple[str, str, str]) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_store_and_sampler_arguments(p, cells=200_000, genes=62_710)
-    p.add_argument("--batches", type=int, default=50)
+    p.add_argument("--batches", type=_at_least_one, default=50)
     p.add_argument("--prefetch-windows", type=int, default=2, help="windows read ahead")
     p.add_argument(
         "--read-threads", type=int, default=None, help="windows read at once (default: loader's)"

@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--mb", type=float, default=200.0, help="array size in MB (float32)")
     p.add_argument("--chunk", type=int, default=65536, help="inner chunk length (elements)")
     p.add_argument("--shard-chunks", type=int, default=64, help="inner chunks per shard")
-    p.add_argument("--windows", type=int, default=20, help="windows to time")
+    p.add_argument("--windows", type=int, default=20, help="windows to time (at least 1)")
     p.add_argument("--ranges", type=int, default=32, help="ranges per window")
     p.add_argument("--range-len", type=int, default=64 * 1500, help="mean range length")
     p.add_argument("--threads", type=int, default=None, help="pool size (default: module pool)")
@@ -82,6 +82,14 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     n = int(args.mb * 1e6 / 4)
+    if args.windows < 1 or args.ranges < 1 or args.range_len < 2:
+        p.error("--windows and --ranges must be at least 1, --range-len at least 2")
+    if n <= args.range_len * 3 // 2:  # ranges are up to 1.5x --range-len long
+        p.error(
+            f"--mb {args.mb:g} holds {n:,} elements, too few for ranges of up to "
+            f"{args.range_len * 3 // 2:,} (--range-len {args.range_len:,}): raise --mb or "
+            "lower --range-len"
+        )
     with tempfile.TemporaryDirectory(prefix="dali_zarr_bench_") as tmp:
         t = time.perf_counter()
         arr = make_store(f"{tmp}/data.zarr", n, args.chunk, args.shard_chunks, args.seed)

@@ -490,3 +490,29 @@ def test_gpu_throughput_runs_annbatch_where_it_has_torch(tmp_path: Path, monkeyp
     assert has_torch.returncode == 0
     given = gpu_throughput.parse_args(["--smoke", "--annbatch-python", "/x/python"])
     assert gpu_throughput.annbatch_python(given) == "/x/python"
+
+
+def test_benchmarks_refuse_sizes_they_cannot_measure(monkeypatch) -> None:
+    """Sizes that measured nothing ended in tracebacks after the store was written:
+    ``io_read.py`` with an array shorter than its ranges (numpy's "high <= 0") or no windows
+    (IndexError), ``gpu_profile.py --windows 0`` (ZeroDivisionError per config); and
+    ``gpu_throughput.py --batches 0`` reported 0 rows/s. Each is now an argument error."""
+    import subprocess
+
+    for argv, says in (
+        (["--mb", "0.2"], "--mb 0.2 holds 50,000 elements, too few for ranges of up to"),
+        (["--mb", "1", "--windows", "0"], "--windows and --ranges must be at least 1"),
+    ):
+        run = subprocess.run(
+            [sys.executable, str(BENCHMARKS / "io_read.py"), *argv],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 2 and says in run.stderr, run.stderr
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for script, argv in (
+        ("gpu_profile", ["--windows", "0"]),
+        ("gpu_profile", ["--batches", "0"]),
+        ("gpu_throughput", ["--batches", "0"]),
+    ):
+        with pytest.raises(SystemExit):
+            importlib.import_module(script).parse_args(["--smoke", *argv])
