@@ -621,7 +621,8 @@ def targets(contenders: list[Contender]) -> list[str]:
     return out
 
 
-def conditions(args, infos, envs, load_before, load_after, seconds) -> list[str]:
+def conditions(args, infos, envs, load_before, load_after, seconds, cuda=False) -> list[str]:
+    ahead = gpu_windows_ahead() if cuda else 2  # as build_contenders warms up
     lines = [
         f"- Machine: {cpu_model()}, {os.cpu_count()} cores "
         f"({len(os.sched_getaffinity(0))} usable), {mem_total_gib()} RAM, "
@@ -630,7 +631,7 @@ def conditions(args, infos, envs, load_before, load_after, seconds) -> list[str]
         + (" (the machine was shared: numbers are noisy)" if load_before[0] > 0.5 else ""),
         f"- Run: {time.strftime('%Y-%m-%d %H:%M %Z')}, {args.reps} repetitions round-robin, "
         f"{seconds / 60:.1f} min; measurement = {args.batches} batches after {args.warmup} "
-        "warm-up (dali_zarr and annbatch: at least 3 windows + 2 batches, past any "
+        f"warm-up (dali_zarr and annbatch: at least {ahead + 1} windows + 2 batches, past any "
         f"read-ahead; torch DataLoader: at least {2 * args.baseline_workers + 1}, past its "
         f"workers' prefetch; clock stops at the first batch past {args.seconds:g} s); page "
         "cache warm (every store file read once before the first measurement)",
@@ -873,7 +874,7 @@ def main(argv: list[str] | None = None) -> None:
         "",
         "Conditions:",
         "",
-        *conditions(args, infos, envs, load_before, load_after, time.perf_counter() - t_run),
+        *conditions(args, infos, envs, load_before, load_after, time.perf_counter() - t_run, cuda),
         "",
         "Notes:",
         "",

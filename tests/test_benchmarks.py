@@ -461,6 +461,10 @@ def test_gpu_benchmarks_warm_up_past_the_gpu_paths_read_ahead(tmp_path: Path, mo
         chunked = [c for c in contenders if c.family in ("dali_zarr", "annbatch")]
         assert len(chunked) == (6 if cuda else 4)
         assert {c.settings["warmup"] for c in chunked} == {(ahead + 1) * per_window + 2}
+        # and the report's conditions say the warm-up the run used
+        envs_run = {**envs, "main_versions": {"python": "3"}}
+        said = "\n".join(throughput.conditions(cpu_args, {}, envs_run, (0,), (0,), 1.0, cuda))
+        assert f"at least {ahead + 1} windows + 2 batches" in said, said
 
 
 def test_gpu_throughput_runs_annbatch_where_it_has_torch(tmp_path: Path, monkeypatch) -> None:
