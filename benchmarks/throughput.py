@@ -333,7 +333,11 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
     py = sys.executable
     ab_py = envs["annbatch_python"]
     measure = {"warmup": args.warmup, "max_batches": args.batches, "max_seconds": args.seconds}
-    ceil = {"min_seconds": 1.0, "threads": os.cpu_count()}
+    # the cores this process may use (affinity, a container's quota), not the node's count:
+    # more threads than cores would only contend, and the ceiling would read lower
+    from dali_zarr.distributed import cpu_share
+
+    ceil = {"min_seconds": 1.0, "threads": cpu_share()}
     out: list[Contender] = []
 
     def add(c: Contender) -> None:
