@@ -105,6 +105,9 @@ def compressors(codec: str, fmt: int):
             "blosc-zstd": numcodecs.Blosc(cname="zstd", shuffle=numcodecs.Blosc.BITSHUFFLE),
             "lz4": numcodecs.LZ4(),
             "gzip": numcodecs.GZip(level=1),
+            "zlib": numcodecs.Zlib(level=1),
+            "bz2": numcodecs.BZ2(level=1),
+            "lzma": numcodecs.LZMA(preset=1),
             "none": None,
         }[codec]
     with warnings.catch_warnings():

@@ -539,7 +539,16 @@ def test_inspect_v2_blosc_and_fallback(tmp_path, capsys):
     assert data["path"] == "cpu-decode" and "blosc" in data["why"]
     assert any(c.startswith("blosc") for c in data["codecs"])
 
-    from zarr.codecs import TransposeCodec
+    from zarr.codecs import Crc32cCodec, TransposeCodec, ZstdCodec
+
+    # zstd with a per-chunk crc32c: decoded on the CPU (README's cpu-decode list says so)
+    crc = zarr.create_array(
+        tmp_path / "c.zarr", shape=(100, 8), chunks=(10, 8), dtype="f4",
+        compressors=[ZstdCodec(), Crc32cCodec()],
+    )  # fmt: skip
+    crc[...] = 1
+    data = inspect_json(tmp_path / "c.zarr", capsys)["arrays"][0]
+    assert data["path"] == "cpu-decode" and "crc32c" in data["why"]
 
     arr = zarr.create_array(
         tmp_path / "t.zarr", shape=(100, 8), chunks=(10, 8), dtype="f4",

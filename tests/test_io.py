@@ -115,6 +115,10 @@ EXTRA = {
     "v3-crc32c": dict(fmt=3, compressors="zstd-crc32c"),
     "v3-numcodecs-zstd-crc32c": dict(fmt=3, compressors="numcodecs-zstd-crc32c"),
     "v3-sharded-crc32c": dict(fmt=3, compressors="zstd-crc32c", sharded=True),
+    # README's "Direct read path": numcodecs' other compressors are decoded there too
+    "v2-zlib": dict(fmt=2, compressors="zlib"),
+    "v2-bz2": dict(fmt=2, compressors="bz2"),
+    "v2-lzma": dict(fmt=2, compressors="lzma"),
     "v2-bigendian": dict(fmt=2, compressors="zstd", dtype=">f4"),
     "v2-bigendian-int-none": dict(fmt=2, compressors="none", dtype=">i4"),
     "v3-bigendian": dict(fmt=3, compressors="blosc-lz4", serializer=BytesCodec(endian="big")),
