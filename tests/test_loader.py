@@ -1094,3 +1094,23 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None
         with pytest.raises(dz.ConfigError, match="load_state_dict takes a dict"):
             loader.load_state_dict(state)
     loader.close()
+
+
+def test_the_bare_pipeline_of_readme_yields_the_loaders_batch(sc_store: Path) -> None:
+    """README: ``dz.build_pipeline`` builds the bare DALI pipeline. Over a BatchSource with
+    no epoch bound it yields no batch (a StopIteration on its first run, with no word of
+    why); bound as README says, its first batch is the Loader's."""
+    from dali_zarr.graph.source import BatchSource
+
+    ds = dz.open_dataset(sc_store)
+    source = BatchSource(ds, sampler(), output="dense", obs=["cell_type"], return_index=True)
+    source.bind_epoch(0, 1)  # DALI's epoch 0 serves the sampler's epoch 1
+    pipe, names = dz.build_pipeline(source)
+    pipe.build()
+    got = {name: out.as_array()[0] for name, out in zip(names, pipe.run(), strict=True)}
+    source.close()
+    with dz.Loader(ds, sampler(), obs=["cell_type"], return_index=True) as loader:
+        loader.set_epoch(1)
+        want = next(iter(loader))
+    for name in ("X", "cell_type", "index"):
+        np.testing.assert_array_equal(got[name], want[name].numpy())

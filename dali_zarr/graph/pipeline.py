@@ -298,6 +298,9 @@ def build_pipeline(
 ) -> tuple[Pipeline, list[str]]:
     """A DALI pipeline yielding one minibatch per iteration, and its output names.
 
+    DALI's epoch ``d`` yields what ``source.bind_epoch(d, epoch)`` bound to it (the Loader
+    binds each); an epoch not bound yields no batch (its first run raises StopIteration).
+
     ``dtype`` of ``X``: float32, float16, float64 or bfloat16 (which leaves DALI as uint16
     bits; view them, e.g. ``torch_tensor.view(torch.bfloat16)``).
 
