@@ -1,4 +1,4 @@
-"""One rank of ``test_readme.py``: runs README.md's "Use" example and its "Resuming" example
+"""One rank of ``test_readme.py``: runs README.md's "Use", "Resuming" and JAX examples
 as written (the ``python`` blocks that start with the lines given), in a folder holding
 ``cells.zarr``, after ``init_process_group("gloo")``, and writes what they left behind to
 ``rank{R}.json`` there."""
@@ -43,6 +43,12 @@ def main() -> None:
     exec(compile(resume, "README.md (Resuming)", "exec"), names)
     seen["resumed_epoch"] = names["loader"].epoch
     seen["saved"] = sorted(os.listdir("ckpt"))
+    # JAX's block: each torchrun rank is a JAX process of its own here (no jax.distributed)
+    jax_block = readme_block(text, "from dali_zarr.jax_loader import JaxLoader")
+    exec(compile(jax_block, "README.md (JAX)", "exec"), names)
+    seen["jax_batches"] = len(names["loader"])
+    seen["jax_x_shape"] = list(names["batch"]["X"].shape)
+    names["loader"].close()
     rank = torch.distributed.get_rank()
     Path(f"rank{rank}.json").write_text(json.dumps(seen))
     torch.distributed.destroy_process_group()

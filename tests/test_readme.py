@@ -1,5 +1,5 @@
-"""README.md's examples run as written: its "Use" and "Resuming" blocks under torchrun on two
-CPU ranks, against a store the loader's synthetic writer makes as ``cells.zarr``."""
+"""README.md's examples run as written: its "Use", "Resuming" and JAX blocks under torchrun on
+two CPU ranks, against a store the loader's synthetic writer makes as ``cells.zarr``."""
 
 from __future__ import annotations
 
@@ -25,3 +25,5 @@ def test_readme_use_and_resume_examples_run_as_written(tmp_path: Path) -> None:
         assert seen["device"] == "cpu" and seen["batches"] == 5, seen
         assert seen["x_shape"] == [256, 40] and seen["index_dtype"] == "torch.int64", seen
         assert seen["resumed_epoch"] == 3 and seen["saved"] == ["rank0.pt", "rank1.pt"], seen
+        # JAX: one process, every row once: 11 batches of 256 and the last of 184 rows
+        assert seen["jax_batches"] == 12 and seen["jax_x_shape"] == [184, 40], seen
