@@ -436,6 +436,14 @@ class Loader:
             )
         elif dali and self.enable_checkpointing:
             self._restore = dict(dali)
+        elif dali and self.transform is not None and isinstance(saved_pipeline, Mapping):
+            if saved_pipeline.get("transform") is not None:  # its random ops would restart
+                log.warning(
+                    "dali_zarr: the state has a DALI checkpoint of the transform's operators, "
+                    "not restored: this loader was built with enable_checkpointing=False, so "
+                    "their random ops restart from their initial state (the rows are exact); "
+                    "build it with enable_checkpointing=True to continue them"
+                )
         elif dali:
             log.info(
                 "dali_zarr: the state has a DALI checkpoint; ignored (enable_checkpointing=False)"

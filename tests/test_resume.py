@@ -419,6 +419,36 @@ def test_a_dali_checkpoint_of_other_loader_arguments_is_named_or_not_needed(stor
             take(ld, 0)
 
 
+def test_a_dali_checkpoint_a_loader_without_checkpointing_drops_is_said(store, caplog) -> None:
+    """README: a state's DALI checkpoint is restored where the same rank of the same world
+    loads it. Into a loader with a transform but enable_checkpointing=False (README's own
+    resume example passes none) it was dropped with an INFO line only: the transform's
+    random ops restarted, unlike the run that saved the state. That now warns, naming
+    enable_checkpointing; without a transform nothing is lost and it stays an INFO line."""
+    import logging
+
+    from nvidia.dali import fn
+
+    def noisy(outputs: dict) -> dict:
+        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
+        return outputs
+
+    with loader(store, sampler(), transform=noisy, enable_checkpointing=True) as run:
+        take(run, 0, stop=3)
+        state = roundtrip(run.state_dict())
+    assert state["dali"]
+    for transform, warns in ((noisy, True), (None, False)):
+        caplog.clear()
+        at_info = caplog.at_level(logging.INFO, logger="dali_zarr.loader")
+        with at_info, loader(store, sampler(), transform=transform) as ld:
+            ld.load_state_dict(state)
+        said = [r for r in caplog.records if "DALI checkpoint" in r.getMessage()]
+        assert said, "the dropped checkpoint is mentioned"
+        assert (said[0].levelno == logging.WARNING) == warns, said[0].getMessage()
+        if warns:
+            assert "enable_checkpointing=True" in said[0].getMessage()
+
+
 def test_a_dali_checkpoint_after_a_failed_batch_loses_no_batch(tmp_path: Path) -> None:
     """DALI's iterator counts a batch before the read behind it fails; its checkpoint then
     resumed one batch late, and that batch was never delivered. The state is saved without
