@@ -101,6 +101,16 @@ def _from_env() -> tuple[int, int]:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return _env_int("RANK"), _env_int("WORLD_SIZE")
+    # one of torchrun's pair alone is a launcher (or a script) that set it for a reason:
+    # falling back to srun's variables (SLURM_PROCID=0, SLURM_NTASKS=1 inside an
+    # allocation) would make this rank another one, or the only one, and its rows repeat
+    for have, lack in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
+        if have in env:
+            raise ConfigError(
+                f'dist_info="env": {have}={env[have]!r} is set but {lack} is not; set both '
+                f"(torchrun does), unset {have} to use SLURM_PROCID/SLURM_NTASKS, or pass a "
+                "callable returning (rank, world_size)"
+            )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         return _env_int("SLURM_PROCID"), _env_int("SLURM_NTASKS")
     raise ConfigError(

@@ -352,6 +352,27 @@ def test_dist_info_env(monkeypatch: pytest.MonkeyPatch) -> None:
         resolve_rank_world("env")
 
 
+def test_dist_info_env_refuses_half_of_torchruns_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RANK without WORLD_SIZE (or the reverse) fell back to srun's variables: inside an
+    allocation (SLURM_PROCID=0, SLURM_NTASKS=1) RANK=3 became rank 0 of 1, delivering every
+    row on every such process."""
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("RANK", "3")
+    with pytest.raises(ConfigError, match="RANK='3' is set but WORLD_SIZE is not"):
+        resolve_rank_world("env")
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='4' is set but RANK is not"):
+        resolve_rank_world("env")
+    monkeypatch.delenv("SLURM_PROCID")
+    monkeypatch.delenv("SLURM_NTASKS")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='4' is set but RANK is not"):
+        resolve_rank_world("env")
+
+
 def test_dist_info_callable_must_give_integers() -> None:
     """int() would make rank 0 of 0.7 and world 2 of 2.9 without a word."""
     assert resolve_rank_world(lambda: (np.int64(1), 3)) == (1, 3)
