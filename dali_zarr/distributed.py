@@ -407,13 +407,29 @@ def local_world_size() -> int:
     """Processes of this job on this node, from the launcher's variables (1 when unknown)."""
     for name in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         raw = os.environ.get(name, "")
-        try:  # SLURM_TASKS_PER_NODE reads "4(x2),3": 4 tasks on each of 2 nodes, 3 on one
-            n = int(raw.split(",")[0].split("(")[0])
+        try:
+            n = _tasks_on_this_node(raw) if name == "SLURM_TASKS_PER_NODE" else int(raw)
         except ValueError:
             continue
         if n >= 1:
             return n
     return 1
+
+
+def _tasks_on_this_node(raw: str) -> int:
+    """This node's count in SLURM's ``4(x2),3`` (4 tasks on each of 2 nodes, 3 on the
+    third): the entry of srun's ``SLURM_NODEID``, else the first node's. The first node's
+    alone gave a task on the third node 4 ranks' split of a node it shares with 2 others
+    (``1,4(x3)``: a 4-task node's ranks each sized their pools for the whole node)."""
+    counts: list[int] = []
+    for part in raw.split(","):
+        n, _, times = part.partition("(x")
+        counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+    try:
+        node = int(os.environ.get("SLURM_NODEID", ""))
+    except ValueError:
+        node = 0
+    return counts[node] if 0 <= node < len(counts) else counts[0]
 
 
 def _cpu_list_size(text: str) -> int:
@@ -490,7 +506,7 @@ def cpu_share() -> int:
     32-core node). The cores this process may run on (its affinity: what SLURM's or
     taskset's binding left it) are split between the node's ranks (torchrun's
     ``LOCAL_WORLD_SIZE``, or SLURM's ``SLURM_NTASKS_PER_NODE`` / ``SLURM_TASKS_PER_NODE``,
-    whose first node's count stands for this one's), unless a binding already gave
+    this node's entry of it, by ``SLURM_NODEID``), unless a binding already gave
     it fewer cores than its cgroup's cpuset (:func:`cgroup_cpuset`; else the node) holds,
     which is that split made by the launcher. A container's CPU quota
     (:func:`cgroup_cpus`) is split between the ranks too.

@@ -382,7 +382,12 @@ def test_dist_info_callable_must_give_integers() -> None:
 
 
 def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+    for var in (
+        "LOCAL_WORLD_SIZE",
+        "SLURM_NTASKS_PER_NODE",
+        "SLURM_TASKS_PER_NODE",
+        "SLURM_NODEID",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 64)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(64)))
@@ -391,6 +396,13 @@ def test_cpu_share_splits_the_node_between_its_ranks(monkeypatch: pytest.MonkeyP
     assert cpu_share() == 64  # one process: the whole node
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2),2")  # 4 tasks on 2 nodes, 2 on one
     assert cpu_share() == 16
+    monkeypatch.setenv("SLURM_NODEID", "2")  # the third node: its own count, not the first's
+    assert cpu_share() == 32
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1,4(x3)")  # was 1: the whole node for each
+    assert cpu_share() == 16
+    monkeypatch.setenv("SLURM_NODEID", "7")  # not in the list: the first node's count
+    assert cpu_share() == 64
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "4(x2),2")
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")  # srun --ntasks-per-node: wins
     assert cpu_share() == 32
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
