@@ -474,25 +474,48 @@ def cgroup_cpuset(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup")
     return None
 
 
-def cgroup_cpus(root: str = "/sys/fs/cgroup") -> int | None:
+def cgroup_cpus(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> int | None:
     """The CPU quota of this process's container in whole cores (rounded up), or None when
     it has none: cgroup v2's ``cpu.max`` or v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``.
 
     Kubernetes and Docker limit a container's CPUs with a quota, not an affinity, so the
-    affinity still shows every core of the host."""
+    affinity still shows every core of the host. Under cgroup v2 the quota may sit on this
+    process's own cgroup below the root (no cgroup namespace: ``docker --cgroupns=host``,
+    a systemd unit's ``CPUQuota=``) or on an ancestor (a pod's limit): every ``cpu.max``
+    from this process's cgroup (``proc``) up to ``root`` counts, the tightest wins."""
     try:
-        with open(os.path.join(root, "cpu.max")) as f:
-            quota, period = f.read().split()[:2]
-    except (OSError, ValueError):
+        with open(proc) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        lines = []
+    v2 = [p for i, c, p in (x for x in lines if len(x) == 3) if i == "0" and c == ""]
+    parts = [part for part in (v2[0].split("/") if v2 else []) if part]
+    quotas = []
+    for depth in range(len(parts), -1, -1):  # this cgroup, its parents, the root
         try:
-            with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
-                quota = f.read().strip()
-            with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
-                period = f.read().strip()
-        except OSError:
-            return None
+            with open(os.path.join(root, *parts[:depth], "cpu.max")) as f:
+                quotas.append(_quota_cores(*f.read().split()[:2]))
+        except (OSError, TypeError):
+            continue
+    if any(q is not None for q in quotas):
+        return min(q for q in quotas if q is not None)
+    if quotas:  # cgroup v2 without a quota ("max")
+        return None
     try:
-        q, p = int(quota), int(period)  # "max" (v2) or -1 (v1): no quota
+        with open(os.path.join(root, "cpu", "cpu.cfs_quota_us")) as f:
+            quota = f.read().strip()
+        with open(os.path.join(root, "cpu", "cpu.cfs_period_us")) as f:
+            period = f.read().strip()
+    except OSError:
+        return None
+    return _quota_cores(quota, period)
+
+
+def _quota_cores(quota: str, period: str) -> int | None:
+    """Whole cores of a quota per period, rounded up; None for no quota ("max" in v2, -1 in
+    v1) or an unreadable one."""
+    try:
+        q, p = int(quota), int(period)
     except ValueError:
         return None
     return max(1, -(-q // p)) if q > 0 and p > 0 else None

@@ -450,6 +450,45 @@ def test_cgroup_cpus_reads_a_containers_quota(tmp_path, files: dict, cores: int 
 
 
 @pytest.mark.parametrize(
+    ("files", "proc", "cores"),
+    [
+        ({"system.slice/d.scope/cpu.max": "200000 100000\n"}, "0::/system.slice/d.scope\n", 2),
+        (  # a pod's limit above its container's "max": the pod's
+            {"kubepods/pod1/cpu.max": "400000 100000\n", "kubepods/pod1/c/cpu.max": "max 100000"},
+            "0::/kubepods/pod1/c\n",
+            4,
+        ),
+        (  # the tightest of the container's and the pod's
+            {"kubepods/pod1/cpu.max": "400000 100000\n", "kubepods/pod1/c/cpu.max": "100000"},
+            "0::/kubepods/pod1/c\n",
+            4,
+        ),
+        (
+            {
+                "kubepods/pod1/cpu.max": "400000 100000\n",
+                "kubepods/pod1/c/cpu.max": "150000 100000",
+            },
+            "0::/kubepods/pod1/c\n",
+            2,
+        ),
+        ({"a/cpu.max": "max 100000\n"}, "0::/a\n", None),
+    ],
+    ids=["own-cgroup", "pod-limit", "garbled-own", "tightest", "no-quota"],
+)
+def test_cgroup_cpus_reads_the_quota_of_this_process_cgroup(
+    tmp_path, files: dict, proc: str, cores: int | None
+) -> None:
+    """Only the root's cpu.max was read: a process whose cgroup v2 sits below the root (no
+    cgroup namespace, ``docker --cgroupns=host``, a systemd unit's CPUQuota) or under a pod's
+    limit had its quota ignored, and sized its read pools for every core of the host."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    assert cgroup_cpus(str(tmp_path), str(tmp_path / "proc_cgroup")) == cores
+
+
+@pytest.mark.parametrize(
     ("files", "proc", "cpus"),
     [
         ({"a/b/cpuset.cpus.effective": "0-3,8,10-11\n"}, "0::/a/b\n", 7),  # cgroup v2
