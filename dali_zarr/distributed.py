@@ -442,6 +442,25 @@ def _cpu_list_size(text: str) -> int:
     return n
 
 
+def _own_cgroup(proc: str, controller: str) -> list[str] | None:
+    """This process's cgroup path, as its parts, from ``proc`` (``/proc/self/cgroup``):
+    cgroup v2's (``controller=""``, the ``0::/path`` line) or the v1 hierarchy holding
+    ``controller``; None where ``proc`` names none (or cannot be read)."""
+    try:
+        with open(proc) as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for fields in lines:
+        if len(fields) != 3:
+            continue
+        hierarchy, controllers, path = fields
+        v2 = hierarchy == "0" and controllers == ""
+        if (v2 and not controller) or (controller and controller in controllers.split(",")):
+            return [part for part in path.split("/") if part]
+    return None
+
+
 def cgroup_cpuset(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -> int | None:
     """CPUs in this process's cgroup cpuset (v2 ``cpuset.cpus.effective``, v1
     ``cpuset.effective_cpus``), or None where it cannot be read.
@@ -449,16 +468,10 @@ def cgroup_cpuset(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup")
     ``docker --cpuset-cpus`` and a SLURM job's cgroup narrow the affinity of every rank
     alike: an affinity equal to the cpuset is shared by the node's ranks, one narrower than
     it was made for this rank (``--cpu-bind``, ``taskset``, ``numactl``)."""
-    try:
-        with open(proc) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        lines = []
-    v2 = [p for i, c, p in (x for x in lines if len(x) == 3) if i == "0" and c == ""]
-    v1 = [p for _, c, p in (x for x in lines if len(x) == 3) if "cpuset" in c.split(",")]
-    candidates = [os.path.join(root, *v2[0].split("/"), "cpuset.cpus.effective")] if v2 else []
-    if v1:
-        base = os.path.join(root, "cpuset", *v1[0].split("/"))
+    v2, v1 = _own_cgroup(proc, ""), _own_cgroup(proc, "cpuset")
+    candidates = [os.path.join(root, *v2, "cpuset.cpus.effective")] if v2 is not None else []
+    if v1 is not None:
+        base = os.path.join(root, "cpuset", *v1)
         candidates += [os.path.join(base, n) for n in ("cpuset.effective_cpus", "cpuset.cpus")]
     # a container that sees its own cgroup at the root, under a path named for the host
     candidates += [os.path.join(root, "cpuset.cpus.effective")]
@@ -483,13 +496,7 @@ def cgroup_cpus(root: str = "/sys/fs/cgroup", proc: str = "/proc/self/cgroup") -
     process's own cgroup below the root (no cgroup namespace: ``docker --cgroupns=host``,
     a systemd unit's ``CPUQuota=``) or on an ancestor (a pod's limit): every ``cpu.max``
     from this process's cgroup (``proc``) up to ``root`` counts, the tightest wins."""
-    try:
-        with open(proc) as f:
-            lines = [line.rstrip("\n").split(":", 2) for line in f]
-    except OSError:
-        lines = []
-    v2 = [p for i, c, p in (x for x in lines if len(x) == 3) if i == "0" and c == ""]
-    parts = [part for part in (v2[0].split("/") if v2 else []) if part]
+    parts = _own_cgroup(proc, "") or []
     quotas = []
     for depth in range(len(parts), -1, -1):  # this cgroup, its parents, the root
         try:
