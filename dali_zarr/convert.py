@@ -48,6 +48,7 @@ from dali_zarr.data.elements import (
     shape_attribute,
     var_key,
 )
+from dali_zarr.data.obs import changed_by_join
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
 from dali_zarr.io import metadata_file, refuse_stale_metadata
 from dali_zarr.planning.partition import (
@@ -667,26 +668,12 @@ def _combined_obs(inputs: Sequence[_Input]):
 
 
 def _integers_kept(parts, merged) -> bool:
-    """Whether every integer part of a column is exact in ``merged``: pandas concatenates
-    int64 with float64 (or uint64 with int64) as float64, which rounds integers past 2**53
-    (ids, hashes) without a word."""
+    """Whether every part of a column is exact in ``merged``: pandas concatenates int64
+    with float64 (or uint64 with int64) as float64 (:func:`changed_by_join`)."""
     kind = getattr(merged.dtype, "numpy_dtype", merged.dtype).kind
     if kind != "f":  # nullable integers keep them exact; nullable floats are refused
         return True
-    values = np.asarray(merged)
-    start = 0
-    for part in parts:
-        stop = start + len(part)
-        if part.dtype.kind in "iu":
-            held = values[start:stop]
-            if not np.all(np.isfinite(held)):
-                return False
-            with np.errstate(invalid="ignore"):  # past the integer's range: unequal below
-                back = held.astype(part.dtype)
-            if not np.array_equal(back, part.to_numpy()):
-                return False
-        start = stop
-    return True
+    return not changed_by_join([np.asarray(p) for p in parts], np.asarray(merged))
 
 
 def _column_kind(column, pd) -> str:

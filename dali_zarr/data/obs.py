@@ -6,6 +6,7 @@ once at open and gather a batch's labels with one vectorized take; no per-row wo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +133,20 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     )
 
 
+def changed_by_join(parts: Sequence[np.ndarray], joined: np.ndarray) -> list[int]:
+    """Which of ``parts`` their concatenation ``joined`` (in NumPy's or pandas' common
+    dtype) no longer holds exactly: int64 beside uint64 or a float becomes float64, which
+    rounds integers past 2**53 (ids, hashes) without a word."""
+    changed, start = [], 0
+    with np.errstate(invalid="ignore", over="ignore"):  # a changed value is the finding
+        for i, part in enumerate(parts):
+            back = joined[start : start + len(part)].astype(part.dtype)
+            if not np.array_equal(back, part, equal_nan=part.dtype.kind == "f"):
+                changed.append(i)
+            start += len(part)
+    return changed
+
+
 def concat_obs_columns(parts: list[ObsColumn], stores: list[str]) -> ObsColumn:
     """Join one column across the stores of a collection (``stores``: their names).
 
@@ -150,17 +165,7 @@ def concat_obs_columns(parts: list[ObsColumn], stores: list[str]) -> ObsColumn:
         )
     if not parts[0].is_categorical:
         values = np.concatenate([p.values for p in parts])
-        ends = np.cumsum([len(p.values) for p in parts])[:-1]
-        with np.errstate(invalid="ignore", over="ignore"):  # a changed value is the finding
-            changed = [
-                store
-                for store, part, back in zip(stores, parts, np.split(values, ends), strict=True)
-                if not np.array_equal(
-                    back.astype(part.values.dtype),
-                    part.values,
-                    equal_nan=part.values.dtype.kind == "f",
-                )
-            ]
+        changed = [stores[i] for i in changed_by_join([p.values for p in parts], values)]
         if changed:
             dtypes = ", ".join(
                 f"{s} ({p.values.dtype})" for s, p in zip(stores, parts, strict=True)
