@@ -538,9 +538,11 @@ class Loader:
         a DALI checkpoint fits only a pipeline of the same operators, and a refused one is
         explained by naming the arguments that differ."""
         t = self.transform
-        name = None if t is None else getattr(t, "__module__", None) or ""
-        if t is not None:
-            name += "." + getattr(t, "__qualname__", type(t).__qualname__)
+        name = (
+            None if t is None
+            else f"{getattr(t, '__module__', None) or ''}."
+            f"{getattr(t, '__qualname__', type(t).__qualname__)}"
+        )  # fmt: skip
         return {
             "device": self.device,
             "output": self.output,
@@ -691,25 +693,20 @@ class Loader:
                 for key, value in now.items()
                 if isinstance(saved, Mapping) and saved.get(key) != value
             ]
-            if diffs:  # name what changed; "another transform" misled where none did
-                changed = saved.get("transform") != now["transform"]
-                what = "another transform" if changed else "other arguments"
-                raise ConfigError(
-                    f"{self.dataset.name}: the loaded state's DALI checkpoint (state['dali']) "
-                    "does not fit this Loader's DALI pipeline: it was saved by a Loader with "
-                    f"{what} (other DALI operators): {'; '.join(diffs)}. Build the Loader "
-                    "with the arguments that saved the state, or with "
-                    "enable_checkpointing=False to resume the same rows without DALI's "
-                    "operator state (random ops in the transform then restart from their "
-                    f"seeds). DALI said: {exc}"
-                ) from exc
+            # name what changed where the state says ("another transform" misled where none
+            # did); a state of an older dali_zarr records no arguments
+            other = (
+                "another transform" if not diffs or saved.get("transform") != now["transform"]
+                else "other arguments"
+            )  # fmt: skip
             raise ConfigError(
                 f"{self.dataset.name}: the loaded state's DALI checkpoint (state['dali']) "
                 "does not fit this Loader's DALI pipeline: it was saved by a Loader with "
-                "another transform (other DALI operators). Build the Loader with the "
-                "transform that saved the state, or with enable_checkpointing=False to resume "
-                "the same rows without DALI's operator state (random ops in the transform "
-                f"then restart from their seeds). DALI said: {exc}"
+                f"{other} (other DALI operators){': ' if diffs else ''}{'; '.join(diffs)}. "
+                "Build the Loader with the arguments that saved the state, or with "
+                "enable_checkpointing=False to resume the same rows without DALI's operator "
+                f"state (random ops in the transform then restart from their seeds). DALI "
+                f"said: {exc}"
             ) from exc
 
     def _build_pipeline(self, checkpoint: bytes | str | None):
