@@ -40,6 +40,14 @@ CFG = dict(chunk_size=32, preload_nchunks=4, batch_size=30)  # windows of 4 batc
 BPW = 4
 
 
+def noisy(outputs: dict) -> dict:
+    """A transform with a random op, whose state only a DALI checkpoint carries."""
+    from nvidia.dali import fn
+
+    outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
+    return outputs
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("resume") / "sc.zarr"
@@ -291,12 +299,6 @@ def test_a_run_that_delivered_nothing_of_the_epoch_adds_no_split(store) -> None:
 
 
 def test_dali_checkpoint_restores_random_ops(store) -> None:
-    from nvidia.dali import fn
-
-    def noisy(outputs: dict) -> dict:
-        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
-        return outputs
-
     def make() -> dz.Loader:
         return loader(store, sampler(), transform=noisy, enable_checkpointing=True)
 
@@ -335,11 +337,6 @@ def test_a_dali_checkpoint_after_a_loop_left_early_continues_the_random_ops(stor
     ops already drawn for them; the next loop drains them first. A state saved before that
     loop restored the ops at the last batch handed out, short of those draws, so the resumed
     epoch's random values differed from the uninterrupted run's."""
-    from nvidia.dali import fn
-
-    def noisy(outputs: dict) -> dict:
-        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
-        return outputs
 
     def make() -> dz.Loader:
         return loader(store, sampler(), transform=noisy, enable_checkpointing=True)
@@ -365,12 +362,6 @@ def test_a_dali_checkpoint_of_another_transform_is_refused_by_name(store) -> Non
     transform) failed at the first batch with DALI's bare RuntimeError ("There's no
     checkpoint for operator ..."); it is a ConfigError that says what to change, and the
     loaded position stays: a retry raises again instead of restarting the epoch at batch 0."""
-    from nvidia.dali import fn
-
-    def noisy(outputs: dict) -> dict:
-        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
-        return outputs
-
     saved = {}
     for name, transform in (("noisy", noisy), ("plain", None)):
         with loader(store, sampler(), transform=transform, enable_checkpointing=True) as run:
@@ -394,12 +385,6 @@ def test_a_dali_checkpoint_of_other_loader_arguments_is_named_or_not_needed(stor
     by a Loader with another transform"), also where neither loader has a transform, whose
     pipeline holds no operator state to continue. Without a transform on either side the
     checkpoint is not needed and the rows resume; with one, the refusal names what differs."""
-    from nvidia.dali import fn
-
-    def noisy(outputs: dict) -> dict:
-        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
-        return outputs
-
     full = cat(b["index"] for b in take(loader(store, sampler()), 0))
     saved = {}
     for name, transform in (("plain", None), ("noisy", noisy)):
@@ -426,12 +411,6 @@ def test_a_dali_checkpoint_a_loader_without_checkpointing_drops_is_said(store, c
     random ops restarted, unlike the run that saved the state. That now warns, naming
     enable_checkpointing; without a transform nothing is lost and it stays an INFO line."""
     import logging
-
-    from nvidia.dali import fn
-
-    def noisy(outputs: dict) -> dict:
-        outputs["noise"] = fn.random.uniform(range=[0.0, 1.0], shape=[2])
-        return outputs
 
     with loader(store, sampler(), transform=noisy, enable_checkpointing=True) as run:
         take(run, 0, stop=3)
