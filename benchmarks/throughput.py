@@ -329,6 +329,12 @@ def gpu_windows_ahead(prefetch_windows: int = 2, read_threads: int | None = None
     return max(prefetch_windows, DEFAULT_READ_THREADS if read_threads is None else read_threads)
 
 
+def deepest_read_ahead(cuda: bool) -> int:
+    """Windows our loader reads ahead in this run, at most: the GPU path's where it runs,
+    else the CPU path's (``prefetch_windows``, 2); every chunked loader warms up past it."""
+    return gpu_windows_ahead() if cuda else 2
+
+
 def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
     py = sys.executable
     ab_py = envs["annbatch_python"]
@@ -363,10 +369,8 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
         ),
     ):
         outputs = ("csr", "dense") if store == "sparse" else ("dense",)
-        # the chunked loaders (ours, annbatch) all warm up past our deepest read-ahead (the
-        # GPU path's, where it runs)
-        ahead = gpu_windows_ahead() if cuda else 2
-        warmup = steady_warmup(args.warmup, **sizes, windows_ahead=ahead)
+        # the chunked loaders (ours, annbatch) all warm up past our deepest read-ahead
+        warmup = steady_warmup(args.warmup, **sizes, windows_ahead=deepest_read_ahead(cuda))
         sizes_measure = {**sizes, **measure, "warmup": warmup}
         ref = {o: f"{store}/annbatch/{o}" for o in outputs}
         ceiling = {"csr": f"{store}/ceiling/csr", "dense": f"{store}/ceiling/dense"}
@@ -626,7 +630,7 @@ def targets(contenders: list[Contender]) -> list[str]:
 
 
 def conditions(args, infos, envs, load_before, load_after, seconds, cuda=False) -> list[str]:
-    ahead = gpu_windows_ahead() if cuda else 2  # as build_contenders warms up
+    ahead = deepest_read_ahead(cuda)  # as build_contenders warms up
     lines = [
         f"- Machine: {cpu_model()}, {os.cpu_count()} cores "
         f"({len(os.sched_getaffinity(0))} usable), {mem_total_gib()} RAM, "
