@@ -7,6 +7,11 @@ Launch one process per GPU (or per CPU slot) with torchrun:
 ``--generate`` writes a synthetic single-cell store first (rank 0 only; the others wait at a
 barrier). Uses gloo on CPU and nccl when CUDA is present. Each rank logs its rows/s and the
 epoch's mean loss; rank 0 prints the cross-rank summary.
+
+Checkpoints: ``--checkpoint-dir DIR`` saves ``DIR/checkpoint.pt`` every ``--checkpoint-every``
+steps and at the end of each epoch; the same command with ``--resume`` continues from it, in
+the middle of an epoch too, with the next batch (another number of ranks splits the rest of
+the epoch among them).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,7 +77,89 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where dali_zarr decodes and densifies (auto: the GPU path when usable)",
     )
     p.add_argument("--log-json", default="", help="append one JSON line per rank and epoch here")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--log-indices",
+        default="",
+        help="rank r appends each step's obs ids (epoch, step, index) as a JSON line to FILE.r",
+        metavar="FILE",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default="",
+        help="save DIR/checkpoint.pt (model, optimizer, every rank's loader position, step) "
+        "at the end of each epoch and every --checkpoint-every steps; a shared filesystem "
+        "across nodes",
+        metavar="DIR",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=non_negative,
+        default=0,
+        help="also save every N steps, mid-epoch (0: at epoch ends only)",
+        metavar="N",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint-dir's checkpoint (start afresh if it holds none yet, "
+        "so a requeued job can always pass it)",
+    )
+    p.add_argument(
+        "--stop-after-steps",
+        type=non_negative,
+        default=0,
+        help="exit after step N, saving nothing more (a preemption, for tests; 0: never)",
+        metavar="N",
+    )
+    args = p.parse_args(argv)
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_dir and not args.resume and checkpoint_file(args.checkpoint_dir).exists():
+        # a new run would overwrite the old one's checkpoint at its first save
+        p.error(
+            f"{checkpoint_file(args.checkpoint_dir)} exists: pass --resume to continue that "
+            "run, or another --checkpoint-dir to start a new one"
+        )
+    return args
+
+
+def checkpoint_file(directory: str) -> Path:
+    return Path(directory) / "checkpoint.pt"
+
+
+def save_checkpoint(
+    directory: str, *, loader: dz.Loader, model: torch.nn.Module, optimizer, **progress: Any
+) -> None:
+    """Save where the run stands (call on every rank, after the step on the last batch).
+
+    Every rank's loader state goes into one file that rank 0 writes: a checkpoint of one
+    step throughout (files per rank, replaced one by one, could hold different steps after a
+    kill; load_state_dict refuses those), and the list of all ranks' states is what a resume
+    on another number of ranks needs. The model and optimizer are the same on every rank
+    (DDP), so rank 0's are saved. The file is written beside the old one and renamed over
+    it: a kill mid-write leaves the previous checkpoint whole.
+    """
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, loader.state_dict())
+    if dist.get_rank() != 0:
+        return
+    path = checkpoint_file(directory)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "loaders": states,
+        "world_size": dist.get_world_size(),
+        # this MLP draws no random numbers; a model with dropout would continue its stream
+        "rng": torch.get_rng_state(),
+        **progress,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(checkpoint, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
 
     dataset = dz.open_dataset(args.data, element=args.element)
+    resumed = None
+    if args.resume and checkpoint_file(args.checkpoint_dir).exists():
+        resumed = torch.load(checkpoint_file(args.checkpoint_dir), map_location="cpu")
+        # the suggestion depends on the number of ranks: keep the saved run's, which the
+        # loader state must match (flags given explicitly are checked against it instead)
+        args.chunk_size = args.chunk_size or resumed["chunk_size"]
+        args.preload_nchunks = args.preload_nchunks or resumed["preload_nchunks"]
+    elif args.resume and rank == 0:
+        print(f"[rank 0] no checkpoint in {args.checkpoint_dir} yet: starting from step 0")
     # CSR rows straddle store chunks: the suggestion spans several (read_amplification)
     chunk_size, preload_nchunks = suggested_settings(
         dataset,
@@ -113,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         ),
         dist_info="torch",
     )
-    loader = dz.Loader(dataset, sampler, device=args.device, device_id=local_rank, obs=[args.label])
+    loader = dz.Loader(
+        dataset,
+        sampler,
+        device=args.device,
+        device_id=local_rank,
+        obs=[args.label],
+        return_index=bool(args.log_indices),
+    )
     n_classes = categorical_classes(loader.categories(args.label), args.label)
     log1p = holds_counts(args.element)
     if rank == 0:
@@ -126,12 +230,45 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     model = mlp(dataset.feature_shape, hidden=args.hidden, n_classes=n_classes).to(device)
+    if resumed is not None:
+        model.load_state_dict(resumed["model"])
+        torch.set_rng_state(resumed["rng"])
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    step, epoch_step = 0, 0  # optimizer steps in all; batches of the current epoch
+    if resumed is not None:
+        optimizer.load_state_dict(resumed["optimizer"])
+        # all ranks' states: on as many ranks, each continues its own stream with the next
+        # batch; on another number, the rest of the epoch is split among the new ranks
+        loader.load_state_dict(resumed["loaders"])
+        step, epoch_step = resumed["step"], resumed["epoch_step"]
+        if rank == 0:
+            print(
+                f"[rank 0] resumed {checkpoint_file(args.checkpoint_dir)}: step {step}, "
+                f"epoch {loader.epoch} after {epoch_step} of its batches, saved by "
+                f"{resumed['world_size']} ranks; {len(loader)} batches/rank left in it",
+                flush=True,
+            )
+            if loader.epoch >= args.epochs:
+                print(f"[rank 0] --epochs {args.epochs} are done: raise it to train on")
 
-    for epoch in range(args.epochs):
+    def checkpoint() -> None:
+        save_checkpoint(
+            args.checkpoint_dir,
+            loader=loader,
+            model=model,
+            optimizer=optimizer,
+            step=step,
+            epoch_step=epoch_step,
+            chunk_size=chunk_size,
+            preload_nchunks=preload_nchunks,
+        )
+
+    stopped = False
+    # load_state_dict set loader.epoch: a resumed run continues that epoch
+    for epoch in range(loader.epoch, args.epochs):
         loader.set_epoch(epoch)
-        rows, loss_sum, steps = 0, 0.0, 0
+        rows, loss_sum, steps = 0, 0.0, 0  # steps: of this process (rows/s, mean loss)
         start = time.perf_counter()
         startup_s = 0.0  # until the first step is done: pipeline build + JIT on epoch 0
         for batch in loader:
@@ -144,13 +281,27 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             loss_sum += float(loss.detach())
             steps += 1
+            step += 1
+            epoch_step += 1
             if steps == 1:  # rows/s counts steady state: from the end of the first step on
                 startup_s = time.perf_counter() - start
                 start = time.perf_counter()
             else:
                 rows += len(y)
-            if args.max_steps and steps >= args.max_steps:
+            if args.log_indices:  # closed each step: a kill loses none of the lines
+                with open(f"{args.log_indices}.{rank}", "a") as f:
+                    ids = batch["index"].tolist()
+                    f.write(json.dumps({"epoch": epoch, "step": step, "index": ids}) + "\n")
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                checkpoint()
+            if step == args.stop_after_steps:
+                stopped = True
                 break
+            if args.max_steps and epoch_step >= args.max_steps:
+                break
+        if stopped:
+            print(f"[rank {rank}] stopped after step {step} (--stop-after-steps)", flush=True)
+            break
         elapsed = time.perf_counter() - start
         # one step has no steady state to time: its rate is unknown (None), not 0
         rate = rows / elapsed if rows else None
@@ -184,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"[all] epoch {epoch}: mean loss {summary[0].item() / world:.4f}, total {shown}",
                 flush=True,
             )
+        epoch_step = 0
+        if args.checkpoint_dir:
+            # saved as the next epoch's start, not this one's end: resumed, an epoch that
+            # --max-steps cut short would otherwise run on to its last batch
+            loader.set_epoch(epoch + 1)
+            checkpoint()
     loader.close()
     dist.destroy_process_group()
     return 0

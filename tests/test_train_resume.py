@@ -1,0 +1,161 @@
+"""The DDP main job's checkpoints (pipelines/ddp_train.py --checkpoint-dir / --resume).
+
+A run stopped in the middle of an epoch (by --stop-after-steps, or by SIGKILL) and resumed
+trains on every row of that epoch exactly once in all, the same batches as an uninterrupted
+run, and its model and optimizer continue where the checkpoint left them; on another number
+of ranks the rest of the epoch is split among the new ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dali_zarr import synthetic
+from tests.processes import child_env, free_port, run_ok, start, wait_all
+
+N_OBS = 640  # 16 chunks of 40 rows, 8 per rank: 10 whole batches of 32 on each of 2 ranks
+SETTINGS = ["--batch-size", "32", "--chunk-size", "40", "--preload-nchunks", "2"]
+STEPS_PER_EPOCH = N_OBS // 32 // 2
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("train_resume") / "sc.zarr"
+    return synthetic.make_single_cell(path, n_obs=N_OBS, n_features=20, n_types=4)
+
+
+def train(store: str, *flags: str, nproc: int = 2) -> str:
+    """ddp_train.py under torchrun (gloo) on ``nproc`` ranks; its stdout."""
+    return run_ok(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+            f"--nproc_per_node={nproc}",
+            *("pipelines/ddp_train.py", "--data", store, *SETTINGS, *flags),
+        ],
+        timeout=300,
+    )
+
+
+def logged(prefix: Path, ranks: int) -> list[tuple[int, int, int, tuple[int, ...]]]:
+    """(rank, epoch, step, obs ids) of every step --log-indices wrote, on every rank."""
+    return [
+        (rank, e["epoch"], e["step"], tuple(e["index"]))
+        for rank in range(ranks)
+        if Path(f"{prefix}.{rank}").exists()
+        for e in map(json.loads, Path(f"{prefix}.{rank}").read_text().splitlines())
+    ]
+
+
+def rows_of(entries, epoch: int) -> list[int]:
+    return sorted(i for _, e, _, index in entries if e == epoch for i in index)
+
+
+def load(directory: Path) -> dict:
+    return torch.load(directory / "checkpoint.pt", map_location="cpu")
+
+
+@pytest.mark.slow
+def test_stopped_mid_epoch_resumes_with_the_same_batches_and_model(
+    store: str, tmp_path: Path
+) -> None:
+    # uninterrupted: 2 epochs of 10 steps per rank
+    train(store, "--epochs", "2", "--checkpoint-dir", str(tmp_path / "ref"),
+          "--log-indices", str(tmp_path / "ref.log"))  # fmt: skip
+    # preempted at step 14 (epoch 1, its 4th batch); the last checkpoint is step 12's
+    flags = ["--epochs", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
+    out = train(store, *flags, "--stop-after-steps", "14", "--log-indices", str(tmp_path / "a"))
+    assert "stopped after step 14" in out and "[all] epoch 1" not in out, out
+    saved = load(tmp_path / "ck")
+    assert (saved["step"], saved["epoch_step"]) == (12, 2)
+    assert [s["consumed"] for s in saved["loaders"]] == [2, 2]
+
+    out = train(store, *flags, "--resume", "--log-indices", str(tmp_path / "b"))
+    assert "resumed" in out and "step 12, epoch 1 after 2 of its batches" in out, out
+    assert "[all] epoch 0" not in out and "[all] epoch 1" in out, out
+
+    reference = logged(tmp_path / "ref.log", 2)
+    before = [e for e in logged(tmp_path / "a", 2) if e[2] <= saved["step"]]
+    after = logged(tmp_path / "b", 2)
+    assert min(step for _, _, step, _ in after) == 13  # the step counter continues
+    # batch for batch the uninterrupted stream: each row of epoch 1 exactly once
+    assert sorted(before + after) == sorted(reference)
+    assert rows_of(before + after, 1) == list(range(N_OBS))
+
+    # the model and Adam's moments continued: the same weights as the uninterrupted run
+    resumed, uninterrupted = load(tmp_path / "ck"), load(tmp_path / "ref")
+    assert resumed["step"] == uninterrupted["step"] == 2 * STEPS_PER_EPOCH
+    assert resumed["optimizer"]["state"][0]["step"] == 2 * STEPS_PER_EPOCH
+    for name, weights in uninterrupted["model"].items():
+        assert torch.allclose(resumed["model"][name], weights, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_on_another_number_of_ranks(store: str, tmp_path: Path) -> None:
+    """Two ranks launched as srun would (RANK, WORLD_SIZE), killed with SIGKILL wherever
+    they are (mid-step or mid-save), resume from the last whole checkpoint on one rank."""
+    port, ck = str(free_port()), tmp_path / "ck"
+    cmd = [
+        *(sys.executable, "pipelines/ddp_train.py", "--data", store, *SETTINGS),
+        *("--epochs", "1000", "--checkpoint-dir", str(ck), "--checkpoint-every", "3"),
+        *("--log-indices", str(tmp_path / "a")),
+    ]
+    launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        start(cmd, env=child_env(**launch, RANK=str(rank), LOCAL_RANK=str(rank)))
+        for rank in range(2)
+    ]
+    log = Path(f"{tmp_path / 'a'}.0")
+    deadline = time.monotonic() + 240  # a guard against a hang, not a timing assertion
+    while not (log.exists() and len(log.read_text().splitlines()) > 2 * STEPS_PER_EPOCH + 4):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            logs = ["".join(p.communicate())[-2000:] for p in procs]
+            pytest.fail("the run ended or hung before it was killed:\n" + "\n".join(logs))
+        time.sleep(0.05)
+    for p in procs:
+        os.kill(p.pid, signal.SIGKILL)
+    wait_all(procs, timeout=60)
+
+    saved = load(ck)  # whole, wherever the kill landed
+    epoch, step = saved["loaders"][0]["epoch"], saved["step"]
+    assert epoch >= 1 and step >= 2 * STEPS_PER_EPOCH, (epoch, step)
+    out = train(store, "--epochs", str(epoch + 1), "--checkpoint-dir", str(ck), "--resume",
+                "--log-indices", str(tmp_path / "b"), nproc=1)  # fmt: skip
+    assert f"step {step}, epoch {epoch} after {saved['epoch_step']}" in out, out
+    assert "saved by 2 ranks" in out, out
+
+    before = [e for e in logged(tmp_path / "a", 2) if e[2] <= step]
+    after = logged(tmp_path / "b", 1)
+    assert {e for _, e, _, _ in after} <= {epoch}
+    # the step counter continues (nothing comes after a checkpoint at the epoch's last batch)
+    assert [s for _, _, s, _ in after] == list(range(step + 1, step + 1 + len(after)))
+    # every row of the interrupted epoch exactly once: before the last checkpoint, or after
+    assert rows_of(before + after, epoch) == list(range(N_OBS))
+    assert load(ck)["world_size"] == 1
+
+
+def test_a_checkpoint_is_not_overwritten_without_resume(tmp_path: Path) -> None:
+    """Without --resume, a checkpoint in the directory is refused before anything starts
+    (the new run's first save would replace it); --resume needs a directory."""
+    store = str(tmp_path / "never.zarr")
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "checkpoint.pt").write_bytes(b"")
+    for flags, said in (
+        (["--checkpoint-dir", str(tmp_path / "ck")], "exists: pass --resume to continue"),
+        (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "pipelines/ddp_train.py", "--data", store, *flags],
+            capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+        )  # fmt: skip
+        assert done.returncode == 2 and said in done.stderr, done.stderr
