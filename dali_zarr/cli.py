@@ -115,8 +115,9 @@ original_source; plain arrays give a plain array.
 
 X is streamed in blocks of --block-rows rows: peak memory is about two blocks plus one shard
 per output array (obs, var and CSR indptr are held in memory). The output is written to
-DST.partial and renamed to DST when complete; an interrupted run leaves no DST, and a re-run
-removes the stale DST.partial.
+DST.partial and renamed to DST when complete (--overwrite swaps it for the old DST in
+one step on Linux); an interrupted or killed run leaves no DST, and a re-run removes the
+stale DST.partial.
 """
 
 _SHUFFLE_HELP = (

@@ -14,8 +14,9 @@ zarr rewrites a whole shard on every partial write, so each shard is written onc
 are held in memory. AnnData inputs need the ``anndata`` package (and ``.h5ad`` files h5py),
 which reads and writes ``obs``/``var`` in every encoding anndata knows.
 
-The output is written into ``DST.partial`` (marked as ours) and renamed to ``DST`` only when
-complete, so an interrupted run never leaves a ``DST`` that looks complete; a re-run removes
+The output is written into ``DST.partial`` (marked as ours) and renamed to ``DST``
+only when complete (``overwrite`` swaps it for the old ``DST`` in one step where the OS can),
+so an interrupted or killed run never leaves a ``DST`` that looks complete; a re-run removes
 the stale ``DST.partial``.
 """
 
@@ -23,11 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import fcntl
+import functools
 import logging
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -753,7 +758,7 @@ def written_whole(dest: str, *, sources: Sequence[str] = (), overwrite: bool) ->
     partial, lock = _prepare_destination(dest, sources, overwrite)
     try:
         yield partial
-        _publish(partial, dest, overwrite)
+        _publish(partial, os.path.normpath(dest), overwrite)
     except BaseException:
         _discard(partial)
         raise
@@ -768,7 +773,7 @@ def _discard(partial: str) -> None:
     which the next run then refused. So the writes are waited for first; where that cannot
     be done, the marker stays (the next run removes the folder)."""
     if _wait_for_zarr_writes():
-        shutil.rmtree(partial, ignore_errors=True)
+        _remove_marked(partial)
         return
     for entry in os.scandir(partial) if os.path.isdir(partial) else ():
         if entry.name != _MARKER:
@@ -777,6 +782,21 @@ def _discard(partial: str) -> None:
                     shutil.rmtree(entry.path)
                 else:
                     os.remove(entry.path)
+
+
+def _remove_marked(path: str) -> None:
+    """Remove a marked folder, its marker last: a removal cut short leaves a folder the next
+    run still knows for ours (a stale partial), not one it must refuse."""
+    if not os.path.isdir(path):
+        return
+    for entry in os.scandir(path):
+        if entry.name != _MARKER:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(entry.path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _wait_for_zarr_writes(timeout: float = 30.0) -> bool:
@@ -829,25 +849,66 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
         f"{partial}: another dali-zarr writer (a convert, a synthetic store) is writing this "
         "destination now; wait for it to finish, or choose another destination."
     )
+    if _is_empty_folder(partial):  # a removal stopped between the marker and the folder
+        with contextlib.suppress(OSError):
+            os.rmdir(partial)
     if os.path.lexists(partial):
-        if not os.path.exists(os.path.join(partial, _MARKER)):
+        marker = os.path.join(partial, _MARKER)
+        if not os.path.exists(marker):
             raise ConfigError(
                 f"{partial}: exists but was not left by an interrupted dali-zarr writer; "
                 "remove it or choose another destination."
             )
-        with open(os.path.join(partial, _MARKER), "a") as f:
-            if not _try_lock(f):  # its writer holds the lock for as long as it runs
+        # Opened without creating it: a marker made here could land in a folder its writer
+        # is renaming away; a writer that finished or another cleaner removed it: busy.
+        try:
+            stale = open(marker)  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            raise busy from None
+        with stale:
+            # its writer holds the lock for as long as it runs; the marker still at its path
+            # after locking, or another re-run removed it (and made its own) meanwhile
+            if not _try_lock(stale) or not _same_file(stale, marker):
                 raise busy
-        shutil.rmtree(partial)  # a stale, half-written result of an interrupted run
+            _remove_marked(partial)  # a stale, half-written result of an interrupted run
     try:
         os.makedirs(partial)
+        return partial, _new_marker(partial)
     except FileExistsError:  # another convert made it since the check above
         raise busy from None
-    lock = open(os.path.join(partial, _MARKER), "w")  # noqa: SIM115 (held past this call)
-    _try_lock(lock)  # held until the store is published or removed (the process ends)
-    lock.write("an unfinished dali-zarr store; safe to delete once its writer has stopped\n")
+    except FileNotFoundError:  # another run took it for an empty leftover before it was marked
+        raise busy from None
+
+
+def _is_empty_folder(path: str) -> bool:
+    try:
+        return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
+    except OSError:
+        return False
+
+
+def _new_marker(folder: str) -> IO[str]:
+    """``folder``'s marker, locked by this process until the returned file is closed (or the
+    process ends). It stays in the store through the rename that publishes it, so no step
+    of a commit leaves an unmarked ``DST.partial``."""
+    lock = open(os.path.join(folder, _MARKER), "a")  # noqa: SIM115 (held past this call)
+    _try_lock(lock)
+    lock.write(
+        "dali-zarr writer's marker. In a folder named *.partial: an unfinished store, safe to "
+        "delete once its writer has stopped. In a finished store (its writer was stopped as "
+        "it published it): only this file is stale and safe to delete.\n"
+    )
     lock.flush()
-    return partial, lock
+    return lock
+
+
+def _same_file(f: IO[str], path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(f.fileno())
+    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _check_replaceable(dest: str, overwrite: bool) -> None:
@@ -885,23 +946,79 @@ def _try_lock(f: IO[str]) -> bool:
 
 
 def _publish(partial: str, dest: str, overwrite: bool) -> None:
-    """Move the finished store into place; an existing ``dest`` (overwrite) goes last."""
+    """Publish the finished store with one rename, the commit point: ``dest`` holds the old
+    store or the new one, whole, at every instant. An existing
+    ``dest`` (overwrite) is swapped out atomically (Linux ``renameat2``), marked and locked
+    as a stale partial, then removed; where the kernel or file system cannot swap, it is
+    moved aside first (``DST`` is missing for the time between two renames)."""
     if os.path.lexists(dest) and not overwrite:  # it appeared while we converted
-        raise ConfigError(
-            f"{dest}: was created while this convert ran; pass overwrite=True (--overwrite) "
-            "to replace it."
-        )
-    os.remove(os.path.join(partial, _MARKER))
-    old = None
-    if os.path.lexists(dest):
-        old = f"{dest}.old-{os.getpid()}"
-        os.rename(dest, old)
-    os.rename(partial, dest)
-    if old is not None:
-        if os.path.isdir(old) and not os.path.islink(old):
-            shutil.rmtree(old)
+        raise _appeared(dest)
+    if not os.path.lexists(dest):
+        if _renameat2(partial, dest, _RENAME_NOREPLACE) is None:
+            os.rename(partial, dest)  # no renameat2: checked just above
+        _unmark(dest)
+        return
+    folder = os.path.isdir(dest) and not os.path.islink(dest)  # else a link, replaced alone
+    with _new_marker(dest) if folder else contextlib.nullcontext():
+        # the old store, marked and locked: once out, a stale partial
+        if _renameat2(partial, dest, _RENAME_EXCHANGE) is not None:
+            old = partial  # the two swapped
+        else:
+            old = f"{dest}.old-{os.getpid()}"
+            os.rename(dest, old)
+            os.rename(partial, dest)
+        _unmark(dest)
+        if folder:
+            _remove_marked(old)
         else:
             os.remove(old)
+
+
+def _appeared(dest: str) -> ConfigError:
+    return ConfigError(
+        f"{dest}: was created while this convert ran; pass overwrite=True (--overwrite) "
+        "to replace it."
+    )
+
+
+def _unmark(store: str) -> None:
+    """The published store's marker, removed (a kill just before leaves only that file)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(store, _MARKER))
+
+
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _libc_renameat2() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _renameat2(src: str, dst: str, flags: int) -> bool | None:
+    """``renameat2(src, dst, flags)``: True when done, None where this kernel, libc or file
+    system has no such call or flag (the caller falls back to ``os.rename``). A ``dst``
+    that appeared meanwhile (RENAME_NOREPLACE) is refused as such."""
+    fn = _libc_renameat2()
+    if fn is None:
+        return None
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EPERM):  # EPERM: a seccomp
+        return None  # filter; a real permission error, os.rename raises it again
+    if err == errno.EEXIST:
+        raise _appeared(dst)
+    raise OSError(err, os.strerror(err), src, None, dst)
 
 
 def convert(

@@ -7,6 +7,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -395,9 +396,10 @@ def test_overwrite_and_foreign_partial(tmp_path, sc_store, capsys):
     assert "is not a directory" in one_line_error(capsys)
     other = tmp_path / "other.zarr"
     Path(f"{other}.partial").mkdir()
+    (Path(f"{other}.partial") / "theirs.txt").write_text("keep me")
     assert run("convert", sc_store, other, "-q") == 2
     assert "not left by an interrupted" in one_line_error(capsys)
-    assert Path(f"{other}.partial").is_dir()
+    assert (Path(f"{other}.partial") / "theirs.txt").read_text() == "keep me"
 
 
 def test_convert_summary_and_json(tmp_path, sc_store, capsys):
@@ -1250,3 +1252,79 @@ def test_legacy_obs_table_is_refused_by_name(tmp_path, capsys):
     err = one_line_error(capsys)
     assert "old.h5ad/obs: is a table in the format of anndata before 0.7" in err, err
     assert "write_h5ad" in err and not (tmp_path / "o.zarr").exists()
+
+
+_KILL_IN_COMMIT = """
+import os, signal, sys
+import dali_zarr.convert as c
+
+src, dst, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+state = {"committing": False, "calls": 0}
+real_publish = c._publish
+
+
+def publish(*args, **kw):
+    state["committing"] = True
+    return real_publish(*args, **kw)
+
+
+def counted(fn):
+    def call(*args, **kw):
+        if state["committing"]:
+            state["calls"] += 1
+            if state["calls"] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return fn(*args, **kw)
+
+    return call
+
+
+c._publish = publish
+for name in ("rename", "replace", "remove", "unlink", "rmdir"):
+    setattr(os, name, counted(getattr(os, name)))
+if hasattr(c, "_renameat2"):
+    c._renameat2 = counted(c._renameat2)
+c.convert(src, dst, overwrite=True, chunk_rows=5, shard_bytes=0)
+print(state["calls"])
+"""
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["fresh", "replace"])
+def test_a_convert_killed_while_it_commits_leaves_a_whole_store_and_reruns(tmp_path, replace):
+    """SIGKILL at each file-system step of the commit (publishing DST.partial as DST). The
+    marker was removed before the rename, so a kill there left a finished DST.partial that
+    every re-run refused as "not left by an interrupted dali-zarr writer"; --overwrite
+    moved the old DST aside first, so a kill there left no DST at all; and a kill while the
+    old store was removed left a DST.old-<pid> that nothing cleaned up. DST must always hold
+    the old store or the new one, whole, and a re-run must leave nothing else behind."""
+    new_src, old_src = tmp_path / "new.zarr", tmp_path / "old.zarr"
+    new = np.arange(40, dtype=np.float32).reshape(20, 2)
+    zarr.create_array(new_src, data=new, chunks=(5, 2))
+    zarr.create_array(old_src, data=-new[:10], chunks=(5, 2))
+    dst = tmp_path / "out.zarr"
+
+    def child(kill_at: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", _KILL_IN_COMMIT, str(new_src), str(dst), str(kill_at)]
+        return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
+
+    def reset() -> None:
+        shutil.rmtree(dst, ignore_errors=True)
+        if replace:
+            convert(old_src, dst, chunk_rows=5, shard_bytes=0)
+
+    reset()
+    whole = child(0)
+    assert whole.returncode == 0, whole.stderr
+    steps = int(whole.stdout.split()[-1])
+    assert steps >= 1
+    for kill_at in range(1, steps + 1):
+        reset()
+        assert child(kill_at).returncode == -signal.SIGKILL
+        if replace or dst.exists():
+            held = zarr.open_array(dst, mode="r")[...]
+            assert np.array_equal(held, new) or np.array_equal(held, -new[:10]), kill_at
+            assert dz.open_dataset(dst).n_obs == len(held)
+        convert(new_src, dst, overwrite=True)  # a re-run
+        np.testing.assert_array_equal(zarr.open_array(dst, mode="r")[...], new)
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert left == ["new.zarr", "old.zarr", "out.zarr"], f"killed at step {kill_at}: {left}"
