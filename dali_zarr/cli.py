@@ -115,7 +115,7 @@ original_source; plain arrays give a plain array.
 
 X is streamed in blocks of --block-rows rows: peak memory is about two blocks plus one shard
 per output array (obs, var and CSR indptr are held in memory). The output is written to
-DST.partial and renamed to DST when complete (--overwrite swaps it for the old DST in
+DST.partial, fsynced and renamed to DST when complete (--overwrite swaps it for the old DST in
 one step on Linux); an interrupted or killed run leaves no DST, and a re-run removes the
 stale DST.partial.
 """

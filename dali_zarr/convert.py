@@ -14,7 +14,7 @@ zarr rewrites a whole shard on every partial write, so each shard is written onc
 are held in memory. AnnData inputs need the ``anndata`` package (and ``.h5ad`` files h5py),
 which reads and writes ``obs``/``var`` in every encoding anndata knows.
 
-The output is written into ``DST.partial`` (marked as ours) and renamed to ``DST``
+The output is written into ``DST.partial`` (marked as ours), fsynced, and renamed to ``DST``
 only when complete (``overwrite`` swaps it for the old ``DST`` in one step where the OS can),
 so an interrupted or killed run never leaves a ``DST`` that looks complete; a re-run removes
 the stale ``DST.partial``.
@@ -23,6 +23,7 @@ the stale ``DST.partial``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import errno
@@ -946,27 +947,32 @@ def _try_lock(f: IO[str]) -> bool:
 
 
 def _publish(partial: str, dest: str, overwrite: bool) -> None:
-    """Publish the finished store with one rename, the commit point: ``dest`` holds the old
-    store or the new one, whole, at every instant. An existing
+    """Make the finished store durable, then publish it with one rename, the commit point:
+    ``dest`` holds the old store or the new one, whole, at every instant. An existing
     ``dest`` (overwrite) is swapped out atomically (Linux ``renameat2``), marked and locked
     as a stale partial, then removed; where the kernel or file system cannot swap, it is
     moved aside first (``DST`` is missing for the time between two renames)."""
     if os.path.lexists(dest) and not overwrite:  # it appeared while we converted
         raise _appeared(dest)
+    _sync_tree(partial)
+    parent = os.path.dirname(os.path.abspath(dest))
     if not os.path.lexists(dest):
         if _renameat2(partial, dest, _RENAME_NOREPLACE) is None:
             os.rename(partial, dest)  # no renameat2: checked just above
+        _sync_dir(parent)
         _unmark(dest)
         return
     folder = os.path.isdir(dest) and not os.path.islink(dest)  # else a link, replaced alone
     with _new_marker(dest) if folder else contextlib.nullcontext():
-        # the old store, marked and locked: once out, a stale partial
+        if folder:  # the old store, marked and locked: once out, a stale partial
+            _sync_dir(dest)
         if _renameat2(partial, dest, _RENAME_EXCHANGE) is not None:
             old = partial  # the two swapped
         else:
             old = f"{dest}.old-{os.getpid()}"
             os.rename(dest, old)
             os.rename(partial, dest)
+        _sync_dir(parent)
         _unmark(dest)
         if folder:
             _remove_marked(old)
@@ -985,6 +991,36 @@ def _unmark(store: str) -> None:
     """The published store's marker, removed (a kill just before leaves only that file)."""
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(store, _MARKER))
+    _sync_dir(store)
+
+
+def _sync_tree(top: str) -> None:
+    """fsync every file and folder under ``top``: a rename is journaled, the data it points
+    at is not, so without this a power loss could leave a published store of empty chunk
+    files. All before the commit, in any order; from threads, so that the file system
+    commits many at once (one by one, an unsharded store's thousands of files cost ~20 %
+    of a convert's time)."""
+    paths = [top]
+    for folder, dirs, files in os.walk(top):
+        paths += [os.path.join(folder, name) for name in dirs + files]
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(paths))) as pool:
+        list(pool.map(_sync_path, paths))
+
+
+def _sync_dir(path: str) -> None:
+    """fsync a folder's entries; file systems that cannot (EINVAL) are left as they are."""
+    _sync_path(path, os.O_DIRECTORY)
+
+
+def _sync_path(path: str, flags: int = 0) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # linux/fs.h

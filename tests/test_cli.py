@@ -1328,3 +1328,35 @@ def test_a_convert_killed_while_it_commits_leaves_a_whole_store_and_reruns(tmp_p
         np.testing.assert_array_equal(zarr.open_array(dst, mode="r")[...], new)
         left = sorted(p.name for p in tmp_path.iterdir())
         assert left == ["new.zarr", "old.zarr", "out.zarr"], f"killed at step {kill_at}: {left}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names descriptors by /proc")
+def test_convert_makes_the_store_durable_before_publishing_it(tmp_path, sc_store, monkeypatch):
+    """Nothing was fsynced: after a power loss the rename (journaled) could survive while the
+    chunks it points at did not, leaving a DST of empty or missing chunk files. Every file
+    and folder of the store is now fsynced before the rename, and the parent folder after."""
+    import dali_zarr.convert as convert_module
+
+    synced: list[str] = []
+    real_fsync, real_publish = os.fsync, convert_module._publish
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def publish(*args, **kw):
+        synced.append("<commit>")
+        real_publish(*args, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(convert_module, "_publish", publish)
+    dst = tmp_path / "out.zarr"
+    convert(sc_store, dst)
+    partial = f"{dst}.partial"
+    in_store = [os.path.join(partial, os.path.relpath(os.path.join(d, n), dst))
+                for d, dirs, files in os.walk(dst) for n in dirs + files]  # fmt: skip
+    # named by their DST.partial paths: synced before the rename
+    missing = [p for p in [partial, *in_store] if p not in synced]
+    assert not missing, f"not fsynced before the commit: {missing[:5]} ({len(missing)})"
+    last = max(i for i, p in enumerate(synced) if p.startswith(partial))
+    assert str(tmp_path) in synced[last + 1 :]  # the rename itself, after it
