@@ -56,7 +56,7 @@ from dali_zarr.data.elements import (
 )
 from dali_zarr.data.obs import changed_by_join
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
-from dali_zarr.io import metadata_file, refuse_stale_metadata
+from dali_zarr.io import WRITER_MARKER, metadata_file, refuse_stale_metadata
 from dali_zarr.planning.partition import (
     concat_aranges,
     order_digest,
@@ -81,7 +81,7 @@ DEFAULT_SHARD_BYTES = 256 * 2**20
 DEFAULT_BLOCK_BYTES = 64 * 2**20  # decoded X bytes read per block when block_rows is not given
 _UNSHARDED_WRITE_BYTES = 32 * 2**20  # write unsharded arrays in runs of whole chunks this big
 _INDPTR_CHUNK = 2**20
-_MARKER = ".dali-zarr-partial"  # inside DST.partial: proves the directory is ours to remove
+_MARKER = WRITER_MARKER  # inside DST.partial: proves the directory is ours to remove
 ORIGINAL_INDEX = "original_index"
 ORIGINAL_SOURCE = "original_source"
 SHUFFLE_METHOD = (

@@ -1360,3 +1360,38 @@ def test_convert_makes_the_store_durable_before_publishing_it(tmp_path, sc_store
     assert not missing, f"not fsynced before the commit: {missing[:5]} ({len(missing)})"
     last = max(i for i, p in enumerate(synced) if p.startswith(partial))
     assert str(tmp_path) in synced[last + 1 :]  # the rename itself, after it
+
+
+def test_a_killed_converts_partial_plain_array_is_refused_not_read_as_zeros(tmp_path, capsys):
+    """A plain array's metadata is written first, so the DST.partial of a killed convert
+    opened (in open_dataset, inspect, a Loader) and read every chunk not yet written as
+    fill values: all 2000 rows here were zeros, without a word."""
+    src = tmp_path / "in.zarr"
+    zarr.create_array(
+        src, data=np.arange(1, 4001, dtype=np.float32).reshape(2000, 2), chunks=(100, 2)
+    )
+    dst = tmp_path / "out.zarr"
+    code = textwrap.dedent(
+        f"""
+        import os, signal
+        from dali_zarr.convert import convert
+
+        def die(done, total):
+            if done >= total // 2 > 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        convert({str(src)!r}, {str(dst)!r}, block_rows=500, chunk_rows=100, progress=die)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    partial = Path(f"{dst}.partial")
+    with pytest.raises(dz.DatasetError, match="unfinished output of a dali-zarr writer"):
+        dz.open_dataset(partial)
+    assert run("inspect", partial) == 2
+    assert f"open {dst} once it has finished" in one_line_error(capsys)
+    assert run("convert", src, dst, "-q") == 0
+    np.testing.assert_array_equal(dz.open_dataset(dst).read_rows(np.array([[0, 2000]])).values,
+                                  zarr.open_array(src)[...])  # fmt: skip

@@ -41,6 +41,7 @@ from dali_zarr.io import (
     metadata_file,
     open_reader,
     refuse_stale_metadata,
+    refuse_unfinished,
 )
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
@@ -794,6 +795,7 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
     name = os.path.basename(os.path.normpath(path)) or path
     if not os.path.exists(path):
         raise DatasetError(f"{path}: no such file or directory; pass the path of a Zarr store.")
+    refuse_unfinished(path)
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"

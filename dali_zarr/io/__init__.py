@@ -8,6 +8,7 @@ the `ArrayReader` protocol. See `dali_zarr.io.readers` for exactly which arrays 
 from .codecs import ChunkDecoder, DecodeError
 from .layout import ArrayLayout, ChunkCodecs, ShardLayout, parse_layout
 from .readers import (
+    WRITER_MARKER,
     ArrayReader,
     DirectReader,
     ZarrReader,
@@ -18,9 +19,11 @@ from .readers import (
     metadata_file,
     open_reader,
     refuse_stale_metadata,
+    refuse_unfinished,
 )
 
 __all__ = [
+    "WRITER_MARKER",
     "ArrayLayout",
     "ArrayReader",
     "ChunkCodecs",
@@ -37,4 +40,5 @@ __all__ = [
     "open_reader",
     "parse_layout",
     "refuse_stale_metadata",
+    "refuse_unfinished",
 ]

@@ -885,6 +885,28 @@ def metadata_file(directory: str) -> str | None:
     return None
 
 
+WRITER_MARKER = ".dali-zarr-partial"  # in a dali-zarr writer's DST.partial (convert.py)
+
+
+def refuse_unfinished(path: str) -> None:
+    """Refuse ``path`` where it is, or lies in, the ``DST.partial`` of a dali-zarr writer
+    (convert, the synthetic stores): its metadata is written first, so a half-written
+    array opened and read its missing chunks as fill values."""
+    folder = os.path.abspath(path)
+    while True:
+        if folder.endswith(".partial") and os.path.isfile(os.path.join(folder, WRITER_MARKER)):
+            raise DatasetError(
+                f"{path}: is the unfinished output of a dali-zarr writer (a convert or a "
+                f"synthetic store) that is still running or was stopped ({folder} holds "
+                f"{WRITER_MARKER}); open {folder[: -len('.partial')]} once it has finished, or "
+                "re-run the convert (a re-run removes this folder)."
+            )
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return
+        folder = parent
+
+
 @contextlib.contextmanager
 def checked_around(check: Callable[[], None]) -> Iterator[None]:
     """Run ``check`` (raising where a store changed since it was opened) before and after
