@@ -1395,3 +1395,19 @@ def test_a_killed_converts_partial_plain_array_is_refused_not_read_as_zeros(tmp_
     assert run("convert", src, dst, "-q") == 0
     np.testing.assert_array_equal(dz.open_dataset(dst).read_rows(np.array([[0, 2000]])).values,
                                   zarr.open_array(src)[...])  # fmt: skip
+
+
+def test_overwrite_without_an_atomic_swap_still_replaces_the_store(tmp_path, monkeypatch):
+    """Where renameat2 is missing (not Linux, an old libc, a file system without
+    RENAME_EXCHANGE), --overwrite falls back to two renames and leaves nothing else."""
+    import dali_zarr.convert as convert_module
+
+    monkeypatch.setattr(convert_module, "_renameat2", lambda *args: None)
+    src = tmp_path / "a.zarr"
+    zarr.create_array(src, data=np.arange(40, dtype=np.float32).reshape(20, 2), chunks=(5, 2))
+    dst = tmp_path / "out.zarr"
+    synthetic.make_dense_cube(dst, n_obs=7)
+    convert(src, dst, overwrite=True)
+    np.testing.assert_array_equal(zarr.open_array(dst)[...], zarr.open_array(src)[...])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "out.zarr"]
+    assert not (dst / ".dali-zarr-partial").exists()
