@@ -589,3 +589,23 @@ def test_float16_csr_data_is_widened(tmp_path, where, output):
         np.testing.assert_array_equal(batch["X"].numpy(), dense[batch["index"].numpy()])
         rows += len(batch["index"])
     assert rows > 0
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("shape", [(3, 0), (1, 0), (0,)], ids=str)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_of_no_elements_keep_their_shape(tmp_path, where, shape, dtype):
+    """An array shaped (n, 3, 0) delivers (batch, 3, 0) batches of every row on both
+    paths: DALI cannot infer a reshape's -1 extent from a zero volume (a raw reshape error
+    before), so the row count comes from the batch's own shape."""
+    path = tmp_path / "empty_rows.zarr"
+    chunks = (24, *(max(1, n) for n in shape))  # zarr's chunk grid needs no zero extent
+    zarr.create_array(path, shape=(N_OBS, *shape), chunks=chunks, dtype="float32")
+    ds = dz.open_dataset(path)
+    cpu, gpu = both(ds, where, return_index=True, dtype=dtype)
+    seen = []
+    for batch in cpu:
+        assert tuple(batch["X"].shape) == (len(batch["index"]), *shape)
+        seen += batch["index"].tolist()
+    assert sorted(seen) == list(range(N_OBS))
+    assert_same_batches(cpu, gpu, epochs=(0, 1), where=where, x_dtype=getattr(torch, dtype))

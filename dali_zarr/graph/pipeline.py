@@ -82,11 +82,24 @@ def convert_x(
         x = fn.cast(x, dtype=types.FLOAT)
         rows, shape = fn.reshape(x, shape=[-1, 1]), x.shape()
     elif len(feature_shape) != 1:
-        rows, shape = fn.reshape(x, shape=[-1, int(np.prod(feature_shape))]), [-1, *feature_shape]
+        rows = rows_shaped(x, (int(np.prod(feature_shape)),))
+        return rows_shaped(ops.float32_to_half(rows, dtype), feature_shape)
     else:
         rows, shape = x, None
     out = ops.float32_to_half(rows, dtype)
     return out if shape is None else fn.reshape(out, shape=shape)
+
+
+def rows_shaped(x: Any, feature_shape: tuple[int, ...]) -> Any:
+    """``x`` (rows first) reshaped to ``(rows, *feature_shape)``. DALI infers a ``-1``
+    extent from the volume, which a zero-size row (an array shaped ``(n, 3, 0)``) leaves
+    undetermined, so there the row count is taken from ``x``'s own shape."""
+    if int(np.prod(feature_shape)) != 0:
+        return fn.reshape(x, shape=[-1, *feature_shape])
+    rows = fn.cast(x.shape()[0:1], dtype=types.INT32)
+    return fn.reshape(
+        x, shape=fn.cat(rows, fn.constant(idata=list(feature_shape), dtype=types.INT32))
+    )
 
 
 def convert_csr_values(
@@ -268,7 +281,7 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
     else:
         x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
         if len(ds.feature_shape) != 1:
-            x = fn.reshape(x, shape=[-1, *ds.feature_shape])
+            x = rows_shaped(x, ds.feature_shape)
         out["X"] = x  # user ops then see float32 X
     for name in source.obs:
         out[name] = ops.to_device(node[obs_source_name(name)])
