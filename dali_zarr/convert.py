@@ -716,6 +716,13 @@ def _not_copied(inputs: Sequence[_Input]) -> str | None:
     )
 
 
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether two columns hold the same values, as objects (missing where missing), their
+    dtypes and indexes aside."""
+    _, pd = _anndata_io()
+    return pd.Series(a.to_numpy(dtype=object)).equals(pd.Series(b.to_numpy(dtype=object)))
+
+
 def _check_var(inputs: Sequence[_Input]):
     """The first input's var (every input's var_names checked to be the same), and a note
     naming its columns that another input holds otherwise (they are the first's only)."""
@@ -733,11 +740,10 @@ def _check_var(inputs: Sequence[_Input]):
                 f"{other.index[j]!r} vs {var.index[j]!r}); align the features of all inputs "
                 "before concatenating them."
             )
-        # values compared, not dtypes (other unused categories, 0.13's text beside 0.12's)
+        # values compared, not dtypes (other unused categories, 0.13's text beside 0.12's),
+        # nor the index: Series.equals compares it too, whose dtype differs that way
         differ |= {
-            str(c)
-            for c in var.columns
-            if c not in other or not var[c].astype(object).equals(other[c].astype(object))
+            str(c) for c in var.columns if c not in other or not _same_values(var[c], other[c])
         }
     if not differ:
         return var, None
