@@ -1114,3 +1114,33 @@ def test_the_bare_pipeline_of_readme_yields_the_loaders_batch(sc_store: Path) ->
         want = next(iter(loader))
     for name in ("X", "cell_type", "index"):
         np.testing.assert_array_equal(got[name], want[name].numpy())
+
+
+def test_text_obs_columns_and_the_obs_index_point_to_return_index(tmp_path: Path) -> None:
+    """Asking for the obs index (``obs_names``, e.g. cell barcodes) was refused with "convert
+    it to a categorical column", although it is no column of obs; per-cell text is what
+    ``return_index=True`` serves. A nullable boolean with missing values was said to miss
+    "integers"."""
+    import anndata as ad
+    import pandas as pd
+
+    n = 40
+    obs = pd.DataFrame(
+        {
+            "donor": [f"d{i}" for i in range(n)],
+            "doublet": pd.array([None, *([True, False] * 20)][:n], dtype="boolean"),
+        },
+        index=pd.Index([f"c{i}" for i in range(n)], name="barcode"),
+    )
+    x = sp.random(n, 12, density=0.3, format="csr", dtype=np.float32, random_state=0)
+    ad.AnnData(X=x, obs=obs).write_zarr(tmp_path / "o.zarr")
+    ds = dz.open_dataset(tmp_path / "o.zarr")
+    problems = {
+        "barcode": r"o.zarr/obs/barcode: is the obs index \(obs_names\).*return_index=True",
+        "donor": r"o.zarr/obs/donor: encoding 'string-array' cannot ride.*return_index=True",
+        "doublet": r"o.zarr/obs/doublet: 1 missing values in a nullable column "
+        r"\(the first at row 0\); batches cannot carry missing booleans",
+    }
+    for column, message in problems.items():
+        with pytest.raises(dz.DatasetError, match=message):
+            dz.Loader(ds, sampler(), obs=[column])

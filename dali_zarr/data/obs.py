@@ -75,6 +75,13 @@ def _read_1d(array: zarr.Array, *, where: str) -> np.ndarray:
     return np.asarray(array[...])
 
 
+# per-cell text (barcodes, ids) as categories would be one per row: the row ids serve better
+_TEXT_HINT = (
+    ", or, for text that differs per cell (barcodes, ids), pass return_index=True and look "
+    "each row's value up by batch['index']."
+)
+
+
 def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     """Read one column of an AnnData ``obs`` dataframe group (anndata >= 0.8 encodings);
     ``where`` names the group in messages (``cells.zarr/obs``)."""
@@ -86,6 +93,12 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
             + stale_listing_hint(obs, column)
         )
     where = f"{where}/{column}"
+    if column == obs.attrs.get("_index"):  # the row names, not a column of obs
+        raise DatasetError(
+            f"{where}: is the obs index (obs_names), text, which cannot ride in a batch "
+            "tensor; pass return_index=True and look each row's name up by batch['index'] "
+            "(anndata.read_zarr(path).obs_names[batch['index']])."
+        )
     encoding = node.attrs.get("encoding-type", "array")
     if encoding == "categorical":
         codes = _member(node, "codes", where=where, encoding=encoding)
@@ -110,9 +123,11 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
         values = _native(_member(node, "values", where=where, encoding=encoding))
         mask = _member(node, "mask", where=where, encoding=encoding).astype(bool)
         if mask.any():
+            kind = "booleans" if encoding == "nullable-boolean" else "integers"
             raise DatasetError(
-                f"{where}: {int(mask.sum())} missing values in a nullable column; batches cannot "
-                "carry missing integers. Fill them (or make the column categorical) and re-write."
+                f"{where}: {int(mask.sum())} missing values in a nullable column (the first "
+                f"at row {int(np.argmax(mask))}); batches cannot carry missing {kind}. Fill "
+                "them (or make the column categorical) and re-write."
             )
         return ObsColumn(column, values)
     if isinstance(node, zarr.Array) and encoding == "array":
@@ -120,7 +135,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
         if values.dtype.kind not in "biuf":
             raise DatasetError(
                 f"{where}: dtype {values.dtype} cannot ride in a batch tensor; "
-                "store it as a categorical column."
+                f"store it as a categorical column{_TEXT_HINT}"
             )
         values = _native(values)
         if values.dtype == np.float16:  # see ObsColumn: no float16 column reaches the graph
@@ -129,7 +144,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     raise DatasetError(
         f"{where}: encoding {encoding!r} cannot ride in a batch tensor "
         "(supported: categorical, numeric, nullable without missing values); "
-        "convert it to a categorical column."
+        f"convert it to a categorical column{_TEXT_HINT}"
     )
 
 
