@@ -439,7 +439,11 @@ def test_bad_selections_say_what_to_change(rich, tmp_path: Path) -> None:
         ([], r"non-empty 1-D"),
         (np.ones(N_VARS - 1, bool), rf"one entry per feature \({N_VARS}\), got {N_VARS - 1}"),
         (np.zeros(N_VARS, bool), "selects no feature"),
-        (["g1", "CD3E", "MS4A1"], r"2 name\(s\) not in the store's var index, e.g. 'CD3E'"),
+        (
+            ["g1", "CD3E", "MS4A1"],
+            r"2 name\(s\) not in the store's var index \(which holds e.g. 'g0', 'g1', 'g2'\), "
+            r"e.g. 'CD3E'",
+        ),
         ([0.5], "integer ids, names or a boolean mask"),
     ]
     for features, message in cases:
@@ -515,3 +519,40 @@ def test_object_arrays_select_by_what_their_elements_are(tmp_path: Path) -> None
     (batch,) = list(loader)
     loader.close()
     assert np.array_equal(batch["X"].numpy(), x.toarray()[batch["index"].numpy()][:, [1, 2]])
+
+
+@pytest.mark.parametrize("writer", ["zarr", "h5ad-convert"])
+def test_names_held_by_a_var_column_are_pointed_to(tmp_path: Path, writer: str) -> None:
+    """CELLxGENE-style stores name genes by Ensembl id in var's index and hold the symbols
+    in a column (``feature_name``): ``features=["CD3E", ...]``, as README shows it, said only
+    "not in the store's var index", neither what the index holds nor where the names are."""
+    import anndata as ad
+    import pandas as pd
+
+    symbols = ["CD3E", "MS4A1", "CD3E", "NKG7"]  # symbols repeat in real data
+    var = pd.DataFrame(
+        {"feature_name": pd.Categorical(symbols), "note": ["a", "b", "c", "d"]},
+        index=[f"ENSG{i:011d}" for i in range(4)],
+    )
+    x = sp.random(6, 4, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    adata = ad.AnnData(X=x, obs=pd.DataFrame(index=[f"c{i}" for i in range(6)]), var=var)
+    path = tmp_path / "census.zarr"
+    if writer == "zarr":
+        adata.write_zarr(path)
+    else:
+        from dali_zarr.convert import convert
+
+        adata.write_h5ad(tmp_path / "census.h5ad")
+        convert(tmp_path / "census.h5ad", path)
+    message = (
+        r"2 name\(s\) not in the store's var index \(which holds e.g. 'ENSG00000000000', "
+        r"'ENSG00000000001', 'ENSG00000000002'\), e.g. 'MS4A1', 'NKG7'.*var column "
+        r"'feature_name' holds them"
+    )
+    with pytest.raises(dz.DatasetError, match=message):
+        dz.open_dataset(path, features=["ENSG00000000000", "MS4A1", "NKG7"])
+    with pytest.raises(dz.DatasetError, match=message):  # through a subset too
+        dz.FeatureSubset(dz.Subset(dz.open_dataset(path), [1, 2]), ["MS4A1", "NKG7"])
+    with pytest.raises(dz.DatasetError) as names_elsewhere:  # no column holds them all
+        dz.open_dataset(path, features=["MS4A1", "a"])
+    assert "holds them" not in str(names_elsewhere.value)

@@ -29,6 +29,7 @@ from dali_zarr.data.elements import (
     pick_element,
     refuse_non_integer,
     shape_attribute,
+    text_values,
     var_key,
     zarr_member,
 )
@@ -142,6 +143,12 @@ class Dataset(ABC):
         names none (plain arrays, ``obsm``/``obsp`` entries)."""
         return None
 
+    def var_columns_holding(self, names: Sequence[str]) -> list[str]:
+        """The ``var`` columns of text (or categories) that hold every one of ``names``,
+        for an error about names that var's index lacks: CELLxGENE-style stores index genes
+        by Ensembl id and hold the symbols in a column (``feature_name``)."""
+        return []
+
     def names_by_position(self) -> tuple[str, ...] | None:
         """The names a collection compares this dataset's columns by: :meth:`var_names`,
         or, where those are None for a collection joined with ``check_var_names=False``,
@@ -212,6 +219,17 @@ class Dataset(ABC):
         )
 
 
+def _text_of(node: Any) -> tuple[str, ...]:
+    """The text a dataframe column holds: a text array's values, a categorical's categories
+    (anndata 0.13's nullable strings too); none for other columns."""
+    if isinstance(node, zarr.Group) and node.attrs.get("encoding-type") == "categorical":
+        node = node["categories"]
+    values = text_values(node)
+    if values is None or values.dtype.kind not in "USOT":
+        return ()
+    return as_text(values[...])
+
+
 class _StoreDataset(Dataset):
     """A single store: holds its obs and var groups (if any) and caches loaded columns."""
 
@@ -252,6 +270,19 @@ class _StoreDataset(Dataset):
                 )
             self._var_names = names
         return self._var_names
+
+    def var_columns_holding(self, names: Sequence[str]) -> list[str]:
+        if self._var is None:
+            return []
+        wanted, holding = set(names), []
+        for key in sorted(self._var):
+            if key == self._var.attrs.get("_index"):
+                continue
+            # a hint for an error being raised: a column it cannot read is not one to name
+            with contextlib.suppress(Exception):
+                if wanted <= set(_text_of(self._var[key])):
+                    holding.append(key)
+        return holding
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:

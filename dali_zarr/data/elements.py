@@ -140,12 +140,13 @@ def frame_index(frame: Any, *, where: str) -> Any:
     strings, the ``values`` array of a ``nullable-string-array`` group. None where there is
     none. Zarr only (it names unreadable metadata through :func:`zarr_member`)."""
     key = attribute(frame, "_index")
-    return _index_values(zarr_member(frame, key, where=where) if isinstance(key, str) else None)
+    return text_values(zarr_member(frame, key, where=where) if isinstance(key, str) else None)
 
 
-def _index_values(node: Any) -> Any:
-    """A dataframe's index node as the array of its values: the node itself, or the
-    ``values`` array of anndata 0.13's ``nullable-string-array`` group; None otherwise.
+def text_values(node: Any) -> Any:
+    """A dataframe's index (or text column) node as the array of its values: the node
+    itself, or the ``values`` array of anndata 0.13's ``nullable-string-array`` group; None
+    otherwise.
     Plain ``in`` and ``[]``, so it serves h5py groups too (:func:`store_n_obs`)."""
     if node is not None and not is_array(node):
         if attribute(node, "encoding-type") != "nullable-string-array" or "values" not in node:
@@ -168,7 +169,7 @@ def store_n_obs(root: Any) -> int | None:
     index = attribute(root["obs"], "_index")
     if index is None or index not in root["obs"]:
         return None
-    node = _index_values(root["obs"][index])
+    node = text_values(root["obs"][index])
     return None if node is None else _rows(node)
 
 

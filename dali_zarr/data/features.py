@@ -13,7 +13,7 @@ features wide, so densify writes ``k`` columns per row instead of all of them.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 from typing import Any
@@ -30,11 +30,18 @@ FeatureSelection = np.ndarray | Sequence[int] | Sequence[str] | Sequence[bool]
 
 
 def select_features(
-    features: FeatureSelection, n_features: int, names: tuple[str, ...] | None, *, dataset: str
+    features: FeatureSelection,
+    n_features: int,
+    names: tuple[str, ...] | None,
+    *,
+    dataset: str,
+    columns_holding: Callable[[Sequence[str]], list[str]] | None = None,
 ) -> np.ndarray:
     """int64 column ids of ``features``: integer ids, a boolean mask over all features, or
     feature names looked up in ``names`` (the store's ``var`` index). Order is kept;
-    repeated features are refused (one stored value cannot fill two CSR columns)."""
+    repeated features are refused (one stored value cannot fill two CSR columns).
+    ``columns_holding`` names the var columns that hold names the index lacks, for the
+    error (:meth:`~dali_zarr.data.dataset.Dataset.var_columns_holding`)."""
     where = f"feature selection of {dataset}"
     chosen = as_selection(features, where=where)
     if chosen.ndim != 1 or chosen.size == 0:
@@ -69,8 +76,18 @@ def select_features(
         missing = [f for f in wanted if f not in lookup]
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5])
+            held = ", ".join(repr(n) for n in names[:3])
+            holding = columns_holding(missing) if columns_holding is not None else []
+            elsewhere = (
+                f" var column {holding[0]!r} holds them: pass the var index names of its rows "
+                f"that hold them, in your order (var.index[var[{holding[0]!r}] == name] for each "
+                "name; a name on several rows is several genes)."
+                if holding
+                else ""
+            )
             raise DatasetError(
-                f"{where}: {len(missing)} name(s) not in the store's var index, e.g. {shown}."
+                f"{where}: {len(missing)} name(s) not in the store's var index (which holds "
+                f"e.g. {held}), e.g. {shown}.{elsewhere}"
             )
         ambiguous = [f for f in dict.fromkeys(wanted) if f in repeated]
         if ambiguous:  # which of the columns would be a guess
@@ -185,6 +202,7 @@ class FeatureSubset(Dataset):
             dataset.n_features,
             dataset.var_names() if selects_by_name(features, dataset=dataset.name) else None,
             dataset=dataset.name,
+            columns_holding=dataset.var_columns_holding,
         )
         if isinstance(dataset, FeatureSubset):  # flatten: one map onto the stored columns
             ids = dataset.columns[ids]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -177,6 +178,9 @@ class Subset(Dataset):
 
     def var_names(self) -> tuple[str, ...] | None:
         return self.parent.var_names()
+
+    def var_columns_holding(self, names: Sequence[str]) -> list[str]:
+        return self.parent.var_columns_holding(names)
 
     def names_by_position(self) -> tuple[str, ...] | None:
         return self.parent.names_by_position()
