@@ -966,3 +966,22 @@ def test_a_gpu_path_window_broken_by_a_rewrite_under_it_names_the_rewrite(
         assert backend.rewritten and isinstance(e.value.__context__, ChunkReadError)
     finally:
         source.close()
+
+
+def test_an_anndata_object_is_pointed_to_write_zarr(tmp_path: Path) -> None:
+    """``open_dataset(adata)`` (the AnnData in memory, or backed) advised writing "in-memory
+    data to a Zarr array" with ``zarr.create_array``: the store would lose obs, var and the
+    CSR layout. It now names ``adata.write_zarr``."""
+    import anndata as ad
+
+    x = sp.random(8, 3, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    adata = ad.AnnData(X=x)
+    with pytest.raises(dz.ConfigError, match=r"not an AnnData object.*adata\.write_zarr"):
+        dz.open_dataset(adata)
+    adata.write_h5ad(tmp_path / "a.h5ad")
+    backed = ad.read_h5ad(tmp_path / "a.h5ad", backed="r")
+    with pytest.raises(dz.ConfigError, match=r"dali-zarr convert .*a\.h5ad"):
+        dz.open_dataset(backed)
+    backed.file.close()
+    with pytest.raises(dz.ConfigError, match=r"not a ndarray.*zarr\.create_array"):
+        dz.open_dataset(np.zeros((4, 2)))  # other in-memory data: as before

@@ -814,10 +814,20 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
     try:
         path = os.fspath(source)
     except TypeError:
+        accepted = "open_dataset opens a path or URL of a Zarr store, a zarr.Group, zarr.Array or "
+        if type(source).__name__ == "AnnData":  # zarr.create_array would lose obs, var, CSR
+            backed = getattr(source, "filename", None) if getattr(source, "isbacked", 0) else None
+            how = (
+                f"convert its file (dali-zarr convert {backed} cells.zarr)"
+                if backed is not None
+                else "write it first (adata.write_zarr('cells.zarr'))"
+            )
+            raise ConfigError(
+                f"{accepted}zarr store, not an AnnData object: {how} and open that path."
+            ) from None
         raise ConfigError(
-            f"open_dataset opens a path or URL of a Zarr store, a zarr.Group, zarr.Array or "
-            f"zarr store, not a {type(source).__name__}. Write in-memory data to a Zarr array "
-            "first (zarr.create_array(path, data=values, chunks=...)) and open that."
+            f"{accepted}zarr store, not a {type(source).__name__}. Write in-memory data to a "
+            "Zarr array first (zarr.create_array(path, data=values, chunks=...)) and open that."
         ) from None
     if isinstance(path, str) and path.startswith("file://"):  # a local store, read directly
         path = urllib.parse.urlparse(path).path
