@@ -231,3 +231,23 @@ def test_a_collection_of_subsets_reports_its_stores_ids(tmp_path: Path) -> None:
         want = stacked[index] if dataset.n_features == 40 else stacked[index][:, [3, 1]]
         np.testing.assert_array_equal(np.concatenate([x for _, x in got]), want)
         loader.close()
+
+
+def test_rows_as_objects_and_obs_names_say_what_to_pass(csr_store: str) -> None:
+    """Ids held as objects (a pandas object column) were refused as "dtype object", which
+    ``FeatureSubset`` takes; obs names (``adata.obs_names[mask]``) and a nullable boolean
+    mask with missing values got the same "dtype object" refusal, naming neither."""
+    import pandas as pd
+
+    ds = dz.open_dataset(csr_store)
+    as_objects = dz.Subset(ds, np.array([7, 3, 5], dtype=object))
+    np.testing.assert_array_equal(as_objects.parent_rows, [3, 5, 7])
+    mask = np.zeros(ds.n_obs, dtype=object)
+    mask[:] = False
+    mask[[2, 4]] = True
+    np.testing.assert_array_equal(dz.Subset(ds, mask).parent_rows, [2, 4])
+    with pytest.raises(dz.DatasetError, match=r"rows holds text \(obs names\?.*'c1'.*get_indexer"):
+        dz.Subset(ds, pd.Index(["c1", "c2"]))
+    nullable = pd.array([True, None, *[False] * (ds.n_obs - 2)], dtype="boolean")
+    with pytest.raises(dz.DatasetError, match=r"rows holds values of type NAType, bool"):
+        dz.Subset(ds, nullable)

@@ -299,7 +299,13 @@ def selects_by_name(features: FeatureSelection, *, dataset: str = "") -> bool:
     return as_selection(features, where=where).dtype.kind in "USO"
 
 
-def as_selection(features: FeatureSelection, *, where: str) -> np.ndarray:
+def as_selection(
+    features: FeatureSelection,
+    *,
+    where: str,
+    argument: str = "features",
+    accepted: str = "integer ids, str names or a boolean mask",
+) -> np.ndarray:
     """``features`` as an array whose dtype says what they are: bool (a mask), integers
     (ids) or text (names).
 
@@ -307,7 +313,7 @@ def as_selection(features: FeatureSelection, *, where: str) -> np.ndarray:
     type of its elements: left as objects, ids ``[1, 2]`` were looked up as the names
     ``"1"`` and ``"2"``, other columns of a store whose var names are numbers, and a
     boolean mask as the names ``"True"``/``"False"``. Elements of mixed types (or None)
-    are refused."""
+    are refused, naming ``argument`` and what it ``accepted``."""
     chosen = np.asarray(features)
     if chosen.dtype != object or chosen.size == 0:
         return chosen
@@ -320,6 +326,6 @@ def as_selection(features: FeatureSelection, *, where: str) -> np.ndarray:
         return chosen
     kinds = sorted({type(v).__name__ for v in values})
     raise DatasetError(
-        f"{where}: features holds values of type {', '.join(kinds)}; pass integer ids, str "
-        "names or a boolean mask, one kind only (and no missing values)."
+        f"{where}: {argument} holds values of type {', '.join(kinds)}; pass {accepted}, one "
+        "kind only (and no missing values)."
     )

@@ -54,7 +54,16 @@ def select_rows(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.nd
     """Sorted int64 row ids of a dataset of ``n_obs`` rows from a boolean mask or an array
     of ids (checked, duplicates refused): the dataset's own ids, where a :class:`Subset`
     of a subset holds its stored rows instead."""
-    rows = np.asarray(rows)
+    from dali_zarr.data.features import as_selection  # builds on this module
+
+    # ids or a mask held as objects (a pandas object column) take their elements' type
+    rows = as_selection(rows, where=name, argument="rows", accepted="row ids or a boolean mask")
+    if rows.dtype.kind in "USO":
+        raise DatasetError(
+            f"{name}: rows holds text (obs names?, e.g. {str(rows.flat[0])!r}); a subset takes "
+            "row ids or a boolean mask: pass the names' row ids, "
+            "adata.obs_names.get_indexer(names) (-1 where a name is missing)."
+        )
     if rows.dtype == bool:
         if rows.shape != (n_obs,):
             raise DatasetError(
