@@ -312,8 +312,23 @@ class ZarrDataModule(LightningDataModule):
         elif split not in self.split_labels:
             how = f"split_labels give it no value of {self.split_column!r}"
         else:
-            how = f"no observation has {self.split_column}={self.split_labels[split]!r}"
+            how = (
+                f"no observation has {self.split_column}={self.split_labels[split]!r}"
+                f"{self._held_values()}"
+            )
         return f"split {split!r} is empty: {how}"
+
+    def _held_values(self) -> str:
+        """What ``split_column`` holds, for a label that selects no row (a typo,
+        "validation" where the column says "val")."""
+        if self.dataset is None or self.split_column is None:
+            return ""
+        column = self.dataset.obs_column(self.split_column)
+        held = column.categories
+        if held is None:  # numeric: its distinct values, NaN (a row of no split) aside
+            held = tuple(v for v in np.unique(column.values).tolist() if v == v)
+        shown = ", ".join(repr(v) for v in held[:10]) + (", ..." if len(held) > 10 else "")
+        return f" (its values: {shown})"
 
     def _find_split_rows(self, dataset: Dataset) -> dict[str, np.ndarray]:
         """Each split's rows, from ``splits`` or from ``split_column``'s labels; splits that

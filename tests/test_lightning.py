@@ -568,3 +568,16 @@ def test_a_module_whose_loaders_were_built_pickles_without_them(split_store: str
     np.testing.assert_array_equal(np.concatenate(got), np.concatenate(want))
     copy.teardown()
     dm.teardown()
+
+
+def test_a_split_label_no_row_holds_names_the_columns_values(split_store: str) -> None:
+    """A label the column does not hold ("validation" where it says "val", "Train") left
+    the split empty with "no observation has split='validation'", not what the column
+    holds: a fit then ran without validation on a warning that did not show the typo."""
+    dm = ZarrDataModule(data=split_store, split_labels={"train": "train", "val": "validation"})
+    dm.setup()
+    with pytest.raises(
+        dz.ConfigError,
+        match=r"no observation has split='validation' \(its values: 'train', 'val', 'test'\)",
+    ):
+        dm.subset("val")
