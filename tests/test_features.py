@@ -556,3 +556,25 @@ def test_names_held_by_a_var_column_are_pointed_to(tmp_path: Path, writer: str) 
     with pytest.raises(dz.DatasetError) as names_elsewhere:  # no column holds them all
         dz.open_dataset(path, features=["MS4A1", "a"])
     assert "holds them" not in str(names_elsewhere.value)
+
+
+def test_names_only_raw_var_holds_point_to_raw_x(tmp_path: Path) -> None:
+    """After scanpy's ``highly_variable_genes(subset=True)`` X holds a few genes and
+    ``raw`` all of them: a panel gene outside X was "not in the store's var index", not
+    that ``element='raw/X'`` names it."""
+    import anndata as ad
+    import pandas as pd
+
+    x = sp.random(6, 5, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    full = ad.AnnData(X=x, var=pd.DataFrame(index=[f"g{i}" for i in range(5)]))
+    full.obs_names = [f"c{i}" for i in range(6)]
+    full.raw = full
+    hvg = full[:, [1, 3]].copy()
+    hvg.write_zarr(tmp_path / "hvg.zarr")
+    with pytest.raises(dz.DatasetError, match=r"e.g. 'g0', 'g4'. raw/var names them.*'raw/X'"):
+        dz.open_dataset(tmp_path / "hvg.zarr", features=["g3", "g0", "g4"])
+    with pytest.raises(dz.DatasetError) as not_in_raw:
+        dz.open_dataset(tmp_path / "hvg.zarr", features=["g0", "CD3E"])
+    assert "raw/var" not in str(not_in_raw.value)
+    raw = dz.open_dataset(tmp_path / "hvg.zarr", element="raw/X", features=["g3", "g0", "g4"])
+    assert raw.feature_shape == (3,)

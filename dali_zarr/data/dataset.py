@@ -143,11 +143,11 @@ class Dataset(ABC):
         names none (plain arrays, ``obsm``/``obsp`` entries)."""
         return None
 
-    def var_columns_holding(self, names: Sequence[str]) -> list[str]:
-        """The ``var`` columns of text (or categories) that hold every one of ``names``,
-        for an error about names that var's index lacks: CELLxGENE-style stores index genes
-        by Ensembl id and hold the symbols in a column (``feature_name``)."""
-        return []
+    def names_hint(self, names: Sequence[str]) -> str:
+        """Where the store holds feature ``names`` that var's index lacks, for that error:
+        a var column (CELLxGENE-style stores index genes by Ensembl id and hold the symbols
+        in ``feature_name``), or ``raw/var`` (X holds only the highly variable genes)."""
+        return ""
 
     def names_by_position(self) -> tuple[str, ...] | None:
         """The names a collection compares this dataset's columns by: :meth:`var_names`,
@@ -271,18 +271,33 @@ class _StoreDataset(Dataset):
             self._var_names = names
         return self._var_names
 
-    def var_columns_holding(self, names: Sequence[str]) -> list[str]:
+    def names_hint(self, names: Sequence[str]) -> str:
         if self._var is None:
-            return []
-        wanted, holding = set(names), []
+            return ""
+        wanted = set(names)
+        # a hint for an error being raised: a node it cannot read is not one to name
         for key in sorted(self._var):
-            if key == self._var.attrs.get("_index"):
-                continue
-            # a hint for an error being raised: a column it cannot read is not one to name
+            if key != self._var.attrs.get("_index"):
+                with contextlib.suppress(Exception):
+                    if wanted <= set(_text_of(self._var[key])):
+                        return (
+                            f" var column {key!r} holds them: pass the var index names of its "
+                            f"rows that hold them, in your order (var.index[var[{key!r}] == "
+                            "name] for each name; a name on several rows is several genes)."
+                        )
+        parent, _, leaf = self._var.path.rpartition("/")
+        if leaf == "var" and not parent.endswith("raw"):  # X's or a layer's var
             with contextlib.suppress(Exception):
-                if wanted <= set(_text_of(self._var[key])):
-                    holding.append(key)
-        return holding
+                raw = zarr.open_group(
+                    self._var.store, path=f"{parent}/raw/var".lstrip("/"), mode="r"
+                )
+                index = frame_index(raw, where="raw/var")
+                if index is not None and wanted <= set(as_text(index[...])):
+                    return (
+                        " raw/var names them: open the raw matrix, "
+                        "open_dataset(..., element='raw/X', features=...)."
+                    )
+        return ""
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:

@@ -35,13 +35,13 @@ def select_features(
     names: tuple[str, ...] | None,
     *,
     dataset: str,
-    columns_holding: Callable[[Sequence[str]], list[str]] | None = None,
+    names_hint: Callable[[Sequence[str]], str] | None = None,
 ) -> np.ndarray:
     """int64 column ids of ``features``: integer ids, a boolean mask over all features, or
     feature names looked up in ``names`` (the store's ``var`` index). Order is kept;
     repeated features are refused (one stored value cannot fill two CSR columns).
-    ``columns_holding`` names the var columns that hold names the index lacks, for the
-    error (:meth:`~dali_zarr.data.dataset.Dataset.var_columns_holding`)."""
+    ``names_hint`` says where the store holds names the index lacks, for the error
+    (:meth:`~dali_zarr.data.dataset.Dataset.names_hint`)."""
     where = f"feature selection of {dataset}"
     chosen = as_selection(features, where=where)
     if chosen.ndim != 1 or chosen.size == 0:
@@ -77,17 +77,9 @@ def select_features(
         if missing:
             shown = ", ".join(repr(m) for m in missing[:5])
             held = ", ".join(repr(n) for n in names[:3])
-            holding = columns_holding(missing) if columns_holding is not None else []
-            elsewhere = (
-                f" var column {holding[0]!r} holds them: pass the var index names of its rows "
-                f"that hold them, in your order (var.index[var[{holding[0]!r}] == name] for each "
-                "name; a name on several rows is several genes)."
-                if holding
-                else ""
-            )
             raise DatasetError(
                 f"{where}: {len(missing)} name(s) not in the store's var index (which holds "
-                f"e.g. {held}), e.g. {shown}.{elsewhere}"
+                f"e.g. {held}), e.g. {shown}.{names_hint(missing) if names_hint else ''}"
             )
         ambiguous = [f for f in dict.fromkeys(wanted) if f in repeated]
         if ambiguous:  # which of the columns would be a guess
@@ -202,7 +194,7 @@ class FeatureSubset(Dataset):
             dataset.n_features,
             dataset.var_names() if selects_by_name(features, dataset=dataset.name) else None,
             dataset=dataset.name,
-            columns_holding=dataset.var_columns_holding,
+            names_hint=dataset.names_hint,
         )
         if isinstance(dataset, FeatureSubset):  # flatten: one map onto the stored columns
             ids = dataset.columns[ids]

@@ -188,8 +188,8 @@ class Subset(Dataset):
     def var_names(self) -> tuple[str, ...] | None:
         return self.parent.var_names()
 
-    def var_columns_holding(self, names: Sequence[str]) -> list[str]:
-        return self.parent.var_columns_holding(names)
+    def names_hint(self, names: Sequence[str]) -> str:
+        return self.parent.names_hint(names)
 
     def names_by_position(self) -> tuple[str, ...] | None:
         return self.parent.names_by_position()
