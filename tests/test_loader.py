@@ -1144,3 +1144,41 @@ def test_text_obs_columns_and_the_obs_index_point_to_return_index(tmp_path: Path
     for column, message in problems.items():
         with pytest.raises(dz.DatasetError, match=message):
             dz.Loader(ds, sampler(), obs=[column])
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu-host-backend"])
+def test_csr_rows_stored_unsorted_come_out_sorted(tmp_path: Path, device: str) -> None:
+    """anndata writes a CSR's column ids as scipy holds them: after ``adata[:, genes]`` in
+    another order than var's (a model's gene order) each row's ids are unsorted on disk.
+    Only a reordered panel sorted its batches, so output="csr" broke torch's CSR invariants
+    there and sparse-sparse products paired the wrong entries, silently."""
+    import anndata as ad
+    import pandas as pd
+
+    from dali_zarr.graph.window_backends import HostBackend
+
+    x = sp.random(90, 30, density=0.3, format="csr", dtype=np.float32, random_state=4)
+    names = [f"g{j}" for j in range(30)]
+    adata = ad.AnnData(X=x, var=pd.DataFrame(index=names))
+    order = list(np.random.default_rng(0).permutation(30))
+    written = adata[:, [names[j] for j in order]].copy()  # what anndata's users write
+    assert not written.X.has_sorted_indices
+    written.write_zarr(tmp_path / "u.zarr")
+    stored = zarr.open_group(tmp_path / "u.zarr")["X/indices"][...]
+    assert np.any(np.diff(stored[: written.X.indptr[1]]) < 0), "row 0 is stored unsorted"
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    full = written.X.toarray()
+    for features in (None, [2, 7, 11]):  # a panel in stored order sorts nothing itself
+        ds = dz.open_dataset(tmp_path / "u.zarr", features=features)
+        want_x = full if features is None else full[:, features]
+        loader = dz.Loader(ds, sampler(), output="csr", return_index=True, **where)
+        for batch in loader:
+            X = batch["X"]
+            torch.sparse_csr_tensor(
+                X.crow_indices(), X.col_indices(), X.values(), X.shape, check_invariants=True
+            )
+            want = torch.from_numpy(want_x[batch["index"].numpy()])
+            torch.testing.assert_close(X.to_dense(), want, rtol=0, atol=0)
+            own = want.to_sparse_csr()
+            torch.testing.assert_close((X * own).to_dense(), want * want, rtol=0, atol=0)
+        loader.close()
