@@ -794,9 +794,11 @@ def _rows_unsorted(crow: torch.Tensor, col: torch.Tensor) -> bool:
         starts = crow.numpy()[1:-1]
         down[starts[(starts > 0) & (starts < nnz)] - 1] = False
         return bool(down.any())
-    starts = torch.zeros(nnz, dtype=torch.bool, device=col.device)
-    starts[crow[:-1][crow[:-1] < nnz].to(torch.int64)] = True
-    return bool(((col[1:] < col[:-1]) & ~starts[1:]).any())
+    # one sync (the answer): row starts marked without a boolean mask, whose indexing
+    # would sync too (crow's values lie in [0, nnz], an empty last row's start at nnz)
+    starts = torch.zeros(nnz + 1, dtype=torch.bool, device=col.device)
+    starts[crow[:-1].to(torch.int64)] = True
+    return bool(((col[1:] < col[:-1]) & ~starts[1:nnz]).any())
 
 
 def canonical_csr(
