@@ -448,6 +448,21 @@ def test_a_zarr_store_object_opens_like_its_path(tmp_path: Path) -> None:
         dz.open_dataset(values)
 
 
+def test_stores_without_a_folder_are_named_in_messages(tmp_path: Path) -> None:
+    """A dataset in a zip file or in memory was named '<zarr node>', which told the user
+    nothing in an error about its chunks; it is named by the zip file or the store's URL."""
+    zipped = zarr.storage.ZipStore(tmp_path / "cube.zip", mode="w")
+    zarr.create_array(zipped, shape=(6, 2), dtype="f4", chunks=(3, 2))[:] = 1
+    zipped.close()
+    assert dz.open_dataset(zarr.storage.ZipStore(tmp_path / "cube.zip", mode="r")).name == (
+        "cube.zip"
+    )
+    memory = zarr.storage.MemoryStore()
+    zarr.create_group(memory).create_array("X", shape=(6, 2), dtype="f4", chunks=(3, 2))
+    name = dz.open_dataset(zarr.open_group(memory, mode="r")["X"]).name
+    assert name.startswith("memory://") and name.endswith("/X"), name
+
+
 def test_open_dataset_errors(tmp_path: Path, sc_store: Path) -> None:
     with pytest.raises(dz.DatasetError, match="no such file"):
         dz.open_dataset(tmp_path / "nope.zarr")

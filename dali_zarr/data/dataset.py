@@ -818,13 +818,22 @@ def _open_store(store: zarr.abc.store.Store) -> zarr.Group | zarr.Array:
         ) from exc
 
 
+def _store_name(store: Any) -> str:
+    """What a user calls a store in messages: a local store's folder name, a zip file's
+    name (``ZipStore.path``), else the store's URL (``memory://...``, ``s3://...``)."""
+    for attribute in ("root", "path"):
+        where = str(getattr(store, attribute, "") or "").rstrip("/")
+        if where:
+            return os.path.basename(where) if os.path.exists(where) else where
+    return str(store)
+
+
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
     if isinstance(source, zarr.abc.store.Store):
         source = _open_store(source)
     if isinstance(source, zarr.Array | zarr.Group):
-        store_name = os.path.basename(str(getattr(source.store, "root", "")).rstrip("/"))
         path = source.path
-        name = "/".join(p for p in (store_name, path) if p) or "<zarr node>"
+        name = "/".join(p for p in (_store_name(source.store), path) if p) or "<zarr node>"
         return source, name
     try:
         path = os.fspath(source)
