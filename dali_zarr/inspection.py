@@ -566,6 +566,8 @@ def format_report(report: StoreReport) -> str:
         else:
             lines.append("  obs columns: none")
     s = r.suggestion
+    if r.n_obs == 0:  # the loader refuses it: settings beside the warning read as loadable
+        return "\n".join([*lines, "", f"  warning: {s.warning}; no settings to suggest"])
     # a window that holds no batch is not "0 rows" beside the warning that says why
     window = (
         f"a window is {s.window_rows:,} rows, ~{s.window_mib:,.1f} MiB decoded"

@@ -1411,3 +1411,13 @@ def test_overwrite_without_an_atomic_swap_still_replaces_the_store(tmp_path, mon
     np.testing.assert_array_equal(zarr.open_array(dst)[...], zarr.open_array(src)[...])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.zarr", "out.zarr"]
     assert not (dst / ".dali-zarr-partial").exists()
+
+
+def test_inspect_of_an_empty_store_suggests_no_settings(tmp_path: Path, capsys) -> None:
+    """The report of a store without rows printed chunk_size=1, preload_nchunks=256 beside
+    its warning that there is nothing to load; it now gives the warning alone."""
+    zarr.create_array(tmp_path / "empty.zarr", shape=(0, 5), chunks=(4, 5), dtype="f4")
+    assert run("inspect", tmp_path / "empty.zarr") == 0
+    out = capsys.readouterr().out
+    assert "nothing to load; no settings to suggest" in out, out
+    assert "suggested:" not in out and "chunk_size=" not in out, out
