@@ -20,6 +20,9 @@ Splits come from a categorical obs column (``split_column="split"`` with values 
   torchmetrics ``Metric``); never ``self.log(..., on_step=True, sync_dist=True)`` in an
   evaluation step. (Lightning's epoch-level ``sync_dist=True`` averages the ranks' means,
   which is not exact when the ranks hold different counts.)
+- **predict** (``trainer.predict``): served as val/test are. Its rows are a "predict" split
+  where ``splits`` or ``split_labels`` give one (it may share rows with the others), else
+  every row of the data, in order; ``return_index=True`` maps each prediction to its row.
 - An eval split needs at least one observation per rank (Lightning refuses a rank with an
   empty evaluation loader); a smaller one raises a ConfigError. An empty val split (none
   given in ``splits``, or no row with its label) gives no val loader: Lightning skips
@@ -49,7 +52,7 @@ from dali_zarr.planning.partition import Shard, validate_count, validate_sizes
 
 __all__ = ["EvalLoader", "TrainLoader", "ZarrDataModule"]
 
-SPLITS = ("train", "val", "test")
+SPLITS = ("train", "val", "test", "predict")
 #: Loader arguments the module sets from its own (a copy in loader_kwargs was a TypeError)
 _OWN_LOADER_ARGS = ("dataset", "sampler", "obs", "output", "return_index", "dtype", "device")
 _DEFAULT_LABELS: dict[str, str | Sequence[str]] = {"train": "train", "val": "val", "test": "test"}
@@ -257,6 +260,11 @@ class ZarrDataModule(LightningDataModule):
     def test_dataloader(self) -> Loader:
         return self._loader("test")
 
+    def predict_dataloader(self) -> Loader:
+        """The predict split's loader (unshuffled, every row once): a "predict" split where
+        ``splits``/``split_labels`` give one, else every row of the data."""
+        return self._loader("predict")
+
     def teardown(self, stage: str | None = None) -> None:
         for loader in self._loaders.values():
             loader.close()
@@ -291,7 +299,8 @@ class ZarrDataModule(LightningDataModule):
     # -- public helpers -------------------------------------------------------------------------
 
     def subset(self, split: str) -> Subset:
-        """The :class:`~dali_zarr.Subset` of one split ("train", "val" or "test")."""
+        """The :class:`~dali_zarr.Subset` of one split ("train", "val", "test" or
+        "predict")."""
         if split not in SPLITS:
             raise ConfigError(f"unknown split {split!r}; use one of {SPLITS}.")
         self.setup()
@@ -346,7 +355,10 @@ class ZarrDataModule(LightningDataModule):
         else:
             rows = self._rows_by_label(dataset)
             what = f"split_labels of {self.split_column!r}"
-        names = list(rows)
+        if "predict" not in rows:  # none given: predict on every row, in order
+            rows["predict"] = np.arange(dataset.n_obs)
+        # predicting on rows of another split (the test rows, or all) is what predict is for
+        names = [name for name in rows if name != "predict"]
         for i, a in enumerate(names):
             for b in names[i + 1 :]:
                 shared = np.intersect1d(rows[a], rows[b], assume_unique=True)

@@ -581,3 +581,27 @@ def test_a_split_label_no_row_holds_names_the_columns_values(split_store: str) -
         match=r"no observation has split='validation' \(its values: 'train', 'val', 'test'\)",
     ):
         dm.subset("val")
+
+
+def test_predict_serves_every_row_or_the_predict_split_once(split_store: str) -> None:
+    """trainer.predict had no predict_dataloader to call. Without a "predict" split it
+    predicts on every row, in order; a "predict" split (which may share rows with the
+    others, e.g. the test rows) serves exactly its rows."""
+
+    class Predictor(type(model())):
+        def predict_step(self, batch: dict, _: int) -> tuple[np.ndarray, torch.Tensor]:
+            return batch["index"].numpy(), self(batch["X"]).argmax(1)
+
+    codes = split_codes(split_store)
+    predictor = Predictor((32,), 8, hidden=16, lr=1e-2, label="cell_type")
+    out = trainer().predict(predictor, datamodule=make_dm(split_store))
+    np.testing.assert_array_equal(np.concatenate([ids for ids, _ in out]), np.arange(1_200))
+    assert sum(len(labels) for _, labels in out) == 1_200
+
+    test_rows = np.flatnonzero(codes == 2)
+    splits = {"train": codes == 0, "test": codes == 2, "predict": test_rows}
+    dm = ZarrDataModule(data=split_store, splits=splits, batch_size=64, return_index=True)
+    out = trainer().predict(predictor, datamodule=dm)
+    np.testing.assert_array_equal(np.concatenate([ids for ids, _ in out]), test_rows)
+    dm = ZarrDataModule(data=split_store, split_labels={"train": "train", "predict": "test"})
+    assert dm.subset("predict").n_obs == len(test_rows)
