@@ -376,6 +376,16 @@ def run_dali(args, store: str, device: str, **dataset_kw) -> dict:
     return result
 
 
+def baseline_blocks(batch_size: int, chunk_size: int, n_obs: int) -> list[int]:
+    """The baseline's row blocks for one batch: ``chunk_size`` rows each, the last one
+    shorter, ``batch_size`` rows in all (at most the store's), as the loaders' batches are.
+    Whole blocks only made batches of 4,000 rows where the others had 4,096."""
+    total = min(batch_size, n_obs)
+    chunk = min(chunk_size, total)
+    sizes = [chunk] * (total // chunk)
+    return sizes + ([total % chunk] if total % chunk else [])
+
+
 def run_baseline(args, store: str) -> dict:
     """zarr read → NumPy CSR → torch.cuda → densify, one batch of random row blocks at a time."""
     import torch
@@ -386,14 +396,14 @@ def run_baseline(args, store: str) -> dict:
     n_obs, n_genes = (int(s) for s in x.attrs["shape"])
     data, indices = x["data"], x["indices"]
     rng = np.random.default_rng(0)
-    blocks = max(1, args.batch_size // args.chunk_size)
+    sizes = baseline_blocks(args.batch_size, args.chunk_size, n_obs)
 
     def batches():
         while True:
-            starts = rng.integers(0, max(1, n_obs - args.chunk_size), blocks)
             parts_d, parts_i, counts = [], [], []
-            for s in starts.tolist():
-                e = min(n_obs, s + args.chunk_size)
+            for size in sizes:
+                s = int(rng.integers(0, n_obs - size + 1))
+                e = s + size
                 a, b = int(indptr[s]), int(indptr[e])
                 parts_d.append(data[a:b])
                 parts_i.append(indices[a:b])

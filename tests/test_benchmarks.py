@@ -565,3 +565,14 @@ def test_cpu_profile_runs_and_counts_the_bytes_the_reads_decode(
     rows = [dataset.read_rows(plan.window(w).row_ranges) for w in range(plan.n_windows)]
     assert used == sum(r.data.nbytes + r.indices.nbytes for r in rows)
     assert decoded == counted[0] and decoded > used  # 16-row ranges in ~100-row chunks
+
+
+def test_gpu_throughput_baseline_batches_have_the_loaders_batch_size(monkeypatch) -> None:
+    """The baseline read batch_size // chunk_size whole blocks: 4,000-row batches beside
+    the loaders' 4,096 (and a batch smaller than a block read a whole block)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    blocks = importlib.import_module("gpu_throughput").baseline_blocks
+    assert blocks(4096, 1000, 10**6) == [1000] * 4 + [96]
+    assert blocks(4096, 1024, 10**6) == [1024] * 4
+    assert blocks(100, 1000, 10**6) == [100]
+    assert blocks(4096, 1000, 2500) == [1000, 1000, 500]  # a store smaller than a batch
