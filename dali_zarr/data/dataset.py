@@ -819,13 +819,15 @@ def _open_store(store: zarr.abc.store.Store) -> zarr.Group | zarr.Array:
 
 
 def _store_name(store: Any) -> str:
-    """What a user calls a store in messages: a local store's folder name, a zip file's
-    name (``ZipStore.path``), else the store's URL (``memory://...``, ``s3://...``)."""
+    """What a user calls a store in messages: the last part of its path (a local store's
+    folder, a zip file, an fsspec store's key prefix), else its class (``MemoryStore``).
+    Not the store's URL: the name identifies the dataset in a resume state, and a memory
+    store's URL changes from process to process."""
     for attribute in ("root", "path"):
         where = str(getattr(store, attribute, "") or "").rstrip("/")
         if where:
-            return os.path.basename(where) if os.path.exists(where) else where
-    return str(store)
+            return os.path.basename(where)
+    return type(store).__name__
 
 
 def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
