@@ -22,7 +22,8 @@ Splits come from a categorical obs column (``split_column="split"`` with values 
   which is not exact when the ranks hold different counts.)
 - **predict** (``trainer.predict``): served as val/test are. Its rows are a "predict" split
   where ``splits`` or ``split_labels`` give one (it may share rows with the others), else
-  every row of the data, in order; ``return_index=True`` maps each prediction to its row.
+  every row of the data, in order (so new data needs no split column);
+  ``return_index=True`` maps each prediction to its row.
 - An eval split needs at least one observation per rank (Lightning refuses a rank with an
   empty evaluation loader); a smaller one raises a ConfigError. An empty val split (none
   given in ``splits``, or no row with its label) gives no val loader: Lightning skips
@@ -43,7 +44,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from dali_zarr.data.dataset import Dataset, Source, open_dataset
 from dali_zarr.data.subset import Subset, select_rows
 from dali_zarr.distributed import DistInfo, resolve_rank_world, torch_dist_initialized
-from dali_zarr.errors import ConfigError
+from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.graph.source import obs_list
 from dali_zarr.inspection import suggested_settings
 from dali_zarr.loader import Loader, check_device
@@ -219,6 +220,8 @@ class ZarrDataModule(LightningDataModule):
         self.open_kwargs = dict(open_kwargs or {})
         self.dataset: Dataset | None = data if isinstance(data, Dataset) else None
         self.split_rows: dict[str, np.ndarray] = {}
+        # why split_column gave no rows, raised for the splits that need it (predict does not)
+        self._split_error: DatasetError | None = None
         self._loaders: dict[tuple[str, int, int], Loader] = {}
         # seed=None: the train seed drawn once (rank 0's), kept in Lightning's checkpoints by
         # state_dict, so that a resumed fit plans the same epochs as the run that saved it
@@ -313,6 +316,8 @@ class ZarrDataModule(LightningDataModule):
 
     def _split_size(self, split: str) -> int:
         self.setup()
+        if self._split_error is not None and split not in self.split_rows:
+            raise self._split_error
         return len(self.split_rows.get(split, ()))
 
     def _empty_reason(self, split: str) -> str:
@@ -353,8 +358,15 @@ class ZarrDataModule(LightningDataModule):
             }
             what = "splits"
         else:
-            rows = self._rows_by_label(dataset)
             what = f"split_labels of {self.split_column!r}"
+            try:
+                rows = self._rows_by_label(dataset)
+            except DatasetError as exc:
+                if "predict" in self.split_labels:
+                    raise
+                # new, unlabeled data has no split column (none at all: a plain array) and
+                # predict needs none: it serves every row; the other splits raise this
+                self._split_error, rows = exc, {}
         if "predict" not in rows:  # none given: predict on every row, in order
             rows["predict"] = np.arange(dataset.n_obs)
         # predicting on rows of another split (the test rows, or all) is what predict is for

@@ -605,3 +605,22 @@ def test_predict_serves_every_row_or_the_predict_split_once(split_store: str) ->
     np.testing.assert_array_equal(np.concatenate([ids for ids, _ in out]), test_rows)
     dm = ZarrDataModule(data=split_store, split_labels={"train": "train", "predict": "test"})
     assert dm.subset("predict").n_obs == len(test_rows)
+
+
+def test_predict_needs_no_split_column(tmp_path: Path) -> None:
+    """Predicting serves every row where no "predict" split is given, so new, unlabeled
+    data (a store without the default "split" column, or a plain array without obs) must
+    predict; every trainer.predict failed there with "no column 'split'" instead. The
+    other splits, which do need the column, still say it is missing."""
+    path = synthetic.make_single_cell(tmp_path / "new.zarr", n_obs=200, n_features=16, n_types=3)
+    plain = tmp_path / "plain.zarr"
+    zarr.create_array(plain, shape=(90, 6), dtype="f4", chunks=(30, 6))[:] = 1
+    for data, n in ((path, 200), (str(plain), 90)):
+        dm = ZarrDataModule(data=data, batch_size=32, return_index=True)
+        ids = np.concatenate([b["index"].numpy() for b in dm.predict_dataloader()])
+        np.testing.assert_array_equal(ids, np.arange(n))
+        with pytest.raises(dz.DatasetError, match="split"):
+            dm.train_dataloader()
+        with pytest.raises(dz.DatasetError, match="split"):
+            dm.val_dataloader()
+        dm.teardown()
