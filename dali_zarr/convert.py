@@ -791,11 +791,13 @@ def _discard(partial: str) -> None:
                     os.remove(entry.path)
 
 
-def _remove_marked(path: str) -> None:
+def _remove_marked(path: str) -> str | None:
     """Remove a marked folder, its marker last: a removal cut short leaves a folder the next
-    run still knows for ours (a stale partial), not one it must refuse."""
+    run still knows for ours (a stale partial), not one it must refuse. Returns a path that
+    stays (files of another user, a read-only folder), for the caller to name; None once
+    the folder is gone."""
     if not os.path.isdir(path):
-        return
+        return None
     for entry in os.scandir(path):
         if entry.name != _MARKER:
             if entry.is_dir(follow_symlinks=False):
@@ -804,6 +806,10 @@ def _remove_marked(path: str) -> None:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(entry.path)
     shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return None
+    left = [os.path.join(d, n) for d, dirs, files in os.walk(path) for n in dirs + files]
+    return next((p for p in left if os.path.basename(p) != _MARKER), path)
 
 
 def _wait_for_zarr_writes(timeout: float = 30.0) -> bool:
@@ -877,7 +883,16 @@ def _prepare_destination(dest: str, sources: Sequence[str], overwrite: bool) -> 
             # after locking, or another re-run removed it (and made its own) meanwhile
             if not _try_lock(stale) or not _same_file(stale, marker):
                 raise busy
-            _remove_marked(partial)  # a stale, half-written result of an interrupted run
+            left = _remove_marked(partial)  # a stale, half-written result of an interrupted run
+            # not removable by this process (a run as another user, e.g. under sudo): said so,
+            # not the "busy" that makedirs' FileExistsError below would say (wait forever);
+            # another run's new marker there is a writer
+            if left is not None and (_same_file(stale, marker) or not os.path.exists(marker)):
+                raise ConfigError(
+                    f"{partial}: left by an interrupted dali-zarr writer, but this process "
+                    f"cannot remove it ({left} stays: a file of another user, or in a "
+                    "read-only folder); remove it yourself, or choose another destination."
+                )
     try:
         os.makedirs(partial)
         return partial, _new_marker(partial)
@@ -981,7 +996,16 @@ def _publish(partial: str, dest: str, overwrite: bool) -> None:
         _sync_dir(parent)
         _unmark(dest)
         if folder:
-            _remove_marked(old)
+            left = _remove_marked(old)
+            if left is not None:  # published all the same: the old store's remains are named
+                log.warning(
+                    "dali_zarr: %s is the new store; the store it replaced stays at %s, which "
+                    "this process cannot remove (%s: a file of another user, or in a "
+                    "read-only folder); delete it yourself",
+                    dest,
+                    old,
+                    left,
+                )
         else:
             os.remove(old)
 

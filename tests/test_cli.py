@@ -1421,3 +1421,41 @@ def test_inspect_of_an_empty_store_suggests_no_settings(tmp_path: Path, capsys) 
     out = capsys.readouterr().out
     assert "nothing to load; no settings to suggest" in out, out
     assert "suggested:" not in out and "chunk_size=" not in out, out
+
+
+def test_a_stale_partial_this_process_cannot_remove_is_named_not_called_busy(
+    tmp_path, monkeypatch, caplog
+):
+    """A stale DST.partial that this process cannot remove (a convert run under sudo and
+    killed leaves root's files) was reported as "another dali-zarr writer is writing this
+    destination now": the user waited for a writer that did not exist. It is named, with
+    what stays. A replaced store that cannot be removed after the swap stayed behind at
+    DST.partial without a word; the new store is published and the remains are named.
+    (A folder whose removal fails stands in for another user's files, which a test run as
+    root cannot make for itself.)"""
+    src = tmp_path / "in.zarr"
+    zarr.create_array(src, data=np.arange(40, dtype=np.float32).reshape(20, 2), chunks=(5, 2))
+    dst = tmp_path / "out.zarr"
+    stale = Path(f"{dst}.partial")
+    (stale / "foreign").mkdir(parents=True)
+    (stale / ".dali-zarr-partial").write_text("left by a killed run\n")
+    real_rmdir = os.rmdir
+
+    def rmdir(path, *args, **kw):
+        if os.path.basename(os.fsdecode(path)) == "foreign":
+            raise PermissionError(13, "Permission denied", path)
+        return real_rmdir(path, *args, **kw)
+
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    with pytest.raises(dz.ConfigError, match=r"out.zarr.partial: left by an interrupted .*"
+                       r"cannot remove it \(.*foreign stays"):  # fmt: skip
+        convert(src, dst)
+    monkeypatch.setattr(os, "rmdir", real_rmdir)
+    shutil.rmtree(stale)
+    convert(src, dst)
+    (dst / "foreign").mkdir()  # the old store holds what cannot be removed
+    monkeypatch.setattr(os, "rmdir", rmdir)
+    with caplog.at_level("WARNING", logger="dali_zarr"):
+        convert(src, dst, overwrite=True)
+    assert dz.open_dataset(dst).n_obs == 20 and not (dst / "foreign").exists()
+    assert f"the store it replaced stays at {stale}" in caplog.text, caplog.text
