@@ -941,6 +941,14 @@ def _check_replaceable(dest: str, overwrite: bool) -> None:
         return
     if os.path.isdir(dest):
         if not os.listdir(dest) or metadata_file(dest):
+            if overwrite and not os.path.islink(dest) and not os.access(dest, os.W_OK | os.X_OK):
+                # the old store is marked (a file written in it) before the swap, then
+                # removed: found out then, the whole conversion was thrown away
+                raise ConfigError(
+                    f"{dest}: this process cannot write in it (another user's store, or "
+                    "read-only), which replacing it needs; make it writable "
+                    f"(chmod u+w {dest}), or choose another destination."
+                )
             if overwrite:
                 return
             raise ConfigError(

@@ -1459,3 +1459,19 @@ def test_a_stale_partial_this_process_cannot_remove_is_named_not_called_busy(
         convert(src, dst, overwrite=True)
     assert dz.open_dataset(dst).n_obs == 20 and not (dst / "foreign").exists()
     assert f"the store it replaced stays at {stale}" in caplog.text, caplog.text
+
+
+def test_overwrite_of_a_store_this_process_cannot_write_is_refused_up_front(
+    tmp_path, sc_store, capsys, monkeypatch
+):
+    """Replacing a store marks it (writes a file in it) before the swap: a store of another
+    user or read-only failed only then, and the whole conversion was thrown away. It is
+    refused before converting. The tests run as root, whom chmod does not stop, so the
+    permission answer is the other user's for that one folder."""
+    dst = tmp_path / "out.zarr"
+    synthetic.make_dense_cube(dst, n_obs=20)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, m, **kw: p != str(dst) and access(p, m, **kw))
+    assert run("convert", sc_store, dst, "--overwrite", "-q") == 2
+    assert "cannot write in it" in one_line_error(capsys)
+    assert not Path(f"{dst}.partial").exists() and dz.open_dataset(dst).n_obs == 20
