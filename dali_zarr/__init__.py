@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 from dali_zarr.data.dataset import Collection, CsrDataset, Dataset, DenseDataset, open_dataset
 from dali_zarr.data.features import FeatureSubset
 from dali_zarr.data.subset import Subset
-from dali_zarr.errors import ChunkReadError, ConfigError, DaliZarrError, DatasetError
+from dali_zarr.errors import (
+    ChunkReadError,
+    ConfigError,
+    DaliZarrError,
+    DatasetError,
+    PackedValuesWarning,
+)
 from dali_zarr.planning import ChunkSampler, DistributedSampler, EpochPlan, WindowPlan
 
 if TYPE_CHECKING:
@@ -51,6 +57,7 @@ __all__ = [
     "EpochPlan",
     "FeatureSubset",
     "Loader",
+    "PackedValuesWarning",
     "Subset",
     "WindowPlan",
     "build_graph",

@@ -21,3 +21,8 @@ class DatasetError(DaliZarrError, ValueError):
 
 class ChunkReadError(DaliZarrError, OSError):
     """A chunk or shard that is truncated, corrupted or unreadable."""
+
+
+class PackedValuesWarning(UserWarning):
+    """An array whose attributes pack its values (CF ``scale_factor``/``add_offset``, a
+    non-NaN ``_FillValue``): it is delivered as stored, not unpacked."""

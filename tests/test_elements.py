@@ -4,6 +4,7 @@ loader's CPU and GPU-wiring paths, convert, inspect, bench), on stores written b
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import anndata as ad
@@ -214,6 +215,77 @@ def test_a_group_whose_arrays_are_all_in_subgroups_lists_them(tmp_path: Path) ->
     assert "consolidate" not in message and "holds no arrays" not in message
     with pytest.raises(dz.DatasetError, match="holds no arrays"):
         dz.open_dataset(zarr.open_group(tmp_path / "empty.zarr", mode="w"), element="a")
+
+
+def xarray_like_store(path: Path, zarr_format: int) -> np.ndarray:
+    """A store laid out as xarray's ``Dataset.to_zarr`` writes one (written with zarr, so
+    the tests need no xarray): dimension coordinates ``time``, ``lat``, ``lon`` beside a
+    CF-packed int16 ``t2m`` (``scale_factor``, ``add_offset``, ``_FillValue``) and a float32
+    ``sst`` with a NaN fill. Returns t2m's stored integers."""
+    group = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+    v3 = zarr_format == 3
+
+    def variable(name: str, data: np.ndarray, dims: tuple[str, ...], **attrs) -> None:
+        fill = attrs.pop("_FillValue", None)
+        attrs = {**attrs, "_FillValue": fill} if v3 and fill is not None else attrs
+        fill = np.nan if data.dtype.kind == "f" else (0 if v3 else fill)
+        extra = {"dimension_names": dims} if v3 else {}
+        attrs = attrs if v3 else {**attrs, "_ARRAY_DIMENSIONS": list(dims)}
+        chunks = (7, *data.shape[1:])
+        array = group.create_array(name, data=data, chunks=chunks, fill_value=fill, **extra)
+        array.attrs.update(attrs)
+
+    rng = np.random.default_rng(0)
+    packed = rng.integers(-3000, 3000, (30, 3, 4)).astype("i2")
+    packed[4, 1, 2] = -32767  # missing
+    variable("time", np.arange(30, dtype="i8"), ("time",), units="days since 2000-01-01")
+    variable("lat", np.linspace(-10, 10, 3), ("lat",))
+    variable("lon", np.linspace(0, 30, 4), ("lon",))
+    variable("t2m", packed, ("time", "lat", "lon"),
+             scale_factor=0.01, add_offset=280.0, _FillValue=-32767)  # fmt: skip
+    nan = "AAAAAAAA+H8=" if v3 else np.nan  # xarray writes a v3 float fill as base64 bytes
+    sst = rng.random((30, 3, 4), dtype="f4")
+    sst[7:14] = np.nan  # a whole chunk of fill: zarr writes no file for it
+    variable("sst", sst, ("time", "lat", "lon"), _FillValue=nan)
+    zarr.consolidate_metadata(path)
+    return packed
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_cf_packed_variables_warn_at_open(tmp_path: Path, zarr_format: int) -> None:
+    """A CF-packed variable (xarray's int16 + scale_factor/add_offset encoding) arrived as
+    its stored integers without a word: a t2m of 280 K trained on as -32767..32767 counts.
+    README promises the raw values; opening one now warns, naming the array, its attributes
+    and the transform that unpacks them. A float variable with a NaN fill does not warn."""
+    path = tmp_path / "era5.zarr"
+    packed = xarray_like_store(path, zarr_format)
+    with pytest.warns(dz.PackedValuesWarning) as caught:
+        dataset = dz.open_dataset(path, element="t2m")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    for part in ("era5.zarr/t2m", "scale_factor=0.01", "add_offset=280.0", "_FillValue=-32767",
+                 "arrives as -32767, not NaN"):  # fmt: skip
+        assert part in message, (part, message)
+    assert "transform=" in message
+    got = run_epoch(dz.Loader(dataset, sampler(chunk_size=7, batch_size=4), return_index=True))
+    np.testing.assert_array_equal(got["X"], packed[got["index"]])  # still raw, as promised
+
+    def unpack(out):  # the transform the warning names
+        return {**out, "X": out["X"] * 0.01 + 280.0}
+
+    loader = dz.Loader(
+        dataset, sampler(chunk_size=7, batch_size=4), return_index=True, transform=unpack
+    )
+    got = run_epoch(loader)
+    expected = packed.astype("f4") * np.float32(0.01) + np.float32(280.0)
+    np.testing.assert_allclose(got["X"], expected[got["index"]], rtol=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sst = dz.open_dataset(path, element="sst")
+        dz.open_dataset(path, element="time")  # units, but nothing packed
+    got = run_epoch(dz.Loader(sst, sampler(chunk_size=7, batch_size=4), return_index=True))
+    np.testing.assert_array_equal(got["X"], zarr.open_array(path / "sst")[:][got["index"]])
+    assert np.isnan(got["X"][(got["index"] >= 7) & (got["index"] < 14)]).all()
 
 
 # ---------------------------------------------------------------------------- command line

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import os
 import urllib.parse
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -26,6 +27,7 @@ from dali_zarr.data.elements import (
     first_bad_column,
     frame_index,
     matrix_layout,
+    packing_attributes,
     pick_element,
     refuse_non_integer,
     shape_attribute,
@@ -34,7 +36,7 @@ from dali_zarr.data.elements import (
     zarr_member,
 )
 from dali_zarr.data.obs import ObsColumn, as_text, concat_obs_columns, read_obs_column
-from dali_zarr.errors import ConfigError, DatasetError
+from dali_zarr.errors import ConfigError, DatasetError, PackedValuesWarning
 from dali_zarr.io import (
     ArrayReader,
     check_ranges,
@@ -742,6 +744,7 @@ def _open_one(
     if not picked.anndata:  # a plain array, or one array of a plain group
         array_name = name if picked.key is None else f"{name}/{picked.key}"
         reader = open_reader(picked.node, name=array_name, executor=executor, force_zarr=force_zarr)
+        _warn_if_packed(picked.node, array_name)
         return DenseDataset(reader, name=array_name)
     x, x_key = picked.node, picked.key
     assert x_key is not None
@@ -763,6 +766,31 @@ def _open_one(
     if var is not None:
         _check_var_width(var, dataset.feature_shape, var_name=f"{name}/{names_at}", x_name=x_name)
     return dataset
+
+
+def _warn_if_packed(node: Any, name: str) -> None:
+    """Warn that a CF-packed array (xarray's int16 + scale_factor/add_offset) arrives as its
+    stored values: trained on as such, a temperature of 280 K is a count in -32767..32767, and
+    nothing else would say so."""
+    found = packing_attributes(node)
+    if not found:
+        return
+    listed = ", ".join(f"{k}={v!r}" for k, v in found.items())
+    fill = next((found[k] for k in ("_FillValue", "missing_value") if k in found), None)
+    advice = "" if fill is None else f" A missing value arrives as {fill!r}, not NaN."
+    if "scale_factor" in found or "add_offset" in found:
+        scale, offset = found.get("scale_factor", 1), found.get("add_offset", 0)
+        advice += (
+            " Unpack them inside the graph: Loader(..., transform=lambda out: "
+            f"{{**out, 'X': out['X'] * {scale!r} + {offset!r}}})."
+        )
+    warnings.warn(
+        f"{name}: its attributes pack its values ({listed}), and X arrives as stored "
+        f"({np.dtype(node.dtype)}), not decoded as xarray reads it.{advice} (Silence this with "
+        "warnings.filterwarnings('ignore', category=dz.PackedValuesWarning).)",
+        PackedValuesWarning,
+        stacklevel=4,  # open_dataset's caller
+    )
 
 
 def _check_var_width(

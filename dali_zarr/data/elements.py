@@ -14,6 +14,8 @@ resolve their input here, so they accept and refuse the same stores with the sam
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import os
 from typing import Any, Literal, NamedTuple
 
@@ -30,6 +32,40 @@ def attribute(node: Any, key: str) -> Any:
     """An attribute as text where h5py hands back bytes."""
     value = node.attrs.get(key)
     return value.decode() if isinstance(value, bytes) else value
+
+
+#: CF attributes whose values xarray (and netCDF readers) apply on read and we do not
+_PACKING = ("scale_factor", "add_offset", "_Unsigned", "_FillValue", "missing_value")
+
+
+def packing_attributes(node: Any) -> dict[str, Any]:
+    """The CF packing attributes of array ``node`` (``scale_factor``, ``add_offset``,
+    ``_Unsigned``, a non-NaN ``_FillValue`` or ``missing_value``), as xarray's ``to_zarr``
+    writes them: empty where the stored values are what a reader means. For a v2 array xarray
+    keeps ``_FillValue`` in the array's own fill value; it is named when the array is packed."""
+    found = {}
+    for key in _PACKING:
+        value = _cf_number(node.attrs.get(key))
+        if value is not None:
+            found[key] = value
+    packed = "scale_factor" in found or "add_offset" in found
+    fill = _cf_number(getattr(node, "fill_value", None))
+    if packed and "_FillValue" not in found and fill is not None:
+        found["_FillValue"] = fill
+    return found
+
+
+def _cf_number(value: Any) -> Any:
+    """``value`` as a plain number or text; None for none and NaN. xarray writes a v3 float
+    ``_FillValue`` as the base64 of its float64 bytes (``'AAAAAAAA+H8='`` is NaN)."""
+    if isinstance(value, str) and len(value) == 12 and value.endswith("="):
+        with contextlib.suppress(ValueError):
+            value = float(np.frombuffer(base64.b64decode(value, validate=True), "<f8")[0])
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return None
+    return value
 
 
 def is_array(node: Any) -> bool:
