@@ -288,6 +288,23 @@ def test_cf_packed_variables_warn_at_open(tmp_path: Path, zarr_format: int) -> N
     assert np.isnan(got["X"][(got["index"] >= 7) & (got["index"] < 14)]).all()
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_xarray_store_opened_at_its_root_suggests_a_variable(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    """An xarray store opened at its root was told "pass element='lat'": its first array by
+    name, a dimension coordinate whose rows are 3 latitudes, not the 30 time steps. The
+    advice now names a data variable, and the coordinates as such."""
+    path = tmp_path / "era5.zarr"
+    xarray_like_store(path, zarr_format)
+    with pytest.raises(dz.DatasetError) as refused:
+        dz.open_dataset(path)
+    message = str(refused.value)
+    assert "pass element='sst'" in message, message
+    assert "arrays here: lat, lon, sst, t2m, time" in message
+    assert "lat, lon, time are coordinates" in message
+
+
 # ---------------------------------------------------------------------------- command line
 
 

@@ -297,7 +297,11 @@ def pick_element(
     if element is None:
         arrays = _arrays_in(root)
         listing = _listing_of(arrays)
-        hint = f" To load one of its arrays, pass element={arrays[0]!r}{listing}." if arrays else ""
+        coords = [a for a in arrays if _is_coordinate(root[a], a)]
+        data = [a for a in arrays if a not in coords] or arrays
+        hint = f" To load one of its arrays, pass element={data[0]!r}{listing}." if arrays else ""
+        if coords and len(data) < len(arrays):  # xarray's dimension coordinates: no samples
+            hint += f" {', '.join(coords)} are coordinates (1-D, named as their dimension)."
         raise DatasetError(
             f"{store}: is a Zarr group but neither an AnnData store (root attribute "
             f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}{inside}"
@@ -345,6 +349,18 @@ def _arrays_in(group: Any, limit: int = _LISTED_ARRAYS + 1) -> list[str]:
             elif not attribute(child, "encoding-type"):  # not AnnData's (nor a CSR)
                 todo.append((f"{prefix}{key}/", child))
     return found[:limit]
+
+
+def _is_coordinate(node: Any, path: str) -> bool:
+    """Whether ``node`` is an xarray dimension coordinate (``lat``, ``time``): 1-D, its one
+    dimension named as itself (``_ARRAY_DIMENSIONS`` in v2, ``dimension_names`` in v3).
+    Loading one gives its labels as rows, not the samples a data variable holds."""
+    if not is_array(node) or len(node.shape) != 1:
+        return False
+    dims = node.attrs.get("_ARRAY_DIMENSIONS")
+    if dims is None:
+        dims = getattr(getattr(node, "metadata", None), "dimension_names", None)
+    return dims is not None and list(dims) == [path.rsplit("/", 1)[-1]]
 
 
 def _readable_members(group: Any) -> list[tuple[str, Any]]:
