@@ -305,6 +305,16 @@ def test_an_xarray_store_opened_at_its_root_suggests_a_variable(
     assert "lat, lon, time are coordinates" in message
 
 
+def test_element_as_a_list_of_variables_is_refused_by_name(tmp_path: Path) -> None:
+    """``element=["t2m", "sst"]`` (two variables as channels, as xarray users ask for them)
+    failed with a bare AttributeError: 'list' object has no attribute 'strip'."""
+    path = tmp_path / "era5.zarr"
+    xarray_like_store(path, 2)
+    with pytest.raises(dz.ConfigError, match=r"element= takes one array's path, got "
+                       r"\['t2m', 'sst'\].*to_dataarray"):  # fmt: skip
+        dz.open_dataset(path, element=["t2m", "sst"])
+
+
 # ---------------------------------------------------------------------------- command line
 
 

@@ -715,6 +715,13 @@ def open_dataset(
     """
     from dali_zarr.data.features import FeatureSubset, selects_by_name  # builds on this module
 
+    if element is not None and not isinstance(element, str):  # a list failed in str.strip
+        raise ConfigError(
+            f"element= takes one array's path, got {element!r}: arrays are not joined side "
+            "by side. To load variables as channels, write them as one array with a variable "
+            "axis (xarray: ds[['t2m', 'sst']].to_dataarray('variable').transpose('time', "
+            "'variable', ...).to_dataset(name='x').to_zarr(...)), then pass element='x'."
+        )
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
         parts = [
             _open_one(s, element=element, executor=executor, force_zarr=force_zarr) for s in source
