@@ -49,6 +49,7 @@ from dali_zarr.data.elements import (
     first_bad_column,
     is_array,
     matrix_layout,
+    packing_attributes,
     pick_element,
     refuse_non_integer,
     shape_attribute,
@@ -207,6 +208,7 @@ class _Input:
     element: str | None = "X"  # what was read: "X", "layers/counts", a group's array path;
     # None: the input is that array
     var_key: str | None = "var"  # the dataframe describing its features (None: numbered)
+    packing: dict[str, Any] = field(default_factory=dict)  # a plain array's CF attributes
 
     @property
     def nnz(self) -> int:
@@ -289,6 +291,7 @@ def _open_input(path: str, element: str | None = None) -> _Input:
         refuse_stale_metadata(picked.node, name=where)  # as open_dataset: no garbage values
         inp = _dense_input(where, picked.node, anndata=False, root=None)
         inp.element = picked.key
+        inp.packing = packing_attributes(picked.node)  # the copy must stay unpackable
         return inp
     return _anndata_input(path, node, picked, handle=None)
 
@@ -402,6 +405,13 @@ def _check_compatible(inputs: Sequence[_Input]) -> None:
             raise DatasetError(
                 f"{inp.path} is {kinds[inp.anndata]} but {first.path} is "
                 f"{kinds[first.anndata]}; convert AnnData inputs and plain arrays separately."
+            )
+        if inp.packing != first.packing:  # one set of attributes cannot unpack both
+            raise DatasetError(
+                f"{inp.path} is packed with {inp.packing or 'no attributes'} but "
+                f"{first.path} with {first.packing or 'no attributes'} (CF scale_factor, "
+                "add_offset, _FillValue): joined, one of them would be unpacked wrong. "
+                "Convert them separately, or write them with one encoding first."
             )
         if inp.layout != first.layout and inp.feature_shape == first.feature_shape:
             fix = (
@@ -1459,7 +1469,7 @@ def _convert(
                     {"encoding-type": "anndata", "encoding-version": "0.1.0", "dali_zarr": info}
                 )
             else:
-                out.writers["X"].array.attrs.update({"dali_zarr": info})
+                out.writers["X"].array.attrs.update({**first.packing, "dali_zarr": info})
         nbytes = _dir_bytes(partial)
     return ConvertResult(
         path=dest,

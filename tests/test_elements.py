@@ -16,6 +16,7 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr.cli import main
+from dali_zarr.convert import convert
 from tests.test_gpu_loader import assert_same_batches, both
 from tests.test_loader import assert_rows_match, run_epoch, sampler
 
@@ -339,6 +340,30 @@ def test_convert_resolves_elements_like_open_dataset(tmp_path: Path, capsys) -> 
         assert cli("convert", *options, "-q", source, tmp_path / "o.zarr") == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "o.zarr").exists()
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_convert_keeps_a_packed_variables_attributes(tmp_path: Path, zarr_format: int) -> None:
+    """convert of a CF-packed variable wrote its integers without scale_factor, add_offset
+    or _FillValue (and fill value 0): nothing could unpack the copy, and opening it no longer
+    warned. The packing now travels with the values; inputs packed otherwise are refused."""
+    src = tmp_path / "era5.zarr"
+    packed = xarray_like_store(src, zarr_format)
+    dst = tmp_path / "t2m.zarr"
+    convert(src, dst, element="t2m", chunk_rows=8)
+    out = zarr.open_array(dst, mode="r")
+    np.testing.assert_array_equal(out[...], packed)
+    wanted = {"scale_factor": 0.01, "add_offset": 280.0, "_FillValue": -32767}
+    assert {k: out.attrs.get(k) for k in wanted} == wanted
+    with pytest.warns(dz.PackedValuesWarning, match="scale_factor=0.01, add_offset=280.0"):
+        dz.open_dataset(dst)
+    other = tmp_path / "other.zarr"
+    xarray_like_store(other, zarr_format)
+    zarr.open_array(other / "t2m", mode="r+").attrs["scale_factor"] = 0.02
+    zarr.consolidate_metadata(other)
+    with pytest.raises(dz.DatasetError, match=r"other.zarr/t2m.*scale_factor.*0.02.*0.01"):
+        convert([src, other], tmp_path / "both.zarr", element="t2m")
+    assert not (tmp_path / "both.zarr").exists()
 
 
 @pytest.mark.parametrize(
