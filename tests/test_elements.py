@@ -342,6 +342,28 @@ def test_convert_resolves_elements_like_open_dataset(tmp_path: Path, capsys) -> 
     assert not (tmp_path / "o.zarr").exists()
 
 
+def test_a_collection_of_variables_packed_otherwise_is_refused(tmp_path: Path) -> None:
+    """Two stores of one variable packed with other scale_factors (netCDF files packed one
+    by one, then converted) joined into one collection: a stored 3000 is 310 K in one and
+    340 K in the other, and one transform= unpacks one of them wrong, without an error."""
+    a, b = tmp_path / "y2000.zarr", tmp_path / "y2001.zarr"
+    xarray_like_store(a, 2)
+    xarray_like_store(b, 2)
+    with pytest.warns(dz.PackedValuesWarning):
+        same = dz.open_dataset([a, b], element="t2m")
+    assert same.n_obs == 60 and same.packing["scale_factor"] == 0.01
+    zarr.open_array(b / "t2m", mode="r+").attrs["scale_factor"] = 0.02
+    zarr.consolidate_metadata(b)
+    with pytest.warns(dz.PackedValuesWarning), pytest.raises(
+        dz.DatasetError, match=r"y2001.zarr/t2m is packed with .*0.02.* but y2000.zarr/t2m"
+    ):  # fmt: skip
+        dz.open_dataset([a, b], element="t2m")
+    with pytest.warns(dz.PackedValuesWarning):
+        parts = [dz.open_dataset(a, element="t2m"), dz.open_dataset(b, element="t2m")]
+    with pytest.raises(dz.DatasetError, match="one transform= would unpack one of them wrong"):
+        dz.Collection([dz.Subset(parts[0], [1, 2]), parts[1]])
+
+
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_convert_keeps_a_packed_variables_attributes(tmp_path: Path, zarr_format: int) -> None:
     """convert of a CF-packed variable wrote its integers without scale_factor, add_offset

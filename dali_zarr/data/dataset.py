@@ -344,6 +344,8 @@ class DenseDataset(_StoreDataset):
         self.n_obs = int(reader.shape[0])
         self.feature_shape = tuple(int(s) for s in reader.shape[1:])
         self.dtype = np.dtype(reader.dtype)
+        #: CF attributes packing its values (``scale_factor``, ...): delivered as stored
+        self.packing: dict[str, Any] = {}
 
     def read_rows(self, ranges: np.ndarray) -> DenseRows:
         return DenseRows(self.values_reader.read_rows(ranges))
@@ -515,11 +517,20 @@ class Collection(Dataset):
                     f"collection: {part.name} stores X as {part.dtype} but {first.name} as "
                     f"{first.dtype}; re-write them with one dtype."
                 )
+            if packing_of(part) != packing_of(first):  # one transform cannot unpack both
+                raise DatasetError(
+                    f"collection: {part.name} is packed with {packing_of(part) or 'nothing'} "
+                    f"but {first.name} with {packing_of(first) or 'nothing'} (CF scale_factor, "
+                    "add_offset, _FillValue): their stored values mean different numbers, and "
+                    "one transform= would unpack one of them wrong. Load them apart, or "
+                    "write them with one encoding."
+                )
         self.parts = list(parts)
         self.name = "+".join(p.name for p in parts)
         self.layout = first.layout
         self.feature_shape = first.feature_shape
         self.dtype = first.dtype
+        self.packing = packing_of(first)
         self.index_dtype = common_index_dtype([p.index_dtype for p in parts])
         self.offsets = np.cumsum([0] + [p.n_obs for p in parts]).astype(np.int64)
         self.n_obs = int(self.offsets[-1])
@@ -751,8 +762,9 @@ def _open_one(
     if not picked.anndata:  # a plain array, or one array of a plain group
         array_name = name if picked.key is None else f"{name}/{picked.key}"
         reader = open_reader(picked.node, name=array_name, executor=executor, force_zarr=force_zarr)
-        _warn_if_packed(picked.node, array_name)
-        return DenseDataset(reader, name=array_name)
+        dense = DenseDataset(reader, name=array_name)
+        dense.packing = _warn_if_packed(picked.node, array_name)
+        return dense
     x, x_key = picked.node, picked.key
     assert x_key is not None
     x_name = f"{name}/{x_key}"
@@ -775,13 +787,21 @@ def _open_one(
     return dataset
 
 
-def _warn_if_packed(node: Any, name: str) -> None:
+def packing_of(dataset: Dataset) -> dict[str, Any]:
+    """The CF packing attributes of the array under ``dataset`` (through subsets and
+    feature selections); empty where its values are stored as they are meant."""
+    while not hasattr(dataset, "packing") and hasattr(dataset, "parent"):
+        dataset = dataset.parent
+    return getattr(dataset, "packing", {})
+
+
+def _warn_if_packed(node: Any, name: str) -> dict[str, Any]:
     """Warn that a CF-packed array (xarray's int16 + scale_factor/add_offset) arrives as its
     stored values: trained on as such, a temperature of 280 K is a count in -32767..32767, and
     nothing else would say so."""
     found = packing_attributes(node)
     if not found:
-        return
+        return found
     listed = ", ".join(f"{k}={v!r}" for k, v in found.items())
     fill = next((found[k] for k in ("_FillValue", "missing_value") if k in found), None)
     advice = "" if fill is None else f" A missing value arrives as {fill!r}, not NaN."
@@ -798,6 +818,7 @@ def _warn_if_packed(node: Any, name: str) -> None:
         PackedValuesWarning,
         stacklevel=4,  # open_dataset's caller
     )
+    return found
 
 
 def _check_var_width(
