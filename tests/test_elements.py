@@ -304,6 +304,13 @@ def test_an_xarray_store_opened_at_its_root_suggests_a_variable(
     assert "pass element='sst'" in message, message
     assert "arrays here: lat, lon, sst, t2m, time" in message
     assert "lat, lon, time are coordinates" in message
+    # a curvilinear grid: 2-D coordinates named by the variable's `coordinates` attribute
+    group = zarr.open_group(tmp_path / "curvilinear.zarr", mode="w", zarr_format=zarr_format)
+    for name, shape in (("lat2d", (4, 5)), ("lon2d", (4, 5)), ("tas", (20, 4, 5))):
+        group.create_array(name, data=np.zeros(shape, "f4"), chunks=shape)
+    group["tas"].attrs["coordinates"] = "lat2d lon2d"
+    with pytest.raises(dz.DatasetError, match=r"pass element='tas' .* lat2d, lon2d are coord"):
+        dz.open_dataset(tmp_path / "curvilinear.zarr")
 
 
 def test_element_as_a_list_of_variables_is_refused_by_name(tmp_path: Path) -> None:

@@ -297,11 +297,12 @@ def pick_element(
     if element is None:
         arrays = _arrays_in(root)
         listing = _listing_of(arrays)
-        coords = [a for a in arrays if _is_coordinate(root[a], a)]
+        coords = _coordinates(root, arrays)
         data = [a for a in arrays if a not in coords] or arrays
         hint = f" To load one of its arrays, pass element={data[0]!r}{listing}." if arrays else ""
-        if coords and len(data) < len(arrays):  # xarray's dimension coordinates: no samples
-            hint += f" {', '.join(coords)} are coordinates (1-D, named as their dimension)."
+        if coords and len(data) < len(arrays):  # xarray's coordinates: labels, no samples
+            are = "are coordinates" if len(coords) > 1 else "is a coordinate"
+            hint += f" {', '.join(coords)} {are} (xarray's, not data variables)."
         raise DatasetError(
             f"{store}: is a Zarr group but neither an AnnData store (root attribute "
             f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}{inside}"
@@ -351,16 +352,27 @@ def _arrays_in(group: Any, limit: int = _LISTED_ARRAYS + 1) -> list[str]:
     return found[:limit]
 
 
-def _is_coordinate(node: Any, path: str) -> bool:
-    """Whether ``node`` is an xarray dimension coordinate (``lat``, ``time``): 1-D, its one
-    dimension named as itself (``_ARRAY_DIMENSIONS`` in v2, ``dimension_names`` in v3).
-    Loading one gives its labels as rows, not the samples a data variable holds."""
-    if not is_array(node) or len(node.shape) != 1:
-        return False
-    dims = node.attrs.get("_ARRAY_DIMENSIONS")
-    if dims is None:
-        dims = getattr(getattr(node, "metadata", None), "dimension_names", None)
-    return dims is not None and list(dims) == [path.rsplit("/", 1)[-1]]
+def _coordinates(root: Any, arrays: list[str]) -> list[str]:
+    """Which of ``arrays`` (paths under ``root``) are xarray coordinates: dimension
+    coordinates (``lat``, ``time``: 1-D, their one dimension named as themselves, in
+    ``_ARRAY_DIMENSIONS`` (v2) or ``dimension_names`` (v3)) and those a variable's
+    ``coordinates`` attribute lists (a curvilinear grid's 2-D ``lat2d``). Loading one gives
+    labels as rows, not the samples a data variable holds."""
+    nodes = {a: root[a] for a in arrays}
+    listed = set()
+    for path, node in nodes.items():
+        prefix = path.rpartition("/")[0]
+        for name in str(attribute(node, "coordinates") or "").split():
+            listed.add(f"{prefix}/{name}" if prefix else name)
+    found = []
+    for path, node in nodes.items():
+        dims = node.attrs.get("_ARRAY_DIMENSIONS")
+        if dims is None:
+            dims = getattr(getattr(node, "metadata", None), "dimension_names", None)
+        own = len(node.shape) == 1 and dims is not None and list(dims) == [path.rpartition("/")[2]]
+        if own or path in listed:
+            found.append(path)
+    return found
 
 
 def _readable_members(group: Any) -> list[tuple[str, Any]]:
