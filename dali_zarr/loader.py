@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -206,6 +207,11 @@ class Loader:
         self._open_epoch = False  # an epoch was started and not run to its end
         self._consumed = 0  # batches handed out in the DALI epoch now bound
         self._passes = 0  # loops started over this loader; only the latest may draw batches
+        # held while a loop starts and while it draws a batch: loops in two threads at once
+        # ran DALI from both and took each other's batches (one loop lost rows, no error).
+        # Reentrant: a signal handler (a preemption checkpoint) may call state_dict() in the
+        # middle of a batch, on the thread that holds it
+        self._loop_lock = threading.RLock()
         self._looping = 0  # the pass of the loop now running (0: none)
         self._iter0 = 0  # DALI iteration of its first batch (>0 after a DALI restore)
         # a batch failed in this DALI epoch: DALI's iterator had already counted it, so its
@@ -282,32 +288,42 @@ class Loader:
         return self._source.read_paths()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        iterator = self._start_epoch()
-        self._passes += 1
-        this_pass = self._looping = self._passes
+        with self._loop_lock:
+            iterator = self._start_epoch()
+            self._passes += 1
+            this_pass = self._looping = self._passes
         try:
             while True:
-                self._refuse_if_closed()  # a generator still held after close()
-                if self._passes != this_pass:  # it would take the newer loop's batches
-                    raise ConfigError(
-                        f"{self.dataset.name}: a newer loop over this loader has started "
-                        "since this one; the DALI pipeline serves one loop at a time, so a "
-                        "loop left early cannot go on once another has begun. Iterate one "
-                        "loop at a time."
-                    )
-                try:
-                    outputs = next(iterator)
-                except StopIteration:
-                    self._open_epoch = False
+                with self._loop_lock:  # the check and the draw as one: no loop starts between
+                    outputs = self._next_outputs(iterator, this_pass)
+                if outputs is None:
                     return
-                except Exception as exc:
-                    self._dali_ahead = self.enable_checkpointing
-                    raise self._original_error(exc) from exc
-                self._consumed += 1
                 yield self._to_batch(outputs[0])
         finally:  # run out, left (break closes the generator) or failed
             if self._looping == this_pass:
                 self._looping = 0
+
+    def _next_outputs(self, iterator: Any, this_pass: int) -> Any:
+        """The next outputs of DALI's iterator for loop ``this_pass``, or None where its
+        epoch ended; a loop replaced by a newer one is refused (call with the loop lock)."""
+        self._refuse_if_closed()  # a generator still held after close()
+        if self._passes != this_pass:  # it would take the newer loop's batches
+            raise ConfigError(
+                f"{self.dataset.name}: a newer loop over this loader has started "
+                "since this one; the DALI pipeline serves one loop at a time, so a "
+                "loop left early cannot go on once another has begun. Iterate one "
+                "loop at a time."
+            )
+        try:
+            outputs = next(iterator)
+        except StopIteration:
+            self._open_epoch = False
+            return None
+        except Exception as exc:
+            self._dali_ahead = self.enable_checkpointing
+            raise self._original_error(exc) from exc
+        self._consumed += 1
+        return outputs
 
     def close(self) -> None:
         """Stop the reader threads and let the DALI pipeline and its buffers go (on the GPU
@@ -333,6 +349,10 @@ class Loader:
         what DALI has prefetched: call this after the step on the last batch is done (or
         after the loop), and the resumed run continues with the next batch.
         """
+        with self._loop_lock:  # not while a loop in another thread draws a batch
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
         settings = PlanSettings.of(self.sampler)
         dali: dict[str, Any] | None = None
         if self._pending is not None and self._pending.epoch == self.epoch:

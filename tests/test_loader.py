@@ -685,6 +685,59 @@ def test_a_loop_replaced_by_a_newer_one_refuses_to_go_on(sc_store: Path) -> None
     np.testing.assert_array_equal(rows, reference)
 
 
+def test_loops_in_two_threads_never_take_each_others_batches(sc_store: Path) -> None:
+    """A loop started in another thread while this one drew a batch ran DALI from both
+    threads: this loop got a batch of the newer loop's epoch, and the newer loop, run to its
+    end without an error, missed those rows. The newer loop now waits for the batch being
+    drawn, takes every row, and the older one is refused."""
+    import threading
+
+    from dali_zarr.data.dataset import Dataset
+
+    inner = dz.open_dataset(sc_store)
+    newer: dict[str, object] = {}
+
+    class Gated(Dataset):  # starts the newer loop from inside a read of the older one
+        name, n_obs, layout = "gated", inner.n_obs, inner.layout
+        feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
+        armed = False
+
+        def read_rows(self, ranges):
+            if Gated.armed:
+                Gated.armed = False
+                thread = threading.Thread(
+                    target=lambda: newer.update(rows=[b["index"].numpy() for b in loader])
+                )
+                newer["thread"] = thread
+                thread.start()
+                thread.join(2)  # the race's chance (the fixed loader makes it wait)
+            return inner.read_rows(ranges)
+
+        def obs_column(self, name):
+            return inner.obs_column(name)
+
+        def read_paths(self):
+            return {"gated": "direct"}
+
+    def build(dataset: Dataset) -> dz.Loader:
+        settings = sampler(chunk_size=25, preload_nchunks=2)  # a window per batch
+        return dz.Loader(dataset, settings, return_index=True, prefetch_windows=0)
+
+    reference = run_epoch(build(inner))["index"]
+    loader = build(Gated())
+    older = iter(loader)
+    got = [next(older)["index"].numpy()]
+    Gated.armed = True
+    with pytest.raises(dz.ConfigError, match="a newer loop over this loader has started"):
+        for batch in older:
+            got.append(batch["index"].numpy())
+    newer["thread"].join()  # type: ignore[attr-defined]
+    mine = np.concatenate(got)
+    np.testing.assert_array_equal(mine, reference[: len(mine)])  # only its own epoch's rows
+    np.testing.assert_array_equal(np.concatenate(newer["rows"]), reference)  # every row
+    loader.close()
+
+
 def test_big_endian_obs_columns_arrive_as_their_values(tmp_path: Path) -> None:
     """zarr v2 keeps a column's byte order (``>f8``, ``>i8``); DALI and torch read bytes as
     native, so the loader converts: batches carry the values, not byte-swapped garbage."""
