@@ -321,7 +321,14 @@ class Loader:
             return None
         except Exception as exc:
             self._dali_ahead = self.enable_checkpointing
-            raise self._original_error(exc) from exc
+            error = self._original_error(exc)
+            if self._closed:  # by another thread mid-batch: its readers' own errors told
+                # "cannot schedule new futures after shutdown" or RingClosed
+                raise ConfigError(
+                    f"this Loader of {self.dataset.name} was closed while it drew a batch "
+                    f"({type(error).__name__}: {error}); create a new one to iterate"
+                ) from error
+            raise error from exc
         self._consumed += 1
         return outputs
 

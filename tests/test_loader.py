@@ -738,6 +738,41 @@ def test_loops_in_two_threads_never_take_each_others_batches(sc_store: Path) -> 
     loader.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", "gpu-host"])
+def test_a_loader_closed_while_it_draws_a_batch_says_so(sc_store: Path, device: str) -> None:
+    """close() from another thread (a watchdog, a signal handler) while a batch was being
+    read failed the loop with the reader's own error: "RuntimeError: cannot schedule new
+    futures after shutdown" on the CPU path, RingClosed on the GPU path's. It is the
+    closed loader's ConfigError now."""
+    from dali_zarr.data.dataset import Dataset
+    from dali_zarr.graph.window_backends import HostBackend
+
+    inner = dz.open_dataset(sc_store)
+
+    class Closing(Dataset):  # closes the loader from inside a read, as another thread may
+        name, n_obs, layout = "closing", inner.n_obs, inner.layout
+        feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
+        armed = False
+
+        def read_rows(self, ranges):
+            if Closing.armed:
+                Closing.armed = False
+                loader.close()
+            return inner.read_rows(ranges)
+
+        def obs_column(self, name):
+            return inner.obs_column(name)
+
+        def read_paths(self):
+            return {"closing": "direct"}
+
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    loader = dz.Loader(Closing(), sampler(), **where)
+    Closing.armed = True  # the first window: read while the first next() waits for it
+    with pytest.raises(dz.ConfigError, match=r"Loader of closing was closed"):
+        next(iter(loader))
+
+
 def test_big_endian_obs_columns_arrive_as_their_values(tmp_path: Path) -> None:
     """zarr v2 keeps a column's byte order (``>f8``, ``>i8``); DALI and torch read bytes as
     native, so the loader converts: batches carry the values, not byte-swapped garbage."""
