@@ -541,6 +541,17 @@ class Loader:
 
     def _dali_checkpoint(self, *, bound: bool) -> dict[str, Any] | None:
         """DALI's checkpoint at the last batch handed out (it counts consumed iterations)."""
+        if self.enable_checkpointing and self._closed and self._dali_epoch >= 0:
+            # close() let the pipeline go, and its operators' state with it: a state saved
+            # after a `with` block had no DALI checkpoint, without a word
+            log.warning(
+                "dali_zarr: this Loader of %s was closed, so its state is saved without "
+                "DALI's checkpoint (the data position is exact; the transform's random ops "
+                "restart from their initial state on resume); call state_dict() before "
+                "close() or the end of the `with` block to keep it",
+                self.dataset.name,
+            )
+            return None
         if not self.enable_checkpointing or self._iterator is None:
             return None
         if self._dali_ahead:  # resumed from it, the failed batch would never be delivered

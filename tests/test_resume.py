@@ -428,6 +428,32 @@ def test_a_dali_checkpoint_a_loader_without_checkpointing_drops_is_said(store, c
             assert "enable_checkpointing=True" in said[0].getMessage()
 
 
+def test_a_state_saved_after_close_says_it_has_no_dali_checkpoint(store, caplog) -> None:
+    """close() lets the pipeline, and its operators' state, go: a state saved after a `with`
+    block had no DALI checkpoint, without a word, so the transform's random ops restarted on
+    resume (README: with enable_checkpointing they continue exactly). It warns now, saying
+    to save before close(); the rows still resume exactly."""
+    import logging
+
+    with loader(store, sampler(), transform=noisy, enable_checkpointing=True) as run:
+        first = take(run, 0, stop=3)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dali_zarr.loader"):
+        state = roundtrip(run.state_dict())
+    assert state["dali"] is None
+    said = [r.getMessage() for r in caplog.records if "was closed" in r.getMessage()]
+    assert said and "before close()" in said[0]
+    with loader(store, sampler(), transform=noisy, enable_checkpointing=True) as fresh:
+        whole = take(fresh, 0)
+    with loader(store, sampler(), transform=noisy, enable_checkpointing=True) as ld:
+        ld.load_state_dict(state)
+        rest = take(ld, 0)
+    np.testing.assert_array_equal(
+        np.concatenate([b["index"] for b in first + rest]),
+        np.concatenate([b["index"] for b in whole]),
+    )
+
+
 def test_a_dali_checkpoint_after_a_failed_batch_loses_no_batch(tmp_path: Path) -> None:
     """DALI's iterator counts a batch before the read behind it fails; its checkpoint then
     resumed one batch late, and that batch was never delivered. The state is saved without
