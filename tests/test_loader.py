@@ -738,6 +738,59 @@ def test_loops_in_two_threads_never_take_each_others_batches(sc_store: Path) -> 
     loader.close()
 
 
+SIGNAL_STATE = """
+import os, signal, sys
+import dali_zarr as dz
+from dali_zarr.data.dataset import Dataset
+
+inner = dz.open_dataset(sys.argv[1])
+saved = []
+
+
+class Signalling(Dataset):  # a preemption signal arrives while a batch is being drawn
+    name, n_obs, layout = "signalling", inner.n_obs, inner.layout
+    feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
+
+    def read_rows(self, ranges):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        return inner.read_rows(ranges)
+
+    def obs_column(self, name):
+        return inner.obs_column(name)
+
+
+sampler = dz.ChunkSampler(chunk_size=25, preload_nchunks=2, batch_size=50, seed=7)
+if sys.argv[2] == "cpu":
+    where = {}
+else:
+    from dali_zarr.graph.window_backends import HostBackend
+
+    where = {"device": "gpu", "gpu_backend": HostBackend()}
+loader = dz.Loader(Signalling(), sampler, prefetch_windows=0, **where)
+signal.signal(signal.SIGUSR1, lambda *_: saved.append(loader.state_dict()["consumed"]))
+n = sum(1 for _ in loader)
+print(n, len(saved), saved == sorted(saved))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu-host"])
+def test_a_state_saved_by_a_signal_handler_mid_batch_does_not_deadlock(
+    sc_store: Path, device: str
+) -> None:
+    """A preemption handler (Lightning's SLURM requeue on SIGUSR1) saves the loader's state
+    on the thread that is drawing a batch. state_dict() plans under the source's lock, which
+    that thread held inside the DALI callback: the process hung for good, without its
+    checkpoint. The locks it meets are reentrant now, and the states count the batches
+    handed out (a hang is a failure here: the child runs under a timeout)."""
+    import sys
+
+    from tests.processes import run_ok
+
+    out = run_ok([sys.executable, "-c", SIGNAL_STATE, str(sc_store), device], timeout=120)
+    batches, saves, ordered = out.split()
+    assert int(batches) == -(-3_001 // 50) and int(saves) > 0 and ordered == "True"
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu-host"])
 def test_a_loader_closed_while_it_draws_a_batch_says_so(sc_store: Path, device: str) -> None:
     """close() from another thread (a watchdog, a signal handler) while a batch was being

@@ -182,7 +182,10 @@ class BatchSource:
             max_workers=validate_count("read_threads", read_threads),
             thread_name_prefix="dali_zarr-window",
         )
-        self._lock = threading.Lock()
+        # reentrant: a signal handler that saves the loader's state (Lightning's SLURM
+        # requeue on SIGUSR1) runs on the thread inside this callback and plans under this
+        # lock; a plain lock deadlocked it there, and the job hung without its checkpoint
+        self._lock = threading.RLock()
         self._epochs: dict[int, tuple[PlanKey, int]] = {}  # DALI epoch_idx -> (plan, start)
         self._stop_at: dict[int, int] = {}  # DALI epoch_idx -> iteration where it was cut short
         self._expected: dict[int, PlanKey] = {}  # DALI epoch_idx -> plan it will likely follow
