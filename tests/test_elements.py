@@ -440,3 +440,28 @@ def test_inspect_and_bench_an_element(rich, capsys) -> None:
     assert set(summary["read_paths"]) == {"rich.zarr/raw/X/data", "rich.zarr/raw/X/indices"}
     assert cli("inspect", path, "--element", "varm/PCs") == 2
     assert "not an element whose rows are observations" in capsys.readouterr().err
+
+
+def test_a_v3_packed_variable_without_fill_value_names_none(tmp_path: Path) -> None:
+    """xarray writes a v3 variable's _FillValue as an attribute and leaves the array's fill
+    value at zarr's default (0 for int16). A v3 variable packed without _FillValue was read
+    as packed with _FillValue=0: the warning said a missing value arrives as 0 (a valid
+    count), and the v2 and v3 copies of one variable were refused as one collection."""
+    stores = []
+    for zarr_format in (2, 3):
+        path = tmp_path / f"v{zarr_format}.zarr"
+        group = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+        dims = {"dimension_names": ("time", "x")} if zarr_format == 3 else {}
+        array = group.create_array(
+            "t2m", shape=(20, 4), chunks=(8, 4), dtype="i2", fill_value=None, **dims
+        )
+        array[...] = np.arange(80, dtype="i2").reshape(20, 4)
+        array.attrs.update({"scale_factor": 0.01, "add_offset": 280.0})
+        if zarr_format == 2:
+            array.attrs["_ARRAY_DIMENSIONS"] = ["time", "x"]
+        stores.append(path)
+    with pytest.warns(dz.PackedValuesWarning) as record:
+        both = dz.open_dataset(stores, element="t2m")
+    assert both.n_obs == 40
+    assert both.packing == {"scale_factor": 0.01, "add_offset": 280.0}
+    assert not any("_FillValue" in str(w.message) for w in record)
