@@ -3,7 +3,9 @@ loader's CPU and GPU-wiring paths, convert, inspect, bench), on stores written b
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import warnings
 from pathlib import Path
 
@@ -465,3 +467,31 @@ def test_a_v3_packed_variable_without_fill_value_names_none(tmp_path: Path) -> N
     assert both.n_obs == 40
     assert both.packing == {"scale_factor": 0.01, "add_offset": 280.0}
     assert not any("_FillValue" in str(w.message) for w in record)
+
+
+def test_a_v2_xarray_variable_with_a_fill_value_warns_as_its_v3_copy(tmp_path: Path) -> None:
+    """xarray keeps a v2 variable's _FillValue in the array's fill value, a v3 one's in an
+    attribute. A float variable with _FillValue -9999 (netCDF's missing marker, no packing)
+    warned in v3 but not in v2, where its -9999s arrived silently; and the two copies were
+    refused as one collection ("packed with nothing"). A plain v2 array with a fill value
+    (not written by xarray) still does not warn."""
+    data = np.ones((20, 3), "f4")
+    data[5] = -9999.0
+    v2 = zarr.open_group(tmp_path / "v2.zarr", mode="w", zarr_format=2)
+    v2.create_array("sst", data=data, chunks=(8, 3), fill_value=-9999.0).attrs.update(
+        {"_ARRAY_DIMENSIONS": ["time", "x"]}
+    )
+    v3 = zarr.open_group(tmp_path / "v3.zarr", mode="w", zarr_format=3)
+    v3.create_array("sst", data=data, chunks=(8, 3), dimension_names=("time", "x")).attrs.update(
+        {"_FillValue": base64.standard_b64encode(struct.pack("<d", -9999.0)).decode()}
+    )
+    with pytest.warns(dz.PackedValuesWarning, match=r"v2.zarr/sst: .*_FillValue=-9999.0"):
+        dz.open_dataset(tmp_path / "v2.zarr", element="sst")
+    with pytest.warns(dz.PackedValuesWarning):
+        both = dz.open_dataset([tmp_path / "v2.zarr", tmp_path / "v3.zarr"], element="sst")
+    assert both.n_obs == 40 and both.packing == {"_FillValue": -9999.0}
+    plain = zarr.open_group(tmp_path / "plain.zarr", mode="w", zarr_format=2)
+    plain.create_array("x", data=data, chunks=(8, 3), fill_value=-9999.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dz.PackedValuesWarning)
+        dz.open_dataset(tmp_path / "plain.zarr", element="x")

@@ -42,7 +42,9 @@ def packing_attributes(node: Any) -> dict[str, Any]:
     """The CF packing attributes of array ``node`` (``scale_factor``, ``add_offset``,
     ``_Unsigned``, a non-NaN ``_FillValue`` or ``missing_value``), as xarray's ``to_zarr``
     writes them: empty where the stored values are what a reader means. For a v2 array xarray
-    keeps ``_FillValue`` in the array's own fill value; it is named when the array is packed.
+    keeps ``_FillValue`` in the array's own fill value; it is named when the array is packed
+    or written by xarray (``_ARRAY_DIMENSIONS``: a float's -9999 from netCDF is missing there
+    as much as in the v3 copy's attribute), not for any other v2 array (zarr's default 0).
     A v3 array's fill value is not one: xarray keeps it in the attributes there, and every v3
     array has a fill value (zarr's default 0), which would name 0 as missing and refuse a
     collection of the v2 and v3 copies of one variable."""
@@ -51,7 +53,7 @@ def packing_attributes(node: Any) -> dict[str, Any]:
         value = _cf_number(node.attrs.get(key))
         if value is not None:
             found[key] = value
-    packed = "scale_factor" in found or "add_offset" in found
+    packed = "scale_factor" in found or "add_offset" in found or "_ARRAY_DIMENSIONS" in node.attrs
     v2 = getattr(getattr(node, "metadata", None), "zarr_format", None) == 2
     fill = _cf_number(getattr(node, "fill_value", None)) if v2 else None
     if packed and "_FillValue" not in found and fill is not None:
