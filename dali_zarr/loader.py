@@ -541,9 +541,11 @@ class Loader:
 
     def _dali_checkpoint(self, *, bound: bool) -> dict[str, Any] | None:
         """DALI's checkpoint at the last batch handed out (it counts consumed iterations)."""
-        if self.enable_checkpointing and self._closed and self._dali_epoch >= 0:
+        closed = self.enable_checkpointing and self._closed and self._dali_epoch >= 0
+        if closed and self.transform is not None:
             # close() let the pipeline go, and its operators' state with it: a state saved
-            # after a `with` block had no DALI checkpoint, without a word
+            # after a `with` block had no DALI checkpoint, without a word (without a
+            # transform no operator keeps a state to lose: nothing to say)
             log.warning(
                 "dali_zarr: this Loader of %s was closed, so its state is saved without "
                 "DALI's checkpoint (the data position is exact; the transform's random ops "

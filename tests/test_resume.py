@@ -454,6 +454,21 @@ def test_a_state_saved_after_close_says_it_has_no_dali_checkpoint(store, caplog)
     )
 
 
+def test_a_state_saved_after_close_without_a_transform_says_nothing(store, caplog) -> None:
+    """Without a transform no DALI operator keeps a state (the rows come from the plan), so
+    the "closed ... the transform's random ops restart" warning told a loader with
+    enable_checkpointing=True and no transform to move its state_dict() for nothing."""
+    import logging
+
+    with loader(store, sampler(), enable_checkpointing=True) as run:
+        take(run, 0, stop=3)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dali_zarr.loader"):
+        state = roundtrip(run.state_dict())
+    assert state["consumed"] == 3
+    assert not [r for r in caplog.records if "was closed" in r.getMessage()]
+
+
 def test_a_dali_checkpoint_after_a_failed_batch_loses_no_batch(tmp_path: Path) -> None:
     """DALI's iterator counts a batch before the read behind it fails; its checkpoint then
     resumed one batch late, and that batch was never delivered. The state is saved without
