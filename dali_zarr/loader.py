@@ -217,6 +217,10 @@ class Loader:
         # a batch failed in this DALI epoch: DALI's iterator had already counted it, so its
         # checkpoint is one batch past what the user got and is not saved (see _dali_checkpoint)
         self._dali_ahead = False
+        # DALI's iterator is inside a draw (or an epoch's start) on the thread holding the
+        # loop lock: a state saved now (a signal handler's) would take a checkpoint that
+        # already counts the batch being drawn, one past `consumed` (see _dali_checkpoint)
+        self._in_dali = False
         # (epoch, history, start) of the epoch now or last iterated: plan batch of the
         # k-th batch handed out is start + k
         self._run: tuple[int, tuple[Segment, ...], int] | None = None
@@ -289,7 +293,11 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         with self._loop_lock:
-            iterator = self._start_epoch()
+            self._in_dali = True
+            try:
+                iterator = self._start_epoch()
+            finally:
+                self._in_dali = False
             self._passes += 1
             this_pass = self._looping = self._passes
         try:
@@ -314,8 +322,10 @@ class Loader:
                 "loop left early cannot go on once another has begun. Iterate one "
                 "loop at a time."
             )
+        self._in_dali = True
         try:
             outputs = next(iterator)
+            self._consumed += 1  # before the flag drops: no state counts it twice
         except StopIteration:
             self._open_epoch = False
             return None
@@ -329,7 +339,8 @@ class Loader:
                     f"({type(error).__name__}: {error}); create a new one to iterate"
                 ) from error
             raise error from exc
-        self._consumed += 1
+        finally:
+            self._in_dali = False
         return outputs
 
     def close(self) -> None:
@@ -555,6 +566,15 @@ class Loader:
             )
             return None
         if not self.enable_checkpointing or self._iterator is None:
+            return None
+        if self._in_dali:  # a signal handler's state_dict() in the middle of a draw
+            log.warning(
+                "dali_zarr: the state of %s is saved in the middle of a batch being drawn "
+                "(a signal handler's state_dict()), where DALI's checkpoint already counts "
+                "that batch; it is saved without it (the data position is exact; DALI "
+                "operators restart from their initial state on resume)",
+                self.dataset.name,
+            )
             return None
         if self._dali_ahead:  # resumed from it, the failed batch would never be delivered
             log.warning(
