@@ -386,7 +386,12 @@ class Loader:
         else:
             epoch, history, consumed = self.epoch, (), 0
             drained = True
-            if self.enable_checkpointing and self._open_epoch and self._iterator is not None:
+            if (
+                self.enable_checkpointing
+                and self._open_epoch
+                and self._iterator is not None
+                and not self._in_dali  # a signal handler's, inside that drain or a draw
+            ):
                 # a loop was left early: the next loop first drains what DALI prefetched,
                 # drawing the transform's random ops for it; a checkpoint taken before that
                 # resumed the ops short of those draws (other values than the run's)
@@ -666,8 +671,10 @@ class Loader:
                 self.epoch,
                 pending.epoch,
             )
-        self._pending = None
-        self._run = (self.epoch, history, start)
+        # the resume point is used up, and this epoch becomes the run, once it has started:
+        # a state saved meanwhile (a signal handler's, while the last loop's prefetched
+        # batches drain) still has nothing of it handed out, not the last loop's count
+        run = (self.epoch, history, start)
         # the epoch the next iteration will likely follow: the one after this if the caller
         # steps epochs with set_epoch, else this one again; its first windows are read while
         # this epoch ends (a wrong guess costs those reads, never the batches)
@@ -685,7 +692,7 @@ class Loader:
                 self._iterator = self._make_iterator(pipe, self._names)
                 self._open_epoch, self._consumed, self._iter0 = True, 0, 0
                 self._dali_ahead = False
-                return self._iterator
+                return self._started(run)
             # DALI resumes its epoch `epoch_idx` at `iteration`, its operators restored
             self._dali_epoch, self._iter0 = int(restore["epoch_idx"]), int(restore["iteration"])
             if restore.get("bound") and pending is not None and pending.epoch == self.epoch:
@@ -699,7 +706,7 @@ class Loader:
                 )
                 self._iterator = self._restored_iterator(pipe, restore, pending)
                 self._open_epoch, self._consumed = True, 0
-                return self._iterator
+                return self._started(run)
             # ... at another epoch's position: end that DALI epoch (unbound: it stops at
             # once) and begin ours as the next, so DALI's operator state still carries over
             self._iterator = self._restored_iterator(pipe, restore, pending)
@@ -715,6 +722,11 @@ class Loader:
         self._consumed = 0
         self._iter0 = 0
         self._dali_ahead = False
+        return self._started(run)
+
+    def _started(self, run: tuple[int, tuple[Segment, ...], int]) -> Any:
+        """Mark epoch ``run`` (epoch, history, start) as the one now iterated; its iterator."""
+        self._pending, self._run = None, run
         return self._iterator
 
     def _end_left_loop(self) -> None:

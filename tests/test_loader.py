@@ -847,6 +847,67 @@ def test_a_state_saved_by_a_signal_handler_mid_batch_resumes_every_row(
     assert int(saves) > 0 and wrong == "[]"
 
 
+SIGNAL_NEXT_EPOCH = (
+    SIGNAL_RESUME.split("def make():")[0]
+    + """
+armed = []
+Signalling.read_rows = lambda self, ranges: (
+    armed and os.kill(os.getpid(), signal.SIGUSR1), inner.read_rows(ranges))[1]
+
+
+def make():
+    sampler = dz.ChunkSampler(chunk_size=25, preload_nchunks=2, batch_size=50, seed=7)
+    where = {} if sys.argv[2] == "cpu" else {"device": "gpu", "gpu_backend": HostBackend()}
+    return dz.Loader(
+        Signalling(), sampler, prefetch_windows=0, return_index=True, transform=noisy,
+        enable_checkpointing=True, **where,
+    )
+
+
+if sys.argv[2] != "cpu":
+    from dali_zarr.graph.window_backends import HostBackend
+loader = make()
+whole = []  # epoch 1's batches handed out so far
+signal.signal(signal.SIGUSR1, lambda *_: saved.append((loader.state_dict(), len(whole))))
+for k, _ in enumerate(loader):  # a loop left early: the next one drains DALI's prefetch
+    if k == 2:
+        break
+loader.set_epoch(1)
+armed.append(True)
+for batch in loader:
+    whole.append(batch["index"].cpu().numpy())
+armed.clear()
+wrong = []
+for state, handed in saved[:4]:  # the resumed run must deliver what was not handed out
+    with make() as resumed:
+        resumed.load_state_dict(state)
+        rest = [b["index"].cpu().numpy() for b in resumed]
+    if state["epoch"] != 1 or len(rest) != len(whole) - handed or any(
+        (a != b).any() for a, b in zip(rest, whole[handed:])
+    ):
+        wrong.append((handed, state["consumed"], len(rest)))
+print(len(saved), wrong)
+"""
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu-host"])
+def test_a_state_saved_by_a_signal_handler_as_an_epoch_starts_loses_no_batch(
+    sc_store: Path, device: str
+) -> None:
+    """The next loop marked its epoch as the run before it drained the batches DALI had
+    prefetched past a loop left early, with the old loop's count still in place: a state
+    a signal handler saved in that drain said epoch 1 at batch 3, and the resumed run
+    skipped epoch 1's first 3 batches (no error). It now says batch 0."""
+    import sys
+
+    from tests.processes import run_ok
+
+    out = run_ok([sys.executable, "-c", SIGNAL_NEXT_EPOCH, str(sc_store), device], timeout=240)
+    saves, wrong = out.strip().splitlines()[-1].split(" ", 1)
+    assert int(saves) > 0 and wrong == "[]"
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu-host"])
 def test_a_loader_closed_while_it_draws_a_batch_says_so(sc_store: Path, device: str) -> None:
     """close() from another thread (a watchdog, a signal handler) while a batch was being
