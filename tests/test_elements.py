@@ -495,3 +495,15 @@ def test_a_v2_xarray_variable_with_a_fill_value_warns_as_its_v3_copy(tmp_path: P
     with warnings.catch_warnings():
         warnings.simplefilter("error", dz.PackedValuesWarning)
         dz.open_dataset(tmp_path / "plain.zarr", element="x")
+
+
+def test_a_packed_warning_names_the_callers_line_for_a_list_of_stores(tmp_path: Path) -> None:
+    """open_dataset([a, b]) opened its parts in a list comprehension, a frame of its own on
+    Python 3.11: the PackedValuesWarning pointed at dali_zarr/data/dataset.py, not at the
+    caller's line, so a filter by module or a look at the line led nowhere."""
+    a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    xarray_like_store(a, 2)
+    xarray_like_store(b, 2)
+    with pytest.warns(dz.PackedValuesWarning) as record:
+        dz.open_dataset([a, b], element="t2m")
+    assert {Path(w.filename).name for w in record} == {Path(__file__).name}

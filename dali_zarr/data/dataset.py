@@ -734,9 +734,10 @@ def open_dataset(
             "'variable', ...).to_dataset(name='x').to_zarr(...)), then pass element='x'."
         )
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
-        parts = [
-            _open_one(s, element=element, executor=executor, force_zarr=force_zarr) for s in source
-        ]
+        parts = []
+        for s in source:  # a loop, not a comprehension: on Python 3.11 that is a frame of its
+            # own, and a PackedValuesWarning named this line instead of the caller's
+            parts.append(_open_one(s, element=element, executor=executor, force_zarr=force_zarr))
         by_name = features is not None and selects_by_name(
             features, dataset="+".join(p.name for p in parts)
         )
