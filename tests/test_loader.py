@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -685,6 +686,29 @@ def test_a_loop_replaced_by_a_newer_one_refuses_to_go_on(sc_store: Path) -> None
     np.testing.assert_array_equal(rows, reference)
 
 
+def reading_through(inner, name: str, before_read: Callable[[], None] = lambda: None):
+    """A user's own Dataset that reads through ``inner``, calling ``before_read()`` before
+    each read: where a test starts another loop, or closes the loader, mid-batch."""
+    from dali_zarr.data.dataset import Dataset
+
+    class Through(Dataset):
+        n_obs, layout = inner.n_obs, inner.layout
+        feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
+
+        def read_rows(self, ranges):
+            before_read()
+            return inner.read_rows(ranges)
+
+        def obs_column(self, column):
+            return inner.obs_column(column)
+
+        def read_paths(self):
+            return {name: "direct"}
+
+    Through.name = name
+    return Through()
+
+
 def test_loops_in_two_threads_never_take_each_others_batches(sc_store: Path) -> None:
     """A loop started in another thread while this one drew a batch ran DALI from both
     threads: this loop got a batch of the newer loop's epoch, and the newer loop, run to its
@@ -692,42 +716,29 @@ def test_loops_in_two_threads_never_take_each_others_batches(sc_store: Path) -> 
     drawn, takes every row, and the older one is refused."""
     import threading
 
-    from dali_zarr.data.dataset import Dataset
-
     inner = dz.open_dataset(sc_store)
     newer: dict[str, object] = {}
+    armed = [False]
 
-    class Gated(Dataset):  # starts the newer loop from inside a read of the older one
-        name, n_obs, layout = "gated", inner.n_obs, inner.layout
-        feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
-        armed = False
+    def start_newer_loop() -> None:  # from inside a read of the older one
+        if armed[0]:
+            armed[0] = False
+            thread = threading.Thread(
+                target=lambda: newer.update(rows=[b["index"].numpy() for b in loader])
+            )
+            newer["thread"] = thread
+            thread.start()
+            thread.join(2)  # the race's chance (the fixed loader makes it wait)
 
-        def read_rows(self, ranges):
-            if Gated.armed:
-                Gated.armed = False
-                thread = threading.Thread(
-                    target=lambda: newer.update(rows=[b["index"].numpy() for b in loader])
-                )
-                newer["thread"] = thread
-                thread.start()
-                thread.join(2)  # the race's chance (the fixed loader makes it wait)
-            return inner.read_rows(ranges)
-
-        def obs_column(self, name):
-            return inner.obs_column(name)
-
-        def read_paths(self):
-            return {"gated": "direct"}
-
-    def build(dataset: Dataset) -> dz.Loader:
+    def build(dataset) -> dz.Loader:
         settings = sampler(chunk_size=25, preload_nchunks=2)  # a window per batch
         return dz.Loader(dataset, settings, return_index=True, prefetch_windows=0)
 
     reference = run_epoch(build(inner))["index"]
-    loader = build(Gated())
+    loader = build(reading_through(inner, "gated", start_newer_loop))
     older = iter(loader)
     got = [next(older)["index"].numpy()]
-    Gated.armed = True
+    armed[0] = True
     with pytest.raises(dz.ConfigError, match="a newer loop over this loader has started"):
         for batch in older:
             got.append(batch["index"].numpy())
@@ -914,31 +925,19 @@ def test_a_loader_closed_while_it_draws_a_batch_says_so(sc_store: Path, device: 
     read failed the loop with the reader's own error: "RuntimeError: cannot schedule new
     futures after shutdown" on the CPU path, RingClosed on the GPU path's. It is the
     closed loader's ConfigError now."""
-    from dali_zarr.data.dataset import Dataset
     from dali_zarr.graph.window_backends import HostBackend
 
-    inner = dz.open_dataset(sc_store)
+    armed = [False]
 
-    class Closing(Dataset):  # closes the loader from inside a read, as another thread may
-        name, n_obs, layout = "closing", inner.n_obs, inner.layout
-        feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
-        armed = False
+    def close_loader() -> None:  # from inside a read, as another thread may
+        if armed[0]:
+            armed[0] = False
+            loader.close()
 
-        def read_rows(self, ranges):
-            if Closing.armed:
-                Closing.armed = False
-                loader.close()
-            return inner.read_rows(ranges)
-
-        def obs_column(self, name):
-            return inner.obs_column(name)
-
-        def read_paths(self):
-            return {"closing": "direct"}
-
+    closing = reading_through(dz.open_dataset(sc_store), "closing", close_loader)
     where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
-    loader = dz.Loader(Closing(), sampler(), **where)
-    Closing.armed = True  # the first window: read while the first next() waits for it
+    loader = dz.Loader(closing, sampler(), **where)
+    armed[0] = True  # the first window: read while the first next() waits for it
     with pytest.raises(dz.ConfigError, match=r"Loader of closing was closed"):
         next(iter(loader))
 
@@ -1254,24 +1253,8 @@ def test_open_dataset_points_datasets_to_collection(sc_store: Path) -> None:
 def test_a_dataset_of_ones_own_needs_only_rows_and_obs(sc_store: Path) -> None:
     """Dataset.readers() (what check_unchanged watches) came in as an abstract method, so a
     subclass written against read_paths() stopped instantiating. It defaults to none."""
-    from dali_zarr.data.dataset import Dataset
-
     inner = dz.open_dataset(sc_store)
-
-    class Wrapped(Dataset):  # reads through another dataset, as a user's own might
-        name, n_obs, layout = "wrapped", inner.n_obs, inner.layout
-        feature_shape, dtype, index_dtype = inner.feature_shape, inner.dtype, inner.index_dtype
-
-        def read_rows(self, ranges):
-            return inner.read_rows(ranges)
-
-        def obs_column(self, name):
-            return inner.obs_column(name)
-
-        def read_paths(self):
-            return {"wrapped": "direct"}
-
-    mine = Wrapped()
+    mine = reading_through(inner, "wrapped")
     mine.check_unchanged()  # nothing of its own to watch
     with dz.Loader(mine, sampler(), device="cpu") as loader:
         assert sum(len(b["X"]) for b in loader) == inner.n_obs
