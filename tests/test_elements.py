@@ -360,7 +360,7 @@ def test_a_collection_of_variables_packed_otherwise_is_refused(tmp_path: Path) -
     xarray_like_store(b, 2)
     with pytest.warns(dz.PackedValuesWarning):
         same = dz.open_dataset([a, b], element="t2m")
-    assert same.n_obs == 60 and same.packing["scale_factor"] == 0.01
+    assert same.n_obs == 60 and same.packing()["scale_factor"] == 0.01
     zarr.open_array(b / "t2m", mode="r+").attrs["scale_factor"] = 0.02
     zarr.consolidate_metadata(b)
     with pytest.warns(dz.PackedValuesWarning), pytest.raises(
@@ -465,7 +465,7 @@ def test_a_v3_packed_variable_without_fill_value_names_none(tmp_path: Path) -> N
     with pytest.warns(dz.PackedValuesWarning) as record:
         both = dz.open_dataset(stores, element="t2m")
     assert both.n_obs == 40
-    assert both.packing == {"scale_factor": 0.01, "add_offset": 280.0}
+    assert both.packing() == {"scale_factor": 0.01, "add_offset": 280.0}
     assert not any("_FillValue" in str(w.message) for w in record)
 
 
@@ -489,7 +489,7 @@ def test_a_v2_xarray_variable_with_a_fill_value_warns_as_its_v3_copy(tmp_path: P
         dz.open_dataset(tmp_path / "v2.zarr", element="sst")
     with pytest.warns(dz.PackedValuesWarning):
         both = dz.open_dataset([tmp_path / "v2.zarr", tmp_path / "v3.zarr"], element="sst")
-    assert both.n_obs == 40 and both.packing == {"_FillValue": -9999.0}
+    assert both.n_obs == 40 and both.packing() == {"_FillValue": -9999.0}
     plain = zarr.open_group(tmp_path / "plain.zarr", mode="w", zarr_format=2)
     plain.create_array("x", data=data, chunks=(8, 3), fill_value=-9999.0)
     with warnings.catch_warnings():

@@ -145,6 +145,12 @@ class Dataset(ABC):
         names none (plain arrays, ``obsm``/``obsp`` entries)."""
         return None
 
+    def packing(self) -> dict[str, Any]:
+        """The CF attributes that pack the stored values (``scale_factor``, ``add_offset``,
+        ``_FillValue``: xarray's int16 encoding), which batches carry as stored; empty where
+        the stored values are what they mean."""
+        return {}
+
     def names_hint(self, names: Sequence[str]) -> str:
         """Where the store holds feature ``names`` that var's index lacks, for that error:
         a var column (CELLxGENE-style stores index genes by Ensembl id and hold the symbols
@@ -331,6 +337,7 @@ class DenseDataset(_StoreDataset):
         obs: zarr.Group | None = None,
         var: zarr.Group | None = None,
         store: str | None = None,
+        packing: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(name, obs, var, store=store)
         if len(reader.shape) < 1:
@@ -344,11 +351,13 @@ class DenseDataset(_StoreDataset):
         self.n_obs = int(reader.shape[0])
         self.feature_shape = tuple(int(s) for s in reader.shape[1:])
         self.dtype = np.dtype(reader.dtype)
-        #: CF attributes packing its values (``scale_factor``, ...): delivered as stored
-        self.packing: dict[str, Any] = {}
+        self._packing = dict(packing or {})
 
     def read_rows(self, ranges: np.ndarray) -> DenseRows:
         return DenseRows(self.values_reader.read_rows(ranges))
+
+    def packing(self) -> dict[str, Any]:
+        return dict(self._packing)
 
     def readers(self) -> list[ArrayReader]:
         return [self.values_reader]
@@ -517,10 +526,10 @@ class Collection(Dataset):
                     f"collection: {part.name} stores X as {part.dtype} but {first.name} as "
                     f"{first.dtype}; re-write them with one dtype."
                 )
-            if packing_of(part) != packing_of(first):  # one transform cannot unpack both
+            if part.packing() != first.packing():  # one transform cannot unpack both
                 raise DatasetError(
-                    f"collection: {part.name} is packed with {packing_of(part) or 'nothing'} "
-                    f"but {first.name} with {packing_of(first) or 'nothing'} (CF scale_factor, "
+                    f"collection: {part.name} is packed with {part.packing() or 'nothing'} "
+                    f"but {first.name} with {first.packing() or 'nothing'} (CF scale_factor, "
                     "add_offset, _FillValue): their stored values mean different numbers, and "
                     "one transform= would unpack one of them wrong. Load them apart, or "
                     "write them with one encoding."
@@ -530,7 +539,6 @@ class Collection(Dataset):
         self.layout = first.layout
         self.feature_shape = first.feature_shape
         self.dtype = first.dtype
-        self.packing = packing_of(first)
         self.index_dtype = common_index_dtype([p.index_dtype for p in parts])
         self.offsets = np.cumsum([0] + [p.n_obs for p in parts]).astype(np.int64)
         self.n_obs = int(self.offsets[-1])
@@ -619,6 +627,9 @@ class Collection(Dataset):
 
     def selections(self) -> list[object]:
         return [part.selections() for part in self.parts]
+
+    def packing(self) -> dict[str, Any]:
+        return self.parts[0].packing()  # the parts' one packing (refused otherwise)
 
     def var_names(self) -> tuple[str, ...] | None:
         """The parts' common feature names (None if a part names none); parts whose names
@@ -763,9 +774,8 @@ def _open_one(
     if not picked.anndata:  # a plain array, or one array of a plain group
         array_name = name if picked.key is None else f"{name}/{picked.key}"
         reader = open_reader(picked.node, name=array_name, executor=executor, force_zarr=force_zarr)
-        dense = DenseDataset(reader, name=array_name)
-        dense.packing = _warn_if_packed(picked.node, array_name)
-        return dense
+        packing = _warn_if_packed(picked.node, array_name)
+        return DenseDataset(reader, name=array_name, packing=packing)
     x, x_key = picked.node, picked.key
     assert x_key is not None
     x_name = f"{name}/{x_key}"
@@ -786,14 +796,6 @@ def _open_one(
     if var is not None:
         _check_var_width(var, dataset.feature_shape, var_name=f"{name}/{names_at}", x_name=x_name)
     return dataset
-
-
-def packing_of(dataset: Dataset) -> dict[str, Any]:
-    """The CF packing attributes of the array under ``dataset`` (through subsets and
-    feature selections); empty where its values are stored as they are meant."""
-    while not hasattr(dataset, "packing") and hasattr(dataset, "parent"):
-        dataset = dataset.parent
-    return getattr(dataset, "packing", {})
 
 
 def _warn_if_packed(node: Any, name: str) -> dict[str, Any]:

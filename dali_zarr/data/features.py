@@ -282,6 +282,9 @@ class FeatureSubset(Dataset):
         names = self.parent.names_by_position()
         return None if names is None else tuple(names[i] for i in self.columns.tolist())
 
+    def packing(self) -> dict[str, Any]:
+        return self.parent.packing()
+
 
 def selects_by_name(features: FeatureSelection, *, dataset: str = "") -> bool:
     """Whether ``features`` are names (looked up in a ``var`` index), not ids or a mask;

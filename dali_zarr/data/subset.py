@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -187,6 +188,9 @@ class Subset(Dataset):
 
     def var_names(self) -> tuple[str, ...] | None:
         return self.parent.var_names()
+
+    def packing(self) -> dict[str, Any]:
+        return self.parent.packing()
 
     def names_hint(self, names: Sequence[str]) -> str:
         return self.parent.names_hint(names)
