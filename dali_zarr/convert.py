@@ -791,8 +791,13 @@ def _discard(partial: str) -> None:
     be done, the marker stays (the next run removes the folder)."""
     if _wait_for_zarr_writes():
         _remove_marked(partial)
-        return
-    for entry in os.scandir(partial) if os.path.isdir(partial) else ():
+    else:
+        _empty_but_marker(partial)
+
+
+def _empty_but_marker(path: str) -> None:
+    """Remove what a marked folder holds but its marker, as far as this process can."""
+    for entry in os.scandir(path) if os.path.isdir(path) else ():
         if entry.name != _MARKER:
             with contextlib.suppress(OSError):
                 if entry.is_dir(follow_symlinks=False):
@@ -808,13 +813,7 @@ def _remove_marked(path: str) -> str | None:
     the folder is gone."""
     if not os.path.isdir(path):
         return None
-    for entry in os.scandir(path):
-        if entry.name != _MARKER:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(entry.path)
+    _empty_but_marker(path)
     shutil.rmtree(path, ignore_errors=True)
     if not os.path.lexists(path):
         return None
