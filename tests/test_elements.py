@@ -19,7 +19,7 @@ import zarr
 import dali_zarr as dz
 from dali_zarr.cli import main
 from dali_zarr.convert import convert
-from tests.test_gpu_loader import assert_same_batches, both
+from tests.test_gpu_loader import WHERE, assert_same_batches, both
 from tests.test_loader import assert_rows_match, run_epoch, sampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -269,11 +269,11 @@ def test_cf_packed_variables_warn_at_open(tmp_path: Path, zarr_format: int) -> N
     for part in ("era5.zarr/t2m", "scale_factor=0.01", "add_offset=280.0", "_FillValue=-32767",
                  "arrives as -32767, not NaN"):  # fmt: skip
         assert part in message, (part, message)
-    assert "transform=" in message
+    assert "mask_and_scale=True" in message and "mask_and_scale=False" in message
     got = run_epoch(dz.Loader(dataset, sampler(chunk_size=7, batch_size=4), return_index=True))
     np.testing.assert_array_equal(got["X"], packed[got["index"]])  # still raw, as promised
 
-    def unpack(out):  # the transform the warning names
+    def unpack(out):  # a transform of one's own still sees the stored values
         return {**out, "X": out["X"] * 0.01 + 280.0}
 
     loader = dz.Loader(
@@ -495,6 +495,119 @@ def test_a_v2_xarray_variable_with_a_fill_value_warns_as_its_v3_copy(tmp_path: P
     with warnings.catch_warnings():
         warnings.simplefilter("error", dz.PackedValuesWarning)
         dz.open_dataset(tmp_path / "plain.zarr", element="x")
+
+
+def cf_decoded_reference(stored: np.ndarray, *, scale=1.0, offset=0.0, fills=()) -> np.ndarray:
+    """What xarray's mask_and_scale makes of ``stored`` (already read as unsigned where
+    ``_Unsigned`` says so), in float32: a fill is NaN, the rest ``* scale + offset``."""
+    out = stored.astype("f4") * np.float32(scale) + np.float32(offset)
+    out[np.isin(stored, fills)] = np.nan
+    return out
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_mask_and_scale_decodes_cf_packed_values(tmp_path: Path, zarr_format: int) -> None:
+    """A CF-packed variable could only be unpacked by a transform, and a missing value
+    arrived as -32767 (scaled to 52.33 K by that transform), not NaN: a demanding climate
+    user expects what xarray reads. open_dataset(..., mask_and_scale=True) now decodes in
+    the graph, on both paths, without the warning; False keeps the stored values, silently."""
+    path = tmp_path / "era5.zarr"
+    packed = xarray_like_store(path, zarr_format)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dz.PackedValuesWarning)
+        decoded = dz.open_dataset(path, element="t2m", mask_and_scale=True)
+        raw = dz.open_dataset(path, element="t2m", mask_and_scale=False)
+        sst = dz.open_dataset(path, element="sst", mask_and_scale=True)  # NaN fill: as stored
+    expected = cf_decoded_reference(packed, scale=0.01, offset=280.0, fills=[-32767])
+    assert np.isnan(expected[4, 1, 2]) and np.isnan(expected).sum() == 1
+    kw = {"return_index": True}
+    for dtype in ("float32", "float16"):
+        got = run_epoch(dz.Loader(decoded, sampler(chunk_size=7, batch_size=4), dtype=dtype, **kw))
+        assert got["X"].dtype == dtype and sorted(got["index"]) == list(range(30))
+        np.testing.assert_allclose(
+            got["X"], expected[got["index"]].astype(dtype), rtol=1e-6 if dtype == "float32" else 0
+        )
+    got = run_epoch(dz.Loader(raw, sampler(chunk_size=7, batch_size=4), **kw))
+    np.testing.assert_array_equal(got["X"], packed[got["index"]])
+    got = run_epoch(dz.Loader(sst, sampler(chunk_size=7, batch_size=4), **kw))
+    np.testing.assert_array_equal(got["X"], zarr.open_array(path / "sst")[:][got["index"]])
+    some = dz.Subset(decoded, np.arange(0, 30, 2))  # wrappers decode as their parent does
+    got = run_epoch(dz.Loader(some, sampler(chunk_size=7, batch_size=4, drop_last=False), **kw))
+    np.testing.assert_allclose(got["X"], expected[got["index"]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mask_and_scale_on_the_gpu_path(tmp_path: Path, where: str, dtype: str) -> None:
+    """The GPU path decodes as the CPU path does, batch for batch, NaNs included."""
+    xarray_like_store(tmp_path / "era5.zarr", 3)
+    unsigned_store(tmp_path / "bytes.zarr")
+    for path, element in (("era5.zarr", "t2m"), ("bytes.zarr", "counts")):
+        decoded = dz.open_dataset(tmp_path / path, element=element, mask_and_scale=True)
+        cpu, gpu = both(decoded, where, return_index=True, dtype=dtype)
+        assert_same_batches(cpu, gpu, where=where)
+
+
+def unsigned_store(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """int8 counts netCDF-packed as unsigned bytes (``_Unsigned="true"``, fill -1 which is
+    255, missing_value -2 which is 254) and uint8 values packed as signed
+    (``_Unsigned="false"``, fill 128 which is -128); returns both as xarray reads their bits."""
+    rng = np.random.default_rng(3)
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    as_unsigned = rng.integers(0, 256, (40, 6)).astype("u1")
+    as_unsigned[3, 1], as_unsigned[17, 5] = 255, 254
+    attrs = {"_Unsigned": "true", "_FillValue": -1, "missing_value": [-2], "scale_factor": 0.5}
+    group.create_array("counts", data=as_unsigned.view("i1"), chunks=(9, 4)).attrs.update(
+        {**attrs, "add_offset": 10.0}
+    )
+    as_signed = rng.integers(-128, 128, (40, 6)).astype("i1")
+    as_signed[0, 0] = -128
+    group.create_array("anomaly", data=as_signed.view("u1"), chunks=(9, 4)).attrs.update(
+        {"_Unsigned": "false", "_FillValue": 128, "scale_factor": 0.25}
+    )
+    return as_unsigned, as_signed
+
+
+def test_mask_and_scale_reads_unsigned_bytes_and_every_missing_value(tmp_path: Path) -> None:
+    """``_Unsigned`` reinterprets the stored bytes before the fills are compared and the
+    scale applied, as xarray does: int8 -1 is 255 and missing, a uint8 128 is -128 and
+    missing; ``missing_value`` (a list) is missing too. Gene-panel and row subsets of the
+    decoded array decode the same."""
+    path = tmp_path / "bytes.zarr"
+    as_unsigned, as_signed = unsigned_store(path)
+    counts = dz.open_dataset(path, element="counts", mask_and_scale=True)
+    anomaly = dz.open_dataset(path, element="anomaly", mask_and_scale=True)
+    assert counts.cf_decoding() == (256, (255.0, 254.0), 0.5, 10.0)
+    assert anomaly.cf_decoding() == (-256, (-128.0,), 0.25, 0.0)
+    want_counts = cf_decoded_reference(as_unsigned, scale=0.5, offset=10.0, fills=[255, 254])
+    want_anomaly = cf_decoded_reference(as_signed, scale=0.25, fills=[-128])
+    for dataset, want in ((counts, want_counts), (anomaly, want_anomaly)):
+        got = run_epoch(dz.Loader(dataset, sampler(chunk_size=9, batch_size=8), return_index=True))
+        np.testing.assert_allclose(got["X"], want[got["index"]], rtol=1e-6)
+        assert np.isnan(got["X"]).sum() == np.isnan(want).sum() > 0
+    panel = dz.Subset(dz.FeatureSubset(counts, [5, 1]), np.arange(1, 40, 3))
+    got = run_epoch(
+        dz.Loader(panel, sampler(chunk_size=4, batch_size=2, drop_last=False), return_index=True)
+    )
+    np.testing.assert_allclose(got["X"], want_counts[got["index"]][:, [5, 1]], rtol=1e-6)
+
+
+def test_mask_and_scale_refuses_what_it_cannot_decode(tmp_path: Path) -> None:
+    """A collection of a decoded and an undecoded copy would mix 280.5 K with 50 counts;
+    an attribute that is not a number cannot be applied; both are refused by name."""
+    path = tmp_path / "era5.zarr"
+    xarray_like_store(path, 3)
+    decoded = dz.open_dataset(path, element="t2m", mask_and_scale=True)
+    raw = dz.open_dataset(path, element="t2m", mask_and_scale=False)
+    with pytest.raises(dz.DatasetError, match=r"rows .*\] is opened with mask_and_scale=False"):
+        dz.Collection([decoded, dz.Subset(raw, [0, 1])])
+    assert dz.Collection([decoded, decoded]).cf_decoding() == decoded.cf_decoding()
+    zarr.open_array(path / "t2m", mode="r+").attrs["scale_factor"] = "0.01 K"
+    zarr.consolidate_metadata(path)
+    with pytest.raises(dz.DatasetError, match=r"era5.zarr/t2m: its attribute scale_factor='0.01"):
+        dz.open_dataset(path, element="t2m", mask_and_scale=True)
+    with pytest.raises(dz.ConfigError, match="mask_and_scale= takes True, False or None"):
+        dz.open_dataset(path, element="t2m", mask_and_scale="yes")
 
 
 def test_a_packed_warning_names_the_callers_line_for_a_list_of_stores(tmp_path: Path) -> None:

@@ -108,7 +108,7 @@ def assert_batch_equal(want: dict, got: dict, where: str = "host", device_id=Non
                 a, b = getattr(value, part)(), getattr(other, part)().cpu()
                 torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"{name}.{part}")
             continue
-        torch.testing.assert_close(other.cpu(), value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(other.cpu(), value, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 def both(ds, where: str, **kw) -> tuple[dz.Loader, dz.Loader]:

@@ -23,7 +23,9 @@ import numpy as np
 import zarr
 
 from dali_zarr.data.elements import (
+    CfDecoding,
     bad_column_error,
+    cf_decoding,
     first_bad_column,
     frame_index,
     matrix_layout,
@@ -147,9 +149,14 @@ class Dataset(ABC):
 
     def packing(self) -> dict[str, Any]:
         """The CF attributes that pack the stored values (``scale_factor``, ``add_offset``,
-        ``_FillValue``: xarray's int16 encoding), which batches carry as stored; empty where
-        the stored values are what they mean."""
+        ``_FillValue``: xarray's int16 encoding), which batches carry as stored unless opened
+        with ``mask_and_scale=True``; empty where the stored values are what they mean."""
         return {}
+
+    def cf_decoding(self) -> CfDecoding | None:
+        """What the graph applies to ``X`` to decode the :meth:`packing` (opened with
+        ``mask_and_scale=True``), or None: ``X`` arrives as stored."""
+        return None
 
     def names_hint(self, names: Sequence[str]) -> str:
         """Where the store holds feature ``names`` that var's index lacks, for that error:
@@ -338,6 +345,7 @@ class DenseDataset(_StoreDataset):
         var: zarr.Group | None = None,
         store: str | None = None,
         packing: dict[str, Any] | None = None,
+        mask_and_scale: bool = False,
     ) -> None:
         super().__init__(name, obs, var, store=store)
         if len(reader.shape) < 1:
@@ -352,12 +360,18 @@ class DenseDataset(_StoreDataset):
         self.feature_shape = tuple(int(s) for s in reader.shape[1:])
         self.dtype = np.dtype(reader.dtype)
         self._packing = dict(packing or {})
+        self._decoding = (
+            cf_decoding(self._packing, self.dtype, name=name) if mask_and_scale else None
+        )
 
     def read_rows(self, ranges: np.ndarray) -> DenseRows:
         return DenseRows(self.values_reader.read_rows(ranges))
 
     def packing(self) -> dict[str, Any]:
         return dict(self._packing)
+
+    def cf_decoding(self) -> CfDecoding | None:
+        return self._decoding
 
     def readers(self) -> list[ArrayReader]:
         return [self.values_reader]
@@ -526,6 +540,13 @@ class Collection(Dataset):
                     f"collection: {part.name} stores X as {part.dtype} but {first.name} as "
                     f"{first.dtype}; re-write them with one dtype."
                 )
+            if part.cf_decoding() != first.cf_decoding():  # one graph decodes every part
+                raise DatasetError(
+                    f"collection: {part.name} is opened with mask_and_scale="
+                    f"{part.cf_decoding() is not None} but {first.name} with "
+                    f"{first.cf_decoding() is not None}: one would arrive decoded and the "
+                    "other as stored. Open them with the same mask_and_scale=."
+                )
             if part.packing() != first.packing():  # one transform cannot unpack both
                 raise DatasetError(
                     f"collection: {part.name} is packed with {part.packing() or 'nothing'} "
@@ -631,6 +652,9 @@ class Collection(Dataset):
     def packing(self) -> dict[str, Any]:
         return self.parts[0].packing()  # the parts' one packing (refused otherwise)
 
+    def cf_decoding(self) -> CfDecoding | None:
+        return self.parts[0].cf_decoding()
+
     def var_names(self) -> tuple[str, ...] | None:
         """The parts' common feature names (None if a part names none); parts whose names
         differ are refused: their columns would not mean the same genes."""
@@ -719,6 +743,7 @@ def open_dataset(
     features: Any = None,
     executor: Executor | None = None,
     force_zarr: bool = False,
+    mask_and_scale: bool | None = None,
 ) -> Dataset:
     """Open a store, a Zarr node, or a list of them (a collection) for loading.
 
@@ -734,6 +759,11 @@ def open_dataset(
     looked up in each store's own ``var``, so stores written with different gene orders or
     gene sets load as one collection in the order asked. ``force_zarr`` makes every array
     use zarr-python's reading instead of the direct path (for debugging or comparison).
+    ``mask_and_scale`` (plain arrays; xarray's name and meaning): True decodes CF-packed
+    values in the graph (``_Unsigned``, then a ``_FillValue``/``missing_value`` becomes NaN,
+    then ``* scale_factor + add_offset``, in float32); False hands them on as stored; None,
+    the default, hands them on as stored and warns (:class:`PackedValuesWarning`) where the
+    attributes pack them.
     """
     from dali_zarr.data.features import FeatureSubset, selects_by_name  # builds on this module
 
@@ -744,11 +774,14 @@ def open_dataset(
             "axis (xarray: ds[['t2m', 'sst']].to_dataarray('variable').transpose('time', "
             "'variable', ...).to_dataset(name='x').to_zarr(...)), then pass element='x'."
         )
+    if mask_and_scale not in (None, True, False):
+        raise ConfigError(f"mask_and_scale= takes True, False or None, not {mask_and_scale!r}.")
+    options = {"force_zarr": force_zarr, "mask_and_scale": mask_and_scale}
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
         parts = []
         for s in source:  # a loop, not a comprehension: on Python 3.11 that is a frame of its
             # own, and a PackedValuesWarning named this line instead of the caller's
-            parts.append(_open_one(s, element=element, executor=executor, force_zarr=force_zarr))
+            parts.append(_open_one(s, element=element, executor=executor, **options))
         by_name = features is not None and selects_by_name(
             features, dataset="+".join(p.name for p in parts)
         )
@@ -757,12 +790,17 @@ def open_dataset(
             features = None
         dataset = parts[0] if len(parts) == 1 else Collection(parts)
     else:
-        dataset = _open_one(source, element=element, executor=executor, force_zarr=force_zarr)
+        dataset = _open_one(source, element=element, executor=executor, **options)
     return dataset if features is None else FeatureSubset(dataset, features)
 
 
 def _open_one(
-    source: Source, *, element: str | None, executor: Executor | None, force_zarr: bool
+    source: Source,
+    *,
+    element: str | None,
+    executor: Executor | None,
+    force_zarr: bool,
+    mask_and_scale: bool | None,
 ) -> Dataset:
     if isinstance(source, Dataset):
         raise ConfigError(
@@ -774,8 +812,12 @@ def _open_one(
     if not picked.anndata:  # a plain array, or one array of a plain group
         array_name = name if picked.key is None else f"{name}/{picked.key}"
         reader = open_reader(picked.node, name=array_name, executor=executor, force_zarr=force_zarr)
-        packing = _warn_if_packed(picked.node, array_name)
-        return DenseDataset(reader, name=array_name, packing=packing)
+        packing = packing_attributes(picked.node)
+        if mask_and_scale is None:
+            _warn_if_packed(packing, picked.node, array_name)
+        return DenseDataset(
+            reader, name=array_name, packing=packing, mask_and_scale=bool(mask_and_scale)
+        )
     x, x_key = picked.node, picked.key
     assert x_key is not None
     x_name = f"{name}/{x_key}"
@@ -798,30 +840,23 @@ def _open_one(
     return dataset
 
 
-def _warn_if_packed(node: Any, name: str) -> dict[str, Any]:
+def _warn_if_packed(found: dict[str, Any], node: Any, name: str) -> None:
     """Warn that a CF-packed array (xarray's int16 + scale_factor/add_offset) arrives as its
     stored values: trained on as such, a temperature of 280 K is a count in -32767..32767, and
     nothing else would say so."""
-    found = packing_attributes(node)
     if not found:
-        return found
+        return
     listed = ", ".join(f"{k}={v!r}" for k, v in found.items())
     fill = next((found[k] for k in ("_FillValue", "missing_value") if k in found), None)
-    advice = "" if fill is None else f" A missing value arrives as {fill!r}, not NaN."
-    if "scale_factor" in found or "add_offset" in found:
-        scale, offset = found.get("scale_factor", 1), found.get("add_offset", 0)
-        advice += (
-            " Unpack them inside the graph: Loader(..., transform=lambda out: "
-            f"{{**out, 'X': out['X'] * {scale!r} + {offset!r}}})."
-        )
+    missing = "" if fill is None else f" A missing value arrives as {fill!r}, not NaN."
     warnings.warn(
         f"{name}: its attributes pack its values ({listed}), and X arrives as stored "
-        f"({np.dtype(node.dtype)}), not decoded as xarray reads it.{advice} (Silence this with "
-        "warnings.filterwarnings('ignore', category=dz.PackedValuesWarning).)",
+        f"({np.dtype(node.dtype)}), not decoded as xarray reads it.{missing} Open it with "
+        "dz.open_dataset(..., mask_and_scale=True) to have the graph decode them as xarray "
+        "does, or with mask_and_scale=False to take the stored values without this warning.",
         PackedValuesWarning,
         stacklevel=4,  # open_dataset's caller
     )
-    return found
 
 
 def _check_var_width(

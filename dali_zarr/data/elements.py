@@ -74,6 +74,71 @@ def _cf_number(value: Any) -> Any:
     return value
 
 
+class CfDecoding(NamedTuple):
+    """What ``mask_and_scale=True`` does to a packed array's float32 values in the graph, in
+    xarray's order: read signed as unsigned (or back), values equal to a fill become NaN,
+    then ``value * scale + offset``.
+
+    ``wrap``: added to values below 0 (``_Unsigned="true"`` on signed ints: int8 -1 is 255),
+    or subtracted from values at or above ``wrap / 2`` when negative (``"false"`` on
+    unsigned ints); 0 for neither. ``fills``: the missing values, already so reinterpreted.
+    """
+
+    wrap: int
+    fills: tuple[float, ...]
+    scale: float
+    offset: float
+
+
+def cf_decoding(packing: dict[str, Any], stored: np.dtype, *, name: str) -> CfDecoding | None:
+    """The decoding of an array stored as ``stored`` with CF attributes ``packing`` (from
+    :func:`packing_attributes`), or None where it has nothing to decode. A value that is not
+    a number (text, a list of several scale factors) is refused: decoding by a guess would
+    train on wrong numbers without a word."""
+    stored = np.dtype(stored)
+
+    def numbers(key: str) -> list[float]:
+        value = packing.get(key)
+        values = list(value) if isinstance(value, list | tuple) else [value]
+        found = [v for v in values if v is not None]
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in found):
+            raise DatasetError(
+                f"{name}: its attribute {key}={value!r} is not a number, so "
+                "mask_and_scale=True cannot decode it. Fix the attribute, or open the array "
+                "with mask_and_scale=False and decode it in a transform=."
+            )
+        return [float(v) for v in found if not np.isnan(v)]
+
+    wrap = 0
+    unsigned = str(packing.get("_Unsigned", "")).strip().lower()
+    if stored.kind == "i" and unsigned == "true":
+        wrap = 1 << (8 * stored.itemsize)
+    elif stored.kind == "u" and unsigned == "false":
+        wrap = -(1 << (8 * stored.itemsize))
+    fills = []
+    for fill in numbers("_FillValue") + numbers("missing_value"):
+        if wrap and np.isfinite(fill) and fill == int(fill):  # in the stored type's bits, as
+            # the values are: read the same way (int8 -1 is 255)
+            bits = np.array(int(fill)).astype(stored)
+            fill = float(bits.view(np.dtype(f"{'u' if wrap > 0 else 'i'}{stored.itemsize}")))
+        fills.append(fill)
+    scale, offset = numbers("scale_factor"), numbers("add_offset")
+    for key, found in (("scale_factor", scale), ("add_offset", offset)):
+        if len(found) > 1:
+            raise DatasetError(
+                f"{name}: its attribute {key}={packing[key]!r} holds several numbers; CF "
+                "packing takes one. Fix the attribute, or open the array with "
+                "mask_and_scale=False and decode it in a transform=."
+            )
+    decoding = CfDecoding(
+        wrap=wrap,
+        fills=tuple(dict.fromkeys(fills)),
+        scale=scale[0] if scale else 1.0,
+        offset=offset[0] if offset else 0.0,
+    )
+    return None if decoding == CfDecoding(0, (), 1.0, 0.0) else decoding
+
+
 def is_array(node: Any) -> bool:
     """A zarr array or an h5py dataset (both have shape and dtype; groups have neither)."""
     return hasattr(node, "shape") and hasattr(node, "dtype")

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dali_zarr.data.dataset import CsrRows, Dataset, DenseRows, Rows, StoreRun
+from dali_zarr.data.elements import CfDecoding
 from dali_zarr.data.obs import ObsColumn, as_text
 from dali_zarr.data.subset import refuse_integer_mask
 from dali_zarr.errors import DatasetError
@@ -284,6 +285,9 @@ class FeatureSubset(Dataset):
 
     def packing(self) -> dict[str, Any]:
         return self.parent.packing()
+
+    def cf_decoding(self) -> CfDecoding | None:
+        return self.parent.cf_decoding()
 
 
 def selects_by_name(features: FeatureSelection, *, dataset: str = "") -> bool:

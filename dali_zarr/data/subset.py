@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from dali_zarr.data.dataset import Dataset, Rows, StoreRun
+from dali_zarr.data.elements import CfDecoding
 from dali_zarr.data.obs import ObsColumn
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import ArrayReader
@@ -191,6 +192,9 @@ class Subset(Dataset):
 
     def packing(self) -> dict[str, Any]:
         return self.parent.packing()
+
+    def cf_decoding(self) -> CfDecoding | None:
+        return self.parent.cf_decoding()
 
     def names_hint(self, names: Sequence[str]) -> str:
         return self.parent.names_hint(names)

@@ -17,6 +17,7 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.pipeline import Pipeline
 
+from dali_zarr.data.elements import CfDecoding
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import kernels
 from dali_zarr.graph.source import BatchSource, obs_source_name, window_dtype
@@ -88,6 +89,30 @@ def convert_x(
         rows, shape = x, None
     out = ops.float32_to_half(rows, dtype)
     return out if shape is None else fn.reshape(out, shape=shape)
+
+
+def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
+    """float32 ``X`` node decoded as ``open_dataset(..., mask_and_scale=True)`` promises:
+    elementwise DALI arithmetic, a few ops per batch on either device."""
+    if decoding.wrap > 0:  # signed bits read as unsigned: -1 is 255
+        x = x + (x < 0.0) * float(decoding.wrap)
+    elif decoding.wrap < 0:  # unsigned bits read as signed: 255 is -1
+        x = x + (x >= float(-decoding.wrap // 2)) * float(decoding.wrap)
+    missing_to_nan = None
+    if decoding.fills:
+        keep = None
+        for fill in decoding.fills:
+            with np.errstate(over="ignore"):  # a float64 fill past float32 is inf, as X is
+                kept = x != float(np.float32(fill))  # compared as the float32 values X holds
+            keep = kept if keep is None else keep & kept
+        # 0 where kept, NaN where missing: 1 / False is inf and 0 * inf is NaN (IEEE, on
+        # both devices); DALI has no elementwise select
+        missing_to_nan = 0.0 * (1.0 / keep)
+    if decoding.scale != 1.0:
+        x = x * float(np.float32(decoding.scale))
+    if decoding.offset != 0.0:
+        x = x + float(np.float32(decoding.offset))
+    return x if missing_to_nan is None else x + missing_to_nan
 
 
 def rows_shaped(x: Any, feature_shape: tuple[int, ...]) -> Any:
@@ -362,6 +387,9 @@ def assemble_pipeline(
     )
     with pipe:
         outputs = declare_graph()
+        decoding = dataset.cf_decoding()
+        if decoding is not None and "X" in outputs:
+            outputs["X"] = cf_decoded(outputs["X"], decoding)
         if transform is not None:
             outputs = _transformed(transform, dict(outputs))
         if "X" in outputs:
