@@ -18,6 +18,7 @@ from dali_zarr.errors import (
     ConfigError,
     DaliZarrError,
     DatasetError,
+    ObservationAxisWarning,
     PackedValuesWarning,
 )
 from dali_zarr.planning import ChunkSampler, DistributedSampler, EpochPlan, WindowPlan
@@ -57,6 +58,7 @@ __all__ = [
     "EpochPlan",
     "FeatureSubset",
     "Loader",
+    "ObservationAxisWarning",
     "PackedValuesWarning",
     "Subset",
     "WindowPlan",

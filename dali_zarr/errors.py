@@ -26,3 +26,9 @@ class ChunkReadError(DaliZarrError, OSError):
 class PackedValuesWarning(UserWarning):
     """An array whose attributes pack its values (CF ``scale_factor``/``add_offset``, a
     non-NaN ``_FillValue``): it is delivered as stored, not unpacked."""
+
+
+class ObservationAxisWarning(UserWarning):
+    """An array whose dimension names put a grid axis (``lat``) first and the samples' axis
+    (``time``) later: the loader takes observations along axis 0, so batches would be
+    latitude bands."""

@@ -548,6 +548,41 @@ def test_mask_and_scale_on_the_gpu_path(tmp_path: Path, where: str, dtype: str) 
         assert_same_batches(cpu, gpu, where=where)
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_variable_with_time_last_warns_that_batches_are_grid_slices(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    """A (lat, lon, time) variable, as many netCDF files order them, batched by latitude:
+    each row was one latitude band holding every time step, and nothing said so. Opening
+    one now warns, naming its dimensions and the transpose; time first does not warn, nor
+    do dimensions that say nothing of samples."""
+    group = zarr.open_group(tmp_path / "t.zarr", mode="w", zarr_format=zarr_format)
+    data = np.zeros((3, 4, 30), "f4")
+    variables = {"lat_first": ("lat", "lon", "time"), "time_first": ("time", "lat", "lon"),
+                 "image": ("y", "x", "band")}  # fmt: skip
+    for name, dims in variables.items():
+        shaped = data if dims[0] != "time" else data.transpose(2, 0, 1)
+        extra = {"dimension_names": dims} if zarr_format == 3 else {}
+        array = group.create_array(
+            name, data=shaped, chunks=shaped.shape, fill_value=np.nan, **extra
+        )
+        if zarr_format == 2:
+            array.attrs["_ARRAY_DIMENSIONS"] = list(dims)
+    with pytest.warns(dz.ObservationAxisWarning) as caught:
+        dataset = dz.open_dataset(tmp_path / "t.zarr", element="lat_first")
+    assert dataset.n_obs == 3 and len(caught) == 1
+    message = str(caught[0].message)
+    assert "t.zarr/lat_first: its dimensions are ('lat', 'lon', 'time')" in message, message
+    assert (
+        "ds.transpose('time', ...)" in message
+        and Path(caught[0].filename).name == Path(__file__).name
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dz.ObservationAxisWarning)
+        assert dz.open_dataset(tmp_path / "t.zarr", element="time_first").n_obs == 30
+        dz.open_dataset(tmp_path / "t.zarr", element="image")
+
+
 def unsigned_store(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """int8 counts netCDF-packed as unsigned bytes (``_Unsigned="true"``, fill -1 which is
     255, missing_value -2 which is 254) and uint8 values packed as signed

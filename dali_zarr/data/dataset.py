@@ -26,9 +26,11 @@ from dali_zarr.data.elements import (
     CfDecoding,
     bad_column_error,
     cf_decoding,
+    dimension_names,
     first_bad_column,
     frame_index,
     matrix_layout,
+    misplaced_observation_axis,
     packing_attributes,
     pick_element,
     refuse_non_integer,
@@ -38,7 +40,12 @@ from dali_zarr.data.elements import (
     zarr_member,
 )
 from dali_zarr.data.obs import ObsColumn, as_text, concat_obs_columns, read_obs_column
-from dali_zarr.errors import ConfigError, DatasetError, PackedValuesWarning
+from dali_zarr.errors import (
+    ConfigError,
+    DatasetError,
+    ObservationAxisWarning,
+    PackedValuesWarning,
+)
 from dali_zarr.io import (
     ArrayReader,
     check_ranges,
@@ -815,6 +822,7 @@ def _open_one(
         packing = packing_attributes(picked.node)
         if mask_and_scale is None:
             _warn_if_packed(packing, picked.node, array_name)
+        _warn_if_observations_lie_later(picked.node, array_name)
         return DenseDataset(
             reader, name=array_name, packing=packing, mask_and_scale=bool(mask_and_scale)
         )
@@ -855,6 +863,24 @@ def _warn_if_packed(found: dict[str, Any], node: Any, name: str) -> None:
         "dz.open_dataset(..., mask_and_scale=True) to have the graph decode them as xarray "
         "does, or with mask_and_scale=False to take the stored values without this warning.",
         PackedValuesWarning,
+        stacklevel=4,  # open_dataset's caller
+    )
+
+
+def _warn_if_observations_lie_later(node: Any, name: str) -> None:
+    """Warn where the dimension names say the samples run along a later axis than axis 0
+    (a ``(lat, lon, time)`` variable): batches would be latitude bands, silently."""
+    dims = dimension_names(node)
+    later = misplaced_observation_axis(dims)
+    if later is None:
+        return
+    warnings.warn(
+        f"{name}: its dimensions are {dims}, and observations are taken along axis 0, so each "
+        f"row is one {dims[0]!r} holding every {later!r} step, and batches are {dims[0]!r} "
+        f"slices. For batches of {later!r} steps, write the variable with {later!r} first "
+        f"(xarray: ds.transpose({later!r}, ...).to_zarr(...)). (Silence this with "
+        "warnings.filterwarnings('ignore', category=dz.ObservationAxisWarning).)",
+        ObservationAxisWarning,
         stacklevel=4,  # open_dataset's caller
     )
 

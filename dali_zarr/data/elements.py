@@ -437,13 +437,56 @@ def _coordinates(root: Any, arrays: list[str]) -> list[str]:
             listed.add(f"{prefix}/{name}" if prefix else name)
     found = []
     for path, node in nodes.items():
-        dims = node.attrs.get("_ARRAY_DIMENSIONS")
-        if dims is None:
-            dims = getattr(getattr(node, "metadata", None), "dimension_names", None)
-        own = len(node.shape) == 1 and dims is not None and list(dims) == [path.rpartition("/")[2]]
+        dims = dimension_names(node)
+        own = len(node.shape) == 1 and dims == (path.rpartition("/")[2],)
         if own or path in listed:
             found.append(path)
     return found
+
+
+def dimension_names(node: Any) -> tuple[str, ...] | None:
+    """An array's dimension names as xarray writes them (``_ARRAY_DIMENSIONS`` in v2,
+    ``dimension_names`` in v3), or None where it names none (or not every axis)."""
+    dims = node.attrs.get("_ARRAY_DIMENSIONS")
+    if dims is None:
+        dims = getattr(getattr(node, "metadata", None), "dimension_names", None)
+    if not isinstance(dims, list | tuple) or len(dims) != len(node.shape):
+        return None
+    return tuple(str(d) for d in dims) if all(d is not None for d in dims) else None
+
+
+#: dimension names of a grid or a vertical axis, and of the axis samples usually run along
+_GRID_DIMS = frozenset(
+    [
+        "lat",
+        "latitude",
+        "lon",
+        "longitude",
+        "rlat",
+        "rlon",
+        "x",
+        "y",
+        "level",
+        "lev",
+        "plev",
+        "pressure_level",
+        "isobaricinhpa",
+        "height",
+        "depth",
+        "z",
+    ]
+)
+_SAMPLE_DIMS = frozenset({"time", "valid_time", "time_counter", "t", "sample", "samples"})
+
+
+def misplaced_observation_axis(dims: tuple[str, ...] | None) -> str | None:
+    """The name of a later axis that looks like the samples' one (``time``) where axis 0,
+    along which the loader takes observations, is a grid axis (``lat``); None otherwise.
+    A ``(lat, lon, time)`` variable batches by latitude: every batch then holds whole time
+    series of a few latitude bands, which nothing else would point out."""
+    if not dims or dims[0].lower() not in _GRID_DIMS:
+        return None
+    return next((d for d in dims[1:] if d.lower() in _SAMPLE_DIMS), None)
 
 
 def _readable_members(group: Any) -> list[tuple[str, Any]]:
