@@ -11,7 +11,8 @@ epoch's mean loss; rank 0 prints the cross-rank summary.
 Checkpoints: ``--checkpoint-dir DIR`` saves ``DIR/checkpoint.pt`` every ``--checkpoint-every``
 steps and at the end of each epoch; the same command with ``--resume`` continues from it, in
 the middle of an epoch too, with the next batch (another number of ranks splits the rest of
-the epoch among them).
+the epoch among them). With ``--checkpoint-dir``, SIGTERM or SIGUSR1 (a SLURM preemption or
+time limit, ``sbatch --signal=USR1@120``) makes every rank save at the same step and exit 0.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -162,6 +164,49 @@ def save_checkpoint(
     os.replace(tmp, path)
 
 
+class StopSignals:
+    """SIGTERM/SIGUSR1 noted on any rank → every rank stops after the same step.
+
+    A rank that saved and left alone would hang the others in their next collective, and
+    ranks saving at different steps would make a checkpoint no resume accepts. So each step
+    all-reduces a "signalled" flag (MAX) over a gloo group, asynchronously: the flag of step
+    ``n`` is read at step ``n + 1``, which keeps the exchange off the training step's path
+    (and off the CUDA stream) at the cost of stopping one step later. Every rank calls
+    :meth:`agreed` once per step, and every rank runs as many steps (the loader's equal
+    batches), so the exchanges pair up.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._group = dist.new_group(backend="gloo")
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._note)
+
+    def _note(self, signum: int, frame: Any) -> None:  # only a flag: the step runs on
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """Whether some rank had a signal by its previous call; starts this step's exchange."""
+        stop = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            stop = bool(flag.item())
+        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+        self._pending = (work, flag)
+        return stop
+
+    def close(self) -> None:
+        """Finish the last exchange (every rank does, after its last step)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -264,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             preload_nchunks=preload_nchunks,
         )
 
-    stopped = False
+    stop_signals = StopSignals() if args.checkpoint_dir else None
+    stopped, signalled = False, False
     # load_state_dict set loader.epoch: a resumed run continues that epoch
     for epoch in range(loader.epoch, args.epochs):
         loader.set_epoch(epoch)
@@ -292,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                 with open(f"{args.log_indices}.{rank}", "a") as f:
                     ids = batch["index"].tolist()
                     f.write(json.dumps({"epoch": epoch, "step": step, "index": ids}) + "\n")
+            if stop_signals is not None and stop_signals.agreed():
+                checkpoint()
+                stopped = signalled = True
+                break
             if args.checkpoint_every and step % args.checkpoint_every == 0:
                 checkpoint()
             if step == args.stop_after_steps:
@@ -299,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                 break
             if args.max_steps and epoch_step >= args.max_steps:
                 break
+        if signalled:
+            print(
+                f"[rank {rank}] a rank got {stop_signals.received or 'a signal'}: saved "
+                f"{checkpoint_file(args.checkpoint_dir)} after step {step} and stopped; the "
+                "same command with --resume continues",
+                flush=True,
+            )
+            break
         if stopped:
             print(f"[rank {rank}] stopped after step {step} (--stop-after-steps)", flush=True)
             break
@@ -341,6 +399,8 @@ def main(argv: list[str] | None = None) -> int:
             # --max-steps cut short would otherwise run on to its last batch
             loader.set_epoch(epoch + 1)
             checkpoint()
+    if stop_signals is not None:
+        stop_signals.close()
     loader.close()
     dist.destroy_process_group()
     return 0

@@ -144,6 +144,53 @@ def test_killed_run_resumes_on_another_number_of_ranks(store: str, tmp_path: Pat
     assert load(ck)["world_size"] == 1
 
 
+@pytest.mark.slow
+def test_a_signal_to_one_rank_saves_every_rank_at_one_step(store: str, tmp_path: Path) -> None:
+    """SIGTERM (a preemption) killed the ranks wherever they were: the work since the last
+    checkpoint was lost, and a rank that saved alone would have hung the others. Now a
+    signal to one rank makes both save one checkpoint after the same step and exit 0, and
+    the resumed run trains on each row of the interrupted epoch once."""
+    port, ck = str(free_port()), tmp_path / "ck"
+    cmd = [
+        *(sys.executable, "pipelines/ddp_train.py", "--data", store, *SETTINGS),
+        *("--epochs", "1000", "--checkpoint-dir", str(ck)),  # epoch-end saves only
+        *("--log-indices", str(tmp_path / "a")),
+    ]
+    launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = [
+        start(cmd, env=child_env(**launch, RANK=str(rank), LOCAL_RANK=str(rank)))
+        for rank in range(2)
+    ]
+    log = Path(f"{tmp_path / 'a'}.1")
+    deadline = time.monotonic() + 240  # a guard against a hang, not a timing assertion
+    while not (log.exists() and len(log.read_text().splitlines()) > STEPS_PER_EPOCH + 3):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            logs = ["".join(p.communicate())[-2000:] for p in procs]
+            pytest.fail("the run ended or hung before the signal:\n" + "\n".join(logs))
+        time.sleep(0.05)
+    os.kill(procs[1].pid, signal.SIGTERM)
+    results = wait_all(procs, timeout=120)
+    assert [code for code, _, _ in results] == [0, 0], [out + err for _, out, err in results]
+    outs = [out for _, out, _ in results]
+    saved = load(ck)
+    step, epoch = saved["step"], saved["loaders"][0]["epoch"]
+    for rank, out in enumerate(outs):
+        assert f"saved {ck / 'checkpoint.pt'} after step {step} and stopped" in out, (rank, out)
+    assert "got SIGTERM" in outs[1], outs[1]
+    assert epoch >= 1 and step > STEPS_PER_EPOCH, (step, epoch)
+    assert [s["consumed"] for s in saved["loaders"]] == [saved["epoch_step"]] * 2
+    before = logged(tmp_path / "a", 2)
+    assert max(s for _, _, s, _ in before) == step  # no rank trained past the saved step
+
+    out = train(store, "--epochs", str(epoch + 1), "--checkpoint-dir", str(ck), "--resume",
+                "--log-indices", str(tmp_path / "b"))  # fmt: skip
+    assert f"step {step}, epoch {epoch} after {saved['epoch_step']}" in out, out
+    after = logged(tmp_path / "b", 2)
+    assert rows_of(before + after, epoch) == list(range(N_OBS))
+
+
 def test_a_checkpoint_is_not_overwritten_without_resume(tmp_path: Path) -> None:
     """Without --resume, a checkpoint in the directory is refused before anything starts
     (the new run's first save would replace it); --resume needs a directory."""
