@@ -547,20 +547,20 @@ class Collection(Dataset):
                     f"collection: {part.name} stores X as {part.dtype} but {first.name} as "
                     f"{first.dtype}; re-write them with one dtype."
                 )
-            if part.cf_decoding() != first.cf_decoding():  # one graph decodes every part
-                raise DatasetError(
-                    f"collection: {part.name} is opened with mask_and_scale="
-                    f"{part.cf_decoding() is not None} but {first.name} with "
-                    f"{first.cf_decoding() is not None}: one would arrive decoded and the "
-                    "other as stored. Open them with the same mask_and_scale=."
-                )
             if part.packing() != first.packing():  # one transform cannot unpack both
                 raise DatasetError(
                     f"collection: {part.name} is packed with {part.packing() or 'nothing'} "
                     f"but {first.name} with {first.packing() or 'nothing'} (CF scale_factor, "
                     "add_offset, _FillValue): their stored values mean different numbers, and "
-                    "one transform= would unpack one of them wrong. Load them apart, or "
-                    "write them with one encoding."
+                    "one decoding (mask_and_scale=True or a transform=) would unpack one of "
+                    "them wrong. Load them apart, or write them with one encoding."
+                )
+            if (part.cf_decoding() is None) != (first.cf_decoding() is None):  # one graph
+                raise DatasetError(
+                    f"collection: {part.name} is opened with mask_and_scale="
+                    f"{part.cf_decoding() is not None} but {first.name} with "
+                    f"{first.cf_decoding() is not None}: one would arrive decoded and the "
+                    "other as stored. Open them with the same mask_and_scale=."
                 )
         self.parts = list(parts)
         self.name = "+".join(p.name for p in parts)
