@@ -317,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         rows, loss_sum, steps = 0, 0.0, 0  # steps: of this process (rows/s, mean loss)
         start = time.perf_counter()
         startup_s = 0.0  # until the first step is done: pipeline build + JIT on epoch 0
-        for batch in loader:
+        # resumed from a checkpoint of the step --max-steps ended this epoch at: it is done
+        # (iterated, the loader would hand out one batch the uninterrupted run never took)
+        cut = bool(args.max_steps) and epoch_step >= args.max_steps
+        for batch in () if cut else loader:
             x = batch["X"].to(device, non_blocking=True)
             y = batch[args.label].to(device, non_blocking=True)
             loss_sum_batch, labelled = labelled_loss(ddp(torch.log1p(x) if log1p else x), y)

@@ -191,6 +191,27 @@ def test_a_signal_to_one_rank_saves_every_rank_at_one_step(store: str, tmp_path:
     assert rows_of(before + after, epoch) == list(range(N_OBS))
 
 
+def test_a_checkpoint_at_the_max_steps_step_resumes_with_that_epoch_done(
+    store: str, tmp_path: Path
+) -> None:
+    """--max-steps ends each epoch after N steps. A run stopped at a checkpoint of step N
+    (the epoch's last, by --max-steps) trained one more batch of that epoch when resumed:
+    5 steps in epoch 0 where the uninterrupted run took 4, and every later step shifted."""
+    flags = ["--epochs", "2", "--max-steps", "4"]
+    train(store, *flags, "--checkpoint-dir", str(tmp_path / "ref"),
+          "--log-indices", str(tmp_path / "ref.log"), nproc=1)  # fmt: skip
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
+    train(store, *flags, *ck, "--stop-after-steps", "4", "--log-indices", str(tmp_path / "a"),
+          nproc=1)  # fmt: skip
+    out = train(store, *flags, *ck, "--resume", "--log-indices", str(tmp_path / "b"), nproc=1)
+    assert "step 4, epoch 0 after 4 of its batches" in out, out
+    reference = logged(tmp_path / "ref.log", 1)
+    assert [(e, s) for _, e, s, _ in reference] == [(0, 1), (0, 2), (0, 3), (0, 4)] + [
+        (1, s) for s in range(5, 9)
+    ]
+    assert logged(tmp_path / "a", 1) + logged(tmp_path / "b", 1) == reference
+
+
 def test_a_checkpoint_is_not_overwritten_without_resume(tmp_path: Path) -> None:
     """Without --resume, a checkpoint in the directory is refused before anything starts
     (the new run's first save would replace it); --resume needs a directory."""
