@@ -207,6 +207,36 @@ class StopSignals:
             self._pending = None
 
 
+def load_checkpoint(directory: str) -> dict[str, Any] | None:
+    """The checkpoint in ``directory`` (None: none yet), read by every rank, which compare
+    what they read: ranks that saw no file, or another one (``directory`` on node-local
+    disks, not a filesystem every node shares), started otherwise than the rest and waited
+    forever in their first collective that differed. All stop, with one error, instead."""
+    path = checkpoint_file(directory)
+    resumed, seen = None, "no checkpoint"
+    if path.exists():
+        try:  # an error on this rank alone would leave the others waiting in the gather
+            resumed = torch.load(path, map_location="cpu")
+            seen = f"step {resumed['step']}"
+        except Exception as exc:  # a truncated copy, another program's file
+            resumed, seen = None, f"unreadable ({type(exc).__name__}: {exc})"
+    views: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(views, seen)
+    if len(set(views)) > 1:
+        each = "; ".join(f"rank {r}: {v}" for r, v in enumerate(views))
+        raise SystemExit(
+            f"the ranks read different checkpoints from {path} ({each}): --checkpoint-dir "
+            "must be a directory every rank shares (one filesystem on all nodes), where "
+            "rank 0 writes the checkpoint"
+        )
+    if seen.startswith("unreadable"):
+        raise SystemExit(
+            f"{path} cannot be read as a checkpoint of pipelines/ddp_train.py: {seen}. "
+            "Restore a whole copy of it, or move it away to start from step 0"
+        )
+    return resumed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -228,9 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()
 
     dataset = dz.open_dataset(args.data, element=args.element)
-    resumed = None
-    if args.resume and checkpoint_file(args.checkpoint_dir).exists():
-        resumed = torch.load(checkpoint_file(args.checkpoint_dir), map_location="cpu")
+    resumed = load_checkpoint(args.checkpoint_dir) if args.resume else None
+    if resumed is not None:
         # the suggestion depends on the number of ranks: keep the saved run's, which the
         # loader state must match (flags given explicitly are checked against it instead)
         args.chunk_size = args.chunk_size or resumed["chunk_size"]

@@ -212,6 +212,35 @@ def test_a_checkpoint_at_the_max_steps_step_resumes_with_that_epoch_done(
     assert logged(tmp_path / "a", 1) + logged(tmp_path / "b", 1) == reference
 
 
+@pytest.mark.slow
+def test_ranks_that_see_other_checkpoints_stop_with_an_error_not_a_hang(
+    store: str, tmp_path: Path
+) -> None:
+    """--checkpoint-dir on node-local disks: rank 0 found the checkpoint and resumed, rank 1
+    found none and started afresh, and both waited forever in their first collectives that
+    differed. A checkpoint no rank can read was torch's bare error. Both are named, on every
+    rank, and every rank stops."""
+    ck = tmp_path / "ck"
+    train(store, "--checkpoint-dir", str(ck), "--checkpoint-every", "2",
+          "--stop-after-steps", "2", nproc=1)  # fmt: skip
+    port = str(free_port())
+    base = [sys.executable, "pipelines/ddp_train.py", "--data", store, *SETTINGS, "--resume"]
+    launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    procs = []
+    for rank, where in enumerate((ck, tmp_path / "empty")):
+        env = child_env(**launch, RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(start([*base, "--checkpoint-dir", str(where)], env=env))
+    for code, out, err in wait_all(procs, timeout=120):  # a guard against the hang
+        assert code != 0, out
+        assert "rank 0: step 2; rank 1: no checkpoint" in err, err[-3000:]
+        assert "a directory every rank shares" in err, err[-3000:]
+
+    whole = (ck / "checkpoint.pt").read_bytes()
+    (ck / "checkpoint.pt").write_bytes(whole[: len(whole) // 2])  # e.g. a copy cut short
+    with pytest.raises(AssertionError, match=r"checkpoint\.pt cannot be read"):
+        train(store, "--checkpoint-dir", str(ck), "--resume", nproc=2)
+
+
 def test_a_checkpoint_is_not_overwritten_without_resume(tmp_path: Path) -> None:
     """Without --resume, a checkpoint in the directory is refused before anything starts
     (the new run's first save would replace it); --resume needs a directory."""
