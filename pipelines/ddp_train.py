@@ -302,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{loader.device_reason}; read paths {loader.read_paths()}"
         )
 
+    if resumed is not None:
+        # all ranks' states: on as many ranks, each continues its own stream with the next
+        # batch; on another number, the rest of the epoch is split among the new ranks.
+        # Before the model: a checkpoint of other data is refused naming what differs, not
+        # as a weight shape torch cannot copy
+        loader.load_state_dict(resumed["loaders"])
+
     torch.manual_seed(args.seed)
     model = mlp(dataset.feature_shape, hidden=args.hidden, n_classes=n_classes).to(device)
     if resumed is not None:
@@ -312,9 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     step, epoch_step = 0, 0  # optimizer steps in all; batches of the current epoch
     if resumed is not None:
         optimizer.load_state_dict(resumed["optimizer"])
-        # all ranks' states: on as many ranks, each continues its own stream with the next
-        # batch; on another number, the rest of the epoch is split among the new ranks
-        loader.load_state_dict(resumed["loaders"])
         step, epoch_step = resumed["step"], resumed["epoch_step"]
         if rank == 0:
             print(

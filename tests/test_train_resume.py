@@ -235,6 +235,11 @@ def test_ranks_that_see_other_checkpoints_stop_with_an_error_not_a_hang(
         assert "rank 0: step 2; rank 1: no checkpoint" in err, err[-3000:]
         assert "a directory every rank shares" in err, err[-3000:]
 
+    # a checkpoint of other data: refused by what differs (was torch's weight size mismatch)
+    other = synthetic.make_single_cell(tmp_path / "other.zarr", n_obs=N_OBS, n_features=30)
+    with pytest.raises(AssertionError, match=r"feature_shape: saved \[20\], now \[30\]"):
+        train(other, "--checkpoint-dir", str(ck), "--resume", nproc=1)
+
     whole = (ck / "checkpoint.pt").read_bytes()
     (ck / "checkpoint.pt").write_bytes(whole[: len(whole) // 2])  # e.g. a copy cut short
     with pytest.raises(AssertionError, match=r"checkpoint\.pt cannot be read"):
