@@ -106,7 +106,9 @@ class TrainLoader(Loader):
         epoch = self._pending.epoch
         owed = int(self._batch_counts(PlanSettings.of(self.sampler), epoch, history).max())
         whole, world = len(self), self.sampler.world_size  # type: ignore[attr-defined]
-        if done + owed > whole:
+        # (a checkpoint of the epoch's last step owes nothing: Lightning ends that epoch
+        # at once, whatever its count, and goes on with the next)
+        if owed and done + owed > whole:
             raise ConfigError(
                 f"cannot resume epoch {epoch} of this checkpoint on {world} ranks under "
                 f"Lightning: its runs took {done} steps and each rank still owes up to {owed} "

@@ -372,6 +372,37 @@ def test_a_checkpoint_resumed_on_more_ranks_than_lightning_can_finish_is_refused
     assert len(train_rows) - len(delivered) < 64  # the 2-rank plan's equal-batch leftovers
 
 
+def test_a_checkpoint_of_an_epoch_end_resumes_on_more_ranks(split_store: str, tmp_path) -> None:
+    """A checkpoint of an epoch's last step (every_n_train_steps) owes nothing of that
+    epoch, but the refusal above took it for one whose rest Lightning could not finish (its
+    15 steps against the 7 an epoch takes on 2 ranks), advising "a checkpoint saved at the
+    end of an epoch", which it is. Resumed on 2 ranks, each runs the next epoch's plan."""
+
+    def dm(world: int, rank: int) -> ZarrDataModule:
+        return ZarrDataModule(
+            data=split_store, chunk_size=32, preload_nchunks=4, batch_size=64,
+            obs=["cell_type"], return_index=True, dist_info=lambda: (rank, world),
+        )  # fmt: skip
+
+    fit = dict(limit_val_batches=0, num_sanity_val_steps=0)
+    steps = -(-int((split_codes(split_store) == 0).sum()) // 64)  # epoch 0's, on 1 rank
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=steps, save_top_k=-1)
+    first = trainer(
+        max_epochs=2, max_steps=steps, callbacks=[every], enable_checkpointing=True, **fit
+    )
+    first.fit(model(), datamodule=dm(1, 0))
+    (path,) = tmp_path.glob("*.ckpt")
+    saved = torch.load(path, weights_only=False)["loops"]["fit_loop"]["state_dict"]
+    loader_state = saved["combined_loader"][0]
+    assert loader_state["consumed"] == loader_state["n_batches"]  # the whole epoch 0
+    for rank in range(2):
+        rest, whole = model(), model()
+        trainer(max_epochs=2, **fit).fit(rest, datamodule=dm(2, rank), ckpt_path=path)
+        trainer(max_epochs=2, **fit).fit(whole, datamodule=dm(2, rank))
+        assert "train0" not in rest.ids
+        np.testing.assert_array_equal(rest.ids["train1"], whole.ids["train1"])
+
+
 def test_a_failed_fit_closes_the_loaders_and_a_retry_is_exact(split_store: str) -> None:
     """Lightning skips ``teardown`` when fit raises; ``on_exception`` closes the loaders (they
     held a pipeline and read threads each), and fitting again reads every row once."""
