@@ -146,7 +146,7 @@ class ZarrDataModule(LightningDataModule):
     trainer: the GPU path on its CUDA device when usable, the CPU path for a CPU trainer),
     and ``loader_kwargs`` for the other :class:`Loader` arguments (``num_threads``,
     ``prefetch_windows``, ``transform``, ...); ``open_kwargs`` go to
-    :func:`~dali_zarr.open_dataset`.
+    :func:`~dali_zarr.open_dataset` (refused beside a ``data=`` already opened).
 
     Ranks come from ``dist_info`` (default: ``"torch"`` once torch.distributed is
     initialized, as under ``strategy="ddp"``, otherwise the trainer's ``global_rank`` and
@@ -220,6 +220,15 @@ class ZarrDataModule(LightningDataModule):
                 "sampling arguments)."
             )
         self.open_kwargs = dict(open_kwargs or {})
+        if isinstance(data, Dataset) and self.open_kwargs:  # setup() opens nothing then:
+            # element= or features= were dropped, and the module served all of ds's X
+            names = ", ".join(repr(k) for k in self.open_kwargs)
+            raise ConfigError(
+                f"open_kwargs {names} go to open_dataset, but data= is a Dataset already "
+                f"opened ({data.name}), so they would select nothing: pass them when opening "
+                "it (dz.open_dataset(path, element=..., features=...)), or pass its path as "
+                "data=."
+            )
         self.dataset: Dataset | None = data if isinstance(data, Dataset) else None
         self.split_rows: dict[str, np.ndarray] = {}
         # why split_column gave no rows, raised for the splits that need it (predict does not)

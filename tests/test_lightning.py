@@ -208,6 +208,23 @@ def test_loader_kwargs_are_checked_against_the_modules_own_arguments(split_store
         ZarrDataModule(data=split_store, splits=splits, split_labels={"train": "a"})
 
 
+def test_open_kwargs_beside_an_opened_dataset_are_refused(split_store: str) -> None:
+    """open_kwargs go to open_dataset, which a Dataset given as data= never reaches: with
+    ``data=ds, open_kwargs={"element": "layers/counts"}`` (or ``features=``) the module
+    served ds's X, all of its features, without a word. Refused at construction, naming
+    them; data= a path still takes them."""
+    ds = dz.open_dataset(split_store)
+    for kwargs in ({"features": [3, 1]}, {"element": "X"}):
+        key = next(iter(kwargs))
+        with pytest.raises(dz.ConfigError, match=f"open_kwargs {key!r} .* data= is a Dataset"):
+            ZarrDataModule(data=ds, open_kwargs=kwargs)
+    dm = ZarrDataModule(data=split_store, open_kwargs={"features": [3, 1]}, batch_size=32)
+    loader = dm.train_dataloader()
+    loader.set_epoch(0)
+    assert next(iter(loader))["X"].shape == (32, 2)
+    dm.teardown()
+
+
 def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> None:
     """chunk_size / preload_nchunks left unset: each split gets inspect's suggestion for its
     own rows and batch size (CSR: spanning several store chunks), still a full epoch."""
