@@ -69,7 +69,8 @@ RULE = (
     f"preload_nchunks = max({TARGET_PRELOAD}, ceil({MIN_WINDOW_BATCHES} x batch_size / "
     f"chunk_size)), so a window mixes >= {TARGET_PRELOAD} chunks and holds >= "
     f"{MIN_WINDOW_BATCHES} batches, capped at {WINDOW_BYTES_CAP // 2**20} MiB of decoded rows "
-    "per window and at the number of chunks in the store"
+    "per window and at the number of chunks in the store (a window that holds the store holds "
+    "all of its rows: a second window of the rows left over would read a chunk again)"
 )
 
 
@@ -310,6 +311,11 @@ def suggest(
     if n_obs * row_bytes <= WINDOW_BYTES_CAP:  # a window reads at most the store's rows, so
         by_memory = n_chunks  # the cap cannot bind (it refused batches larger than the store)
     preload = max(1, min(preload, by_memory, n_chunks))
+    if preload * chunk_size >= n_obs > window_rows_of(chunk_size, preload, batch_size):
+        # the window is meant to hold the store, but whole batches of it stop short: the
+        # rows left over would be a second window reading (and decoding) a chunk again
+        # (a store of one chunk: twice per epoch); one more chunk's room holds them all
+        preload = math.ceil(math.ceil(n_obs / batch_size) * batch_size / chunk_size)
     window = window_rows_of(chunk_size, preload, batch_size)  # what the loader will use
     warning = ""
     if n_obs == 0:  # the loader refuses it; a suggestion would read as if it could load
@@ -329,7 +335,10 @@ def suggest(
         # a window reads no more rows than the store has (one of a batch larger than the
         # store is the whole store): its decoded size is that of the rows it can hold
         window_mib=round(min(window, n_obs) * row_bytes / 2**20, 2),
-        read_amplification=round(read_amplification(chunk_size, r, aligned=aligned), 3),
+        # one loader chunk of the whole store decodes each store chunk once, whole
+        read_amplification=round(
+            read_amplification(chunk_size, r, aligned=aligned or chunk_size >= n_obs), 3
+        ),
         warning=warning,
     )
 

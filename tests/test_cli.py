@@ -782,6 +782,34 @@ def test_csr_suggestion_spans_several_store_chunks() -> None:
     assert small.chunk_size == 33  # the 32-row minimum dominates: 11 store chunks
 
 
+def test_a_suggested_window_over_the_whole_store_reads_each_chunk_once(tmp_path) -> None:
+    """A store of one store chunk (anndata's default for small stores) got chunk_size = the
+    store and preload_nchunks=1: a window of the whole batches in it (1,984 of 2,000 rows),
+    so the last 16 rows were a second window that read (and decoded) the whole chunk again:
+    2x the bytes per epoch where inspect printed ~1.00. The window now holds the store."""
+    from dali_zarr.inspection import inspect_store, suggest
+
+    path = tmp_path / "one_chunk.zarr"
+    array = zarr.create_array(path, shape=(2_000, 4), chunks=(2_000, 4), dtype="f4")
+    array[...] = np.arange(8_000, dtype="f4").reshape(2_000, 4)
+    for batch_size in (64, 256, 300):
+        s = inspect_store(path, batch_size=batch_size).suggestion
+        sampler = dz.ChunkSampler(
+            chunk_size=s.chunk_size, preload_nchunks=s.preload_nchunks, batch_size=batch_size
+        )
+        plan = sampler.plan_epoch(2_000, 0)
+        reads = [c for w in range(plan.n_windows) for c in np.unique(plan.window(w).chunk_ids())]
+        assert sorted(reads) == sorted(set(reads)), (batch_size, s)  # each chunk in 1 window
+        assert s.read_amplification == 1.0 and s.window_rows >= 2_000
+        ds = dz.open_dataset(path)
+        with dz.Loader(ds, sampler, return_index=True) as loader:
+            rows = np.concatenate([b["index"].numpy() for b in loader])
+        np.testing.assert_array_equal(np.sort(rows), np.arange(2_000))
+    # CSR: a loader chunk of the whole store decodes each store chunk once, not ~2x
+    one = suggest(n_obs=1_000, rows_per_chunk=1_000, row_bytes=80, aligned=False)
+    assert (one.chunk_size, one.read_amplification) == (1_000, 1.0) and one.window_rows >= 1_000
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_suggestion_gives_every_rank_a_chunk(world_size: int) -> None:
     """A small store in one store chunk (anndata's default chunking): under DDP the planner
