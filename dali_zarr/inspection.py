@@ -326,6 +326,10 @@ def suggest(
             f"{row_bytes:,.0f} bytes cap the window at {WINDOW_BYTES_CAP / 2**20:,.0f} MiB; "
             "lower batch_size or raise preload_nchunks"
         )
+    elif min(window, n_obs) * row_bytes > WINDOW_BYTES_CAP < n_obs * row_bytes:
+        # the cap cannot bind below one loader chunk: a store chunked whole along axis 0
+        # (a time series chunked by space) got a window of the whole store without a word
+        warning = _oversized_window(chunk_size, r, row_bytes, min(window, n_obs) * row_bytes)
     return Suggestion(
         chunk_size=chunk_size,
         preload_nchunks=preload,
@@ -340,6 +344,26 @@ def suggest(
             read_amplification(chunk_size, r, aligned=aligned or chunk_size >= n_obs), 3
         ),
         warning=warning,
+    )
+
+
+def _oversized_window(chunk_size: int, r: int, row_bytes: float, window_bytes: float) -> str:
+    """Why a window is over ``WINDOW_BYTES_CAP``, and what to change."""
+    cap = WINDOW_BYTES_CAP / 2**20
+    if r * row_bytes > WINDOW_BYTES_CAP:  # one store chunk is larger: only a rewrite helps
+        fits = max(1, int(WINDOW_BYTES_CAP // (TARGET_PRELOAD * row_bytes)))
+        cause = (
+            f"a store chunk holds {r:,} rows, {r * row_bytes / 2**20:,.0f} MiB decoded, and "
+            "every read decodes whole store chunks; rewrite the array with fewer rows per "
+            f"chunk on axis 0 (dali-zarr convert SRC DST --chunk-rows N, N <= {fits:,} for "
+            f"{TARGET_PRELOAD} chunks per window)"
+        )
+    else:
+        cause = f"lower chunk_size (a multiple of the store's {r:,} rows per chunk)"
+    return (
+        f"a window of chunk_size={chunk_size:,} rows is {window_bytes / 2**20:,.0f} MiB "
+        f"decoded, more than the {cap:,.0f} MiB cap, and the loader holds a few windows at "
+        f"once: {cause}"
     )
 
 

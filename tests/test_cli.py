@@ -810,6 +810,27 @@ def test_a_suggested_window_over_the_whole_store_reads_each_chunk_once(tmp_path)
     assert (one.chunk_size, one.read_amplification) == (1_000, 1.0) and one.window_rows >= 1_000
 
 
+def test_a_window_over_the_cap_is_warned_of_with_what_to_change(tmp_path, capsys) -> None:
+    """README: the window is capped at 1 GiB (for a store larger than that). The cap cannot
+    go below one loader chunk, so a store chunked whole along axis 0 (a time series chunked
+    by space: 2,000,000 rows of 200 values in chunks of (2,000,000, 1)) got a window of the
+    whole 1.5 GiB store, ~1.00 read per byte used, and no warning."""
+    from dali_zarr.inspection import suggest
+
+    path = tmp_path / "tall.zarr"  # metadata only: the chunks read as fill values
+    zarr.create_array(path, shape=(2_000_000, 200), chunks=(2_000_000, 1), dtype="f4")
+    assert run("inspect", path) == 0
+    text = capsys.readouterr().out
+    assert "warning: a window of chunk_size=2,000,000 rows is 1,526 MiB" in text
+    assert "--chunk-rows N, N <= 41,943" in text
+    # a chunk_size of the 32-row minimum over the cap: lower it (the store's chunks fit)
+    wide = suggest(n_obs=10_000, rows_per_chunk=1, row_bytes=40e6, batch_size=16)
+    assert wide.window_rows == 32 and "lower chunk_size (a multiple of" in wide.warning
+    # within the cap, or a store no larger than it: no warning
+    assert not suggest(n_obs=2_000_000, rows_per_chunk=1_000, row_bytes=800).warning
+    assert not suggest(n_obs=1_000, rows_per_chunk=1_000, row_bytes=2**20).warning
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_suggestion_gives_every_rank_a_chunk(world_size: int) -> None:
     """A small store in one store chunk (anndata's default chunking): under DDP the planner
