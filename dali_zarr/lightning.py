@@ -397,7 +397,16 @@ class ZarrDataModule(LightningDataModule):
         text (``ObsColumn.categories``), so a label matches a category by its text: the
         label 0 selects the category 0 of an integer categorical."""
         assert self.split_column is not None
-        column = dataset.obs_column(self.split_column)
+        try:
+            column = dataset.obs_column(self.split_column)
+        except DatasetError as exc:  # its advice is the Loader's (obs=), not the module's
+            default = " (the default without splits=)" if self.split_column == "split" else ""
+            raise DatasetError(
+                f"ZarrDataModule: the splits come from obs column split_column="
+                f"{self.split_column!r}{default}, which the data cannot give ({exc}); pass "
+                "split_column= naming a column the data holds, or splits={'train': rows, "
+                "'val': rows, ...} (boolean masks or row ids) for data without one."
+            ) from exc
         rows = {}
         for name, wanted in self.split_labels.items():
             values = [wanted] if np.ndim(wanted) == 0 else list(wanted)  # np.int64(0) too

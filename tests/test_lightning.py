@@ -225,6 +225,19 @@ def test_open_kwargs_beside_an_opened_dataset_are_refused(split_store: str) -> N
     dm.teardown()
 
 
+def test_a_split_column_the_data_lacks_says_what_the_module_takes(tmp_path) -> None:
+    """A plain array has no obs: the default split_column="split" failed with the Loader's
+    advice, "open an AnnData store or drop obs=[...]", to a user who passed no obs. The
+    error now names split_column and splits=; predict still serves every row."""
+    path = tmp_path / "plain.zarr"
+    zarr.create_array(path, shape=(100, 3), chunks=(50, 3), dtype="f4")[...] = 1
+    dm = ZarrDataModule(data=str(path), batch_size=10)
+    with pytest.raises(dz.DatasetError, match=r"split_column='split' \(the default.*splits="):
+        dm.train_dataloader()
+    assert len(dm.predict_dataloader()) == 10
+    dm.teardown()
+
+
 def test_unset_sampler_settings_take_the_splits_suggestion(split_store: str) -> None:
     """chunk_size / preload_nchunks left unset: each split gets inspect's suggestion for its
     own rows and batch size (CSR: spanning several store chunks), still a full epoch."""
