@@ -400,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
         # one step has no steady state to time: its rate is unknown (None), not 0
         rate = rows / elapsed if rows else None
         shown = "rows/s n/a (timed from the 2nd step on)" if rate is None else f"{rate:,.0f} rows/s"
-        mean_loss = loss_sum / max(1, steps)
+        # no step (a resume of an epoch with nothing left): no loss, not a loss of 0
+        mean_loss = loss_sum / steps if steps else None
+        loss_shown = "n/a (no step)" if mean_loss is None else f"{mean_loss:.4f}"
         record = {
             "rank": rank,
             "epoch": epoch,
@@ -411,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(
             f"[rank {rank}] epoch {epoch}: {steps} steps, {shown} "
-            f"(first step {startup_s:.2f} s), loss {mean_loss:.4f}",
+            f"(first step {startup_s:.2f} s), loss {loss_shown}",
             flush=True,
         )
         if args.log_json:
@@ -419,16 +421,16 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(record) + "\n")
         # NaN: the total of the ranks' rates is unknown if one's is
         summary = torch.tensor(
-            [mean_loss, math.nan if rate is None else rate], dtype=torch.float64, device=device
+            [math.nan if mean_loss is None else mean_loss, math.nan if rate is None else rate],
+            dtype=torch.float64,
+            device=device,
         )
         dist.all_reduce(summary)
         if rank == 0:
-            total = summary[1].item()
+            loss, total = summary[0].item() / world, summary[1].item()
             shown = "rows/s n/a" if math.isnan(total) else f"{total:,.0f} rows/s"
-            print(
-                f"[all] epoch {epoch}: mean loss {summary[0].item() / world:.4f}, total {shown}",
-                flush=True,
-            )
+            loss_shown = "n/a" if math.isnan(loss) else f"{loss:.4f}"
+            print(f"[all] epoch {epoch}: mean loss {loss_shown}, total {shown}", flush=True)
         epoch_step = 0
         if args.checkpoint_dir:
             # saved as the next epoch's start, not this one's end: resumed, an epoch that

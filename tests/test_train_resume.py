@@ -205,6 +205,9 @@ def test_a_checkpoint_at_the_max_steps_step_resumes_with_that_epoch_done(
           nproc=1)  # fmt: skip
     out = train(store, *flags, *ck, "--resume", "--log-indices", str(tmp_path / "b"), nproc=1)
     assert "step 4, epoch 0 after 4 of its batches" in out, out
+    # the resumed epoch 0 had no step left: its loss is unknown, not 0 (a dip in a plot)
+    assert "epoch 0: 0 steps" in out and "loss n/a (no step)" in out, out
+    assert "[all] epoch 0: mean loss n/a" in out, out
     reference = logged(tmp_path / "ref.log", 1)
     assert [(e, s) for _, e, s, _ in reference] == [(0, 1), (0, 2), (0, 3), (0, 4)] + [
         (1, s) for s in range(5, 9)
