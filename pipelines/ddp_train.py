@@ -207,6 +207,10 @@ class StopSignals:
             self._pending = None
 
 
+#: what save_checkpoint writes and a resume reads
+CHECKPOINT_KEYS = frozenset(("model", "optimizer", "loaders", "world_size", "rng", "step"))
+
+
 def load_checkpoint(directory: str) -> dict[str, Any] | None:
     """The checkpoint in ``directory`` (None: none yet), read by every rank, which compare
     what they read: ranks that saw no file, or another one (``directory`` on node-local
@@ -217,6 +221,9 @@ def load_checkpoint(directory: str) -> dict[str, Any] | None:
     if path.exists():
         try:  # an error on this rank alone would leave the others waiting in the gather
             resumed = torch.load(path, map_location="cpu")
+            lacking = sorted(CHECKPOINT_KEYS - set(resumed))
+            if lacking:  # another program's file: a KeyError later, mid-setup, otherwise
+                raise KeyError(f"it lacks {', '.join(lacking)}")
             seen = f"step {resumed['step']}"
         except Exception as exc:  # a truncated copy, another program's file
             resumed, seen = None, f"unreadable ({type(exc).__name__}: {exc})"

@@ -247,6 +247,9 @@ def test_ranks_that_see_other_checkpoints_stop_with_an_error_not_a_hang(
     (ck / "checkpoint.pt").write_bytes(whole[: len(whole) // 2])  # e.g. a copy cut short
     with pytest.raises(AssertionError, match=r"checkpoint\.pt cannot be read"):
         train(store, "--checkpoint-dir", str(ck), "--resume", nproc=2)
+    torch.save({"step": 5, "model": {}}, ck / "checkpoint.pt")  # another program's
+    with pytest.raises(AssertionError, match=r"cannot be read .*it lacks loaders, optimizer"):
+        train(store, "--checkpoint-dir", str(ck), "--resume", nproc=1)
 
 
 def test_a_checkpoint_is_not_overwritten_without_resume(tmp_path: Path) -> None:
