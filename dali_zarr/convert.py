@@ -57,7 +57,7 @@ from dali_zarr.data.elements import (
 )
 from dali_zarr.data.obs import changed_by_join
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
-from dali_zarr.io import WRITER_MARKER, metadata_file, refuse_stale_metadata
+from dali_zarr.io import WRITER_MARKER, metadata_file, refuse_stale_metadata, refuse_unfinished
 from dali_zarr.planning.partition import (
     concat_aranges,
     order_digest,
@@ -278,6 +278,9 @@ def _open_input(path: str, element: str | None = None) -> _Input:
         )
     if os.path.isfile(path):
         return _open_h5ad(path, element)
+    # a killed writer's DST.partial reads its unwritten chunks as zeros, and as the partial
+    # of this convert's DST it would be removed as stale while being read
+    refuse_unfinished(path)
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
