@@ -1157,8 +1157,14 @@ def convert(
     ):
         if value is not None and (not isinstance(value, int | np.integer) or value < 1):
             raise ConfigError(f"{name}={value!r}: must be a positive number of rows.")
-    if shard_bytes is not None and shard_bytes < 0:
-        raise ConfigError(f"shard_bytes={shard_bytes!r}: must be >= 0 (0: no sharding).")
+    if shard_bytes is not None and (
+        not isinstance(shard_bytes, int | float | np.integer | np.floating)
+        or not 0 <= shard_bytes < 2**63
+    ):  # a size as the command line takes it ("1GB") raised a bare TypeError
+        raise ConfigError(
+            f"shard_bytes={shard_bytes!r}: must be a number of bytes >= 0 (e.g. 2**30; "
+            "0 or None: no sharding)."
+        )
     if not isinstance(seed, int | np.integer) or seed < 0:
         raise ConfigError(f"seed={seed!r}: must be a non-negative integer.")
     if piece_rows is not None and not shuffle:

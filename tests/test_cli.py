@@ -194,6 +194,18 @@ def test_convert_refuses_a_zarr_node_by_name(tmp_path):
     np.testing.assert_array_equal(zarr.open_array(tmp_path / "out.zarr")[...], array[...])
 
 
+def test_convert_refuses_a_shard_size_that_is_not_a_number_of_bytes(tmp_path):
+    """shard_bytes="1GB" (as --shard-size takes it) raised a bare TypeError ('<' not
+    supported between 'str' and 'int'), NaN a ValueError from int() after the checks."""
+    src = synthetic.make_dense_cube(tmp_path / "cube.zarr", n_obs=20, shape=(3,), chunk_obs=8)
+    for value in ("1GB", -1, float("nan"), float("inf")):
+        with pytest.raises(dz.ConfigError, match=r"shard_bytes=.*must be a number of bytes"):
+            convert(src, tmp_path / "out.zarr", shard_bytes=value)
+    assert not (tmp_path / "out.zarr").exists()
+    convert(src, tmp_path / "out.zarr", shard_bytes=1e6)  # a float is a number of bytes
+    assert zarr.open_array(tmp_path / "out.zarr").shape == (20, 3)
+
+
 def test_convert_concatenates_inputs(tmp_path):
     a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=50, seed=1)
     b = synthetic.make_single_cell(
