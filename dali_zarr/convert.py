@@ -1434,6 +1434,12 @@ def _convert(
             for c in ours
             if c in obs.columns
         ]
+        if obs.index.name in ours:  # anndata refuses to write an index named like a column
+            notes.append(
+                f"the input's obs index name {obs.index.name!r} was dropped (its values are "
+                "kept as obs_names): the output's column of that name is this convert's"
+            )
+            obs = obs.rename_axis(None)
     obs_columns: tuple[str, ...] = ()
     sources = [i.path for i in inputs]
     with written_whole(dest, sources=sources, overwrite=overwrite) as partial:

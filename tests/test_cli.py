@@ -1211,6 +1211,26 @@ def test_an_input_column_named_like_convert_s_own_is_not_replaced_silently(tmp_p
     np.testing.assert_array_equal(back.obs["original_index"], np.arange(6))
 
 
+@pytest.mark.parametrize("name", ["original_index", "original_source"])
+def test_an_input_index_named_like_convert_s_own_column_is_written(tmp_path, capsys, name):
+    """An obs index named original_index (original_source: with several inputs) made
+    anndata refuse to write obs, after the whole X was converted: a ValueError traceback
+    ('DataFrame.index.name ... is also used by a column'), and no store."""
+    x = sp.random(6, 3, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    paths = []
+    for part in "ab":
+        obs = pd.DataFrame(index=pd.Index([f"{part}{i}" for i in range(6)], name=name))
+        ad.AnnData(X=x, obs=obs).write_h5ad(tmp_path / f"{part}.h5ad")
+        paths.append(tmp_path / f"{part}.h5ad")
+    capsys.readouterr()
+    assert run("convert", *paths, tmp_path / "o.zarr") == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note:" in line]
+    assert any(f"index name {name!r} was dropped" in line for line in notes), notes
+    back = ad.read_zarr(tmp_path / "o.zarr")
+    assert list(back.obs_names) == [f"{p}{i}" for p in "ab" for i in range(6)]
+    np.testing.assert_array_equal(back.obs["original_index"], np.arange(12))
+
+
 @pytest.mark.parametrize(
     "other", [np.array([0.5, 1.5]), np.array([1, 2], np.uint64)], ids=["float64", "uint64"]
 )
