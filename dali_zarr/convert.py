@@ -729,6 +729,31 @@ def _not_copied(inputs: Sequence[_Input]) -> str | None:
     )
 
 
+def _zarr_names(frame, what: str, path: str):
+    """``frame`` with its column and index names' ``/`` made ``_``, and a note naming them:
+    anndata writes such a column to an .h5ad (nested, with a FutureWarning) and reads it
+    back, but refuses it in a Zarr store, which failed the convert at its end, after the
+    whole X (a ValueError traceback). A new name another column already has is refused."""
+    names = [str(c) for c in frame.columns]
+    renamed = {c: c.replace("/", "_") for c in names if "/" in c}
+    index = frame.index.name
+    if not renamed and not (isinstance(index, str) and "/" in index):
+        return frame, None
+    for old, new in renamed.items():
+        if new in names or list(renamed.values()).count(new) > 1:
+            raise DatasetError(
+                f"{path}: {what} column {old!r} holds '/', which anndata does not write to a "
+                f"Zarr store, and {new!r}, its name with '_', is taken; rename it (e.g. "
+                f"adata.{what}.rename(columns={{{old!r}: ...}})) and write the input again."
+            )
+    frame = frame.rename(columns=renamed)
+    if isinstance(index, str) and "/" in index:
+        renamed[index] = index.replace("/", "_")
+        frame = frame.rename_axis(renamed[index])
+    listed = ", ".join(f"{old!r} as {new!r}" for old, new in renamed.items())
+    return frame, f"{what} names with '/', which a Zarr store does not allow, written as: {listed}"
+
+
 def _same_values(a: Any, b: Any) -> bool:
     """Whether two columns hold the same values, as objects (missing where missing), their
     dtypes and indexes aside."""
@@ -1425,7 +1450,11 @@ def _convert(
         var, var_note = _check_var(inputs)
         left_out = _not_copied(inputs)
     notes = [n for n in (_shuffle_note(inputs, plan), var_note, left_out) if n]
-    if obs is not None:  # convert writes these columns: an input's own are replaced
+    if obs is not None:
+        obs, obs_note = _zarr_names(obs, "obs", ", ".join(i.path for i in inputs))
+        var, var_names_note = _zarr_names(var, "var", first.path)
+        notes += [n for n in (obs_note, var_names_note) if n]
+        # convert writes these columns: an input's own are replaced
         ours = (ORIGINAL_INDEX, ORIGINAL_SOURCE) if len(inputs) > 1 else (ORIGINAL_INDEX,)
         notes += [
             f"the input's obs column {c!r} was replaced by this convert's (its values are not "

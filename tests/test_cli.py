@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
+import warnings
 from pathlib import Path
 
 import anndata as ad
@@ -1229,6 +1230,41 @@ def test_an_input_index_named_like_convert_s_own_column_is_written(tmp_path, cap
     back = ad.read_zarr(tmp_path / "o.zarr")
     assert list(back.obs_names) == [f"{p}{i}" for p in "ab" for i in range(6)]
     np.testing.assert_array_equal(back.obs["original_index"], np.arange(12))
+
+
+def test_obs_and_var_names_with_a_slash_are_written_with_an_underscore(tmp_path, capsys):
+    """anndata writes an obs column "pct/mt" to an .h5ad (with a FutureWarning) and reads it
+    back, but refuses it in a Zarr store: convert failed at its very end, after the whole
+    X, with a ValueError traceback (Forward slashes are not allowed in keys) and no store."""
+    x = sp.random(6, 3, density=0.5, format="csr", dtype=np.float32, random_state=0)
+    obs = pd.DataFrame(
+        {"pct/mt": np.arange(6.0), "kind/x": pd.Categorical(["a", "b", "a", "b", None, "a"])},
+        index=pd.Index([f"c{i}" for i in range(6)], name="cell/id"),
+    )
+    var = pd.DataFrame({"gene/kind": ["a", "b", "c"]}, index=["g0", "g1", "g2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # anndata's: "will be disallowed"
+        ad.AnnData(X=x, obs=obs, var=var).write_h5ad(tmp_path / "a.h5ad")
+    src = ad.read_h5ad(tmp_path / "a.h5ad")
+    assert list(src.obs.columns) == ["pct/mt", "kind/x"]  # read back as written
+    capsys.readouterr()
+    assert run("convert", tmp_path / "a.h5ad", tmp_path / "o.zarr") == 0
+    out = capsys.readouterr().out
+    assert "obs names with '/'" in out and "'pct/mt' as 'pct_mt'" in out, out
+    assert "var names with '/'" in out and "'gene/kind' as 'gene_kind'" in out, out
+    back = ad.read_zarr(tmp_path / "o.zarr")
+    assert back.obs.index.name == "cell_id" and list(back.obs_names) == list(src.obs_names)
+    pd.testing.assert_series_equal(back.obs["pct_mt"], src.obs["pct/mt"], check_names=False)
+    pd.testing.assert_series_equal(back.obs["kind_x"], src.obs["kind/x"], check_names=False)
+    assert list(back.var["gene_kind"]) == ["a", "b", "c"]
+    # where the new name is taken, refused before anything is written
+    obs["pct_mt"] = 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ad.AnnData(X=x, obs=obs, var=var).write_h5ad(tmp_path / "b.h5ad")
+    assert run("convert", tmp_path / "b.h5ad", tmp_path / "b.zarr") == 2
+    assert "obs column 'pct/mt' holds '/'" in one_line_error(capsys)
+    assert not (tmp_path / "b.zarr").exists()
 
 
 @pytest.mark.parametrize(
