@@ -318,10 +318,38 @@ def _open_h5ad(path: str, element: str | None) -> _Input:
         ) from exc
     try:
         picked = pick_element(handle, element, store=path, anndata=True)
+        for key in (str(picked.key), "obs", var_key(str(picked.key))):
+            _refuse_missing_filters(h5py, handle, key, path)
         return _anndata_input(path, handle, picked, handle=handle)
     except BaseException:
         handle.close()
         raise
+
+
+def _refuse_missing_filters(h5py: Any, handle: Any, key: str | None, path: str) -> None:
+    """Refuse datasets under ``key`` compressed with an HDF5 filter h5py has not loaded
+    (anndata writes zstd/blosc/lz4 ones with hdf5plugin): their reads failed with h5py's
+    "can't open directory (/usr/local/lib/plugin)", reported as a corrupted chunk or a file
+    system error. hdf5plugin, where installed, is imported first: that registers them."""
+    with contextlib.suppress(ImportError):
+        import hdf5plugin  # noqa: F401
+    node = handle.get(key) if key else None
+    found: list[tuple[str, Any]] = [(str(key), node)] if isinstance(node, h5py.Dataset) else []
+    if isinstance(node, h5py.Group):
+        node.visititems(lambda name, o: found.append((f"{key}/{name}", o)))
+    for name, dataset in found:
+        if not isinstance(dataset, h5py.Dataset):
+            continue
+        plist = dataset.id.get_create_plist()
+        for i in range(plist.get_nfilters()):
+            code, _, _, label = plist.get_filter(i)
+            if not h5py.h5z.filter_avail(code):
+                what = label.decode(errors="replace").split(";")[0] or "unnamed"
+                raise DatasetError(
+                    f"{path}/{name}: is compressed with HDF5 filter {code} ({what}), which "
+                    "this h5py does not have; install hdf5plugin (pip install hdf5plugin: "
+                    "convert loads it) and run again."
+                )
 
 
 def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Input:
