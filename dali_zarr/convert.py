@@ -226,6 +226,8 @@ class _Input:
         except Exception as exc:
             base = f"{self.path}/{self.element}" if self.anndata and self.element else self.path
             name = base if part == "x" else f"{base}/{part}"
+            if _codec_missing(exc):  # v3 codecs load when a chunk is decoded
+                raise _codec_missing_error(name, exc) from exc
             what = "rows" if part == "x" else "elements"
             where, cause = f"{what} [{start}, {stop})", exc
             chunk = int((getattr(array, "chunks", None) or (0,))[0])
@@ -271,6 +273,19 @@ class _Input:
             self.handle.close()
 
 
+def _codec_missing(exc: BaseException) -> bool:
+    """numcodecs' or zarr's UnknownCodecError: a sound store whose codec package is missing."""
+    return "UnknownCodecError" in {t.__name__ for t in type(exc).__mro__}
+
+
+def _codec_missing_error(name: str, exc: BaseException) -> DatasetError:
+    return DatasetError(
+        f"{name}: is compressed with a codec this Python cannot load ({exc}); install the "
+        "package that provides it (e.g. zfpy or pcodec for numcodecs' codecs of those names) "
+        "and run again."
+    )
+
+
 def _open_input(path: str, element: str | None = None) -> _Input:
     if not os.path.exists(path):
         raise DatasetError(
@@ -284,6 +299,8 @@ def _open_input(path: str, element: str | None = None) -> _Input:
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
+        if _codec_missing(exc):
+            raise _codec_missing_error(path, exc) from exc
         raise DatasetError(
             f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}); pass an .h5ad file, "
             "or the directory that holds zarr.json (v3) or .zgroup/.zarray (v2)."

@@ -231,6 +231,27 @@ def test_an_h5ad_compressed_with_a_filter_h5py_lacks_is_named_with_the_fix(tmp_p
     assert not (tmp_path / "o.zarr").exists()
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_store_with_a_codec_not_installed_is_not_called_no_store(tmp_path, capsys, zarr_format):
+    """A Zarr array compressed with zfpy (lossy climate data) where zfpy is not installed
+    was "not a Zarr store ... pass the directory that holds zarr.json" (v2), or "corrupted
+    or truncated: restore it from an intact copy" (v3, whose codec loads at the first
+    decode): a sound store called broken, and no word of the fix."""
+    src = tmp_path / "a.zarr"
+    zarr.create_array(src, data=np.ones((10, 3), np.float32), zarr_format=zarr_format)
+    meta = src / (".zarray" if zarr_format == 2 else "zarr.json")
+    doc = json.loads(meta.read_text())
+    if zarr_format == 2:
+        doc["compressor"] = {"id": "zfpy", "mode": 4}
+    else:
+        doc["codecs"] = [{"name": "numcodecs.zfpy", "configuration": {"mode": 4}}]
+    meta.write_text(json.dumps(doc))
+    assert run("convert", src, tmp_path / "o.zarr") == 2
+    err = one_line_error(capsys)
+    assert "a.zarr: is compressed with a codec this Python cannot load" in err, err
+    assert "zfpy" in err and "not a Zarr store" not in err and "corrupted" not in err, err
+
+
 def test_convert_concatenates_inputs(tmp_path):
     a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=50, seed=1)
     b = synthetic.make_single_cell(
