@@ -1243,6 +1243,20 @@ def convert(
             "shuffle=True (--shuffle) with it, or leave it out."
         )
 
+    own = os.path.realpath(dest + ".partial")
+    for p in paths:
+        if os.path.realpath(p) != own:
+            continue
+        if os.path.isfile(os.path.join(p, _MARKER)):  # `convert data/* data/all.zarr`
+            raise ConfigError(
+                f"{p}: is the unfinished output of an earlier convert to {dest} that was "
+                "stopped, given as an input (a pattern such as data/* takes it in); leave it "
+                "out of the inputs: this convert replaces it."
+            )
+        raise ConfigError(
+            f"{p}: is an input, and the path this convert writes {dest} in while it runs; "
+            "rename the input, or choose another destination."
+        )
     inputs: list[_Input] = []
     try:
         for p in paths:

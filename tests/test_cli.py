@@ -1527,9 +1527,10 @@ def test_convert_makes_the_store_durable_before_publishing_it(tmp_path, sc_store
 def test_a_killed_converts_partial_plain_array_is_refused_not_read_as_zeros(tmp_path, capsys):
     """A plain array's metadata is written first, so the DST.partial of a killed convert
     opened (in open_dataset, inspect, a Loader) and read every chunk not yet written as
-    fill values: all 2000 rows here were zeros, without a word. Given to convert as its
-    input, it was read the same way (and, as DST.partial of that convert's DST, removed as a
-    stale partial while being read): a store of zeros was published."""
+    fill values: all 2000 rows here were zeros, without a word. Given to convert as an
+    input (`convert data/* data/out.zarr` takes it in), it was read the same way, and, as
+    that convert's own DST.partial, removed as stale while being read: its rows were zeros
+    in a published store."""
     src = tmp_path / "in.zarr"
     zarr.create_array(
         src, data=np.arange(1, 4001, dtype=np.float32).reshape(2000, 2), chunks=(100, 2)
@@ -1556,9 +1557,20 @@ def test_a_killed_converts_partial_plain_array_is_refused_not_read_as_zeros(tmp_
         dz.open_dataset(partial)
     assert run("inspect", partial) == 2
     assert f"open {dst} once it has finished" in one_line_error(capsys)
-    assert run("convert", partial, dst, "-q") == 2
+    assert run("convert", partial, tmp_path / "other.zarr", "-q") == 2
     assert f"open {dst} once it has finished" in one_line_error(capsys)
-    assert partial.is_dir() and not dst.exists()
+    # `convert data/* data/out.zarr` takes in the killed run's out.zarr.partial
+    assert run("convert", src, partial, dst, "-q") == 2
+    assert "out.zarr.partial: is the unfinished output of an earlier convert" in (
+        one_line_error(capsys)
+    )
+    assert partial.is_dir() and not dst.exists() and not (tmp_path / "other.zarr").exists()
+    # a store of the user's own under that name is not called ours (nor to be removed)
+    theirs = tmp_path / "theirs.zarr.partial"
+    shutil.copytree(src, theirs)
+    assert run("convert", theirs, tmp_path / "theirs.zarr", "-q") == 2
+    assert "is an input, and the path this convert writes" in one_line_error(capsys)
+    assert sorted(os.listdir(theirs)) == sorted(os.listdir(src))
     assert run("convert", src, dst, "-q") == 0
     np.testing.assert_array_equal(dz.open_dataset(dst).read_rows(np.array([[0, 2000]])).values,
                                   zarr.open_array(src)[...])  # fmt: skip
