@@ -1388,6 +1388,34 @@ def _plan(
     )
 
 
+_LZ4_MAX_BYTES = 2_113_929_216  # numcodecs' LZ4.max_buffer_size (LZ4_MAX_INPUT_SIZE)
+
+
+def _refuse_chunks_over_codec_limit(inputs: Sequence[_Input], plan: _Plan, codec: str) -> None:
+    """Refuse chunks larger than lz4 encodes: the first write of one failed, after reading a
+    chunk of rows, with numcodecs' bare ValueError ("Codec does not support buffers of >
+    2113929216 bytes"), naming neither the chunk nor what to change."""
+    if codec != "lz4":
+        return
+    if plan.layout == "csr":
+        assert plan.nnz is not None and plan.index_dtype is not None
+        itemsize = max(plan.dtype.itemsize, plan.index_dtype.itemsize)
+        per_row = plan.nnz / plan.n_obs * itemsize
+        elements = min(plan.nnz, max(1, round(plan.nnz / plan.n_obs * plan.chunk_rows)))
+        chunk_bytes = elements * itemsize
+    else:
+        per_row = math.prod(plan.feature_shape) * plan.dtype.itemsize
+        chunk_bytes = plan.chunk_rows * per_row
+    if chunk_bytes <= _LZ4_MAX_BYTES:
+        return
+    rows = max(1, int(_LZ4_MAX_BYTES // max(per_row, 1)))
+    raise ConfigError(
+        f"{inputs[0].path}: a chunk of {plan.chunk_rows:,} rows is {chunk_bytes:,} bytes, "
+        f"more than the lz4 codec encodes ({_LZ4_MAX_BYTES:,}); pass chunk_rows={rows:,} or "
+        "fewer (--chunk-rows), or codec zstd."
+    )
+
+
 def _shuffle_note(inputs: Sequence[_Input], plan: _Plan) -> str | None:
     """Pieces much smaller than the input's chunks decode each chunk many times: say so."""
     if plan.shuffle is None:
@@ -1502,6 +1530,7 @@ def _convert(
         piece_rows=piece_rows,
         seed=seed,
     )
+    _refuse_chunks_over_codec_limit(inputs, plan, codec)
     obs = var = var_note = left_out = None
     dropped: tuple[str, ...] = ()
     if first.anndata:  # read (and check) before touching the file system

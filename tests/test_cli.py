@@ -252,6 +252,21 @@ def test_a_store_with_a_codec_not_installed_is_not_called_no_store(tmp_path, cap
     assert "zfpy" in err and "not a Zarr store" not in err and "corrupted" not in err, err
 
 
+def test_lz4_chunks_larger_than_lz4_encodes_are_refused_before_reading(tmp_path, capsys):
+    """Wide rows (a (time, 1024, 2048) float32 field: 8 MiB a row) make the default 256-row
+    chunk 2 GiB, more than lz4 encodes: --codec lz4 read a chunk of rows, then failed with
+    numcodecs' traceback "ValueError: Codec does not support buffers of > 2113929216
+    bytes". Refused up front, with the chunk_rows that fits (before reading a row)."""
+    src = tmp_path / "wide.zarr"
+    wide = zarr.create_array(src, shape=(300, 1024, 2048), chunks=(1, 1024, 2048), dtype="f4")
+    wide[0] = 1.0  # one chunk on disk (a chunk of zeros alone is never encoded)
+    assert run("convert", src, tmp_path / "o.zarr", "--codec", "lz4") == 2
+    err = one_line_error(capsys)
+    assert "a chunk of 256 rows is 2,147,483,648 bytes" in err, err
+    assert "chunk_rows=252 or fewer (--chunk-rows)" in err, err
+    assert not (tmp_path / "o.zarr").exists() and not Path(f"{tmp_path}/o.zarr.partial").exists()
+
+
 def test_convert_concatenates_inputs(tmp_path):
     a = synthetic.make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=50, seed=1)
     b = synthetic.make_single_cell(
