@@ -138,7 +138,7 @@ _ELEMENT_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dali_zarr.convert import CODECS, DEFAULT_CHUNK_ROWS
+    from dali_zarr.convert import CODECS, DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_ROWS
 
     parser = _Parser(
         prog=PROG,
@@ -163,9 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--chunk-rows",
         type=_positive,
-        default=DEFAULT_CHUNK_ROWS,
+        default=None,
         metavar="N",
-        help="rows per chunk (default %(default)s). Dense X / arrays: N rows x all other axes. "
+        help=f"rows per chunk (default {DEFAULT_CHUNK_ROWS}, fewer for rows over "
+        f"{DEFAULT_CHUNK_BYTES // DEFAULT_CHUNK_ROWS // 1024} KiB: chunks of at most "
+        f"{DEFAULT_CHUNK_BYTES // 2**20} MiB decoded). Dense X / arrays: N rows x all other axes. "
         "CSR data/indices are 1-D, so a chunk holds round(nnz / n_obs * N) elements: N rows on "
         "average (recorded in the 'dali_zarr' attribute)",
     )

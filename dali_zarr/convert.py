@@ -68,6 +68,7 @@ from dali_zarr.planning.partition import (
 __all__ = [
     "CODECS",
     "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CHUNK_ROWS",
     "DEFAULT_SHARD_BYTES",
     "ConvertResult",
@@ -78,6 +79,10 @@ __all__ = [
 Codec = Literal["zstd", "lz4", "none"]
 CODECS: tuple[str, ...] = ("zstd", "lz4", "none")
 DEFAULT_CHUNK_ROWS = 256
+#: the most decoded bytes a default chunk holds: rows of more than 64 KiB get fewer than
+#: DEFAULT_CHUNK_ROWS per chunk (a (time, 37, 721, 1440) float32 field's 256 rows are 39 GB,
+#: read, held and compressed at once: a kill by the OOM killer, without a word)
+DEFAULT_CHUNK_BYTES = 16 * 2**20
 DEFAULT_SHARD_BYTES = 256 * 2**20
 DEFAULT_BLOCK_BYTES = 64 * 2**20  # decoded X bytes read per block when block_rows is not given
 _UNSHARDED_WRITE_BYTES = 32 * 2**20  # write unsharded arrays in runs of whole chunks this big
@@ -1181,7 +1186,7 @@ def convert(
     sources: str | os.PathLike | Sequence[str | os.PathLike],
     dest: str | os.PathLike,
     *,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int | None = None,
     shard_bytes: int | None = DEFAULT_SHARD_BYTES,
     codec: Codec = "zstd",
     element: str | None = None,
@@ -1194,7 +1199,9 @@ def convert(
 ) -> ConvertResult:
     """Convert ``sources`` (concatenated along rows) into a dali_zarr-friendly store at ``dest``.
 
-    ``chunk_rows``: rows per chunk. Dense ``X`` and plain arrays are chunked ``chunk_rows``
+    ``chunk_rows``: rows per chunk (default: :data:`DEFAULT_CHUNK_ROWS`, fewer where that
+    many rows would be over :data:`DEFAULT_CHUNK_BYTES` decoded, at least one). Dense ``X``
+    and plain arrays are chunked ``chunk_rows``
     rows × every other axis whole. CSR ``data``/``indices`` are 1-D and a regular zarr grid
     cannot put chunk boundaries at row boundaries (rows have different lengths), so their
     chunk holds ``round(nnz / n_obs * chunk_rows)`` elements: ``chunk_rows`` rows on average.
@@ -1266,7 +1273,7 @@ def convert(
         return _convert(
             inputs,
             dest,
-            chunk_rows=int(chunk_rows),
+            chunk_rows=None if chunk_rows is None else int(chunk_rows),
             shard_bytes=int(shard_bytes or 0),
             codec=codec,
             shuffle=shuffle,
@@ -1338,7 +1345,7 @@ def _common_dtype(inputs: Sequence[_Input]) -> np.dtype:
 def _plan(
     inputs: Sequence[_Input],
     *,
-    chunk_rows: int,
+    chunk_rows: int | None,
     block_rows: int | None,
     shuffle: bool,
     piece_rows: int | None,
@@ -1358,6 +1365,8 @@ def _plan(
         row_bytes = max(1, round(nnz / n_obs * (dtype.itemsize + index_dtype.itemsize)))
     else:
         row_bytes = max(1, math.prod(first.feature_shape) * dtype.itemsize)
+    if chunk_rows is None:
+        chunk_rows = max(1, min(DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
     chunk_rows = min(chunk_rows, n_obs)
     if block_rows is None:
         block_rows = max(1, DEFAULT_BLOCK_BYTES // row_bytes)
@@ -1510,7 +1519,7 @@ def _convert(
     inputs: list[_Input],
     dest: str,
     *,
-    chunk_rows: int,
+    chunk_rows: int | None,
     shard_bytes: int,
     codec: str,
     shuffle: bool,

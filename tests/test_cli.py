@@ -260,11 +260,32 @@ def test_lz4_chunks_larger_than_lz4_encodes_are_refused_before_reading(tmp_path,
     src = tmp_path / "wide.zarr"
     wide = zarr.create_array(src, shape=(300, 1024, 2048), chunks=(1, 1024, 2048), dtype="f4")
     wide[0] = 1.0  # one chunk on disk (a chunk of zeros alone is never encoded)
-    assert run("convert", src, tmp_path / "o.zarr", "--codec", "lz4") == 2
+    assert run("convert", src, tmp_path / "o.zarr", "--codec", "lz4", "--chunk-rows", 256) == 2
     err = one_line_error(capsys)
     assert "a chunk of 256 rows is 2,147,483,648 bytes" in err, err
     assert "chunk_rows=252 or fewer (--chunk-rows)" in err, err
     assert not (tmp_path / "o.zarr").exists() and not Path(f"{tmp_path}/o.zarr.partial").exists()
+
+
+def test_convert_sizes_default_chunks_of_wide_rows_by_bytes(tmp_path):
+    """The default 256 rows per chunk took no account of a row's size: a (time, 37, 721,
+    1440) float32 field made 39 GB chunks, read and compressed whole (the OOM killer, with
+    no message). Rows over 64 KiB now get chunks of at most 16 MiB decoded (at least one
+    row); narrow rows keep 256, and --chunk-rows still decides where given."""
+    src = tmp_path / "wide.zarr"
+    rng = np.random.default_rng(0)
+    values = rng.integers(0, 4, (12, 1024, 1024)).astype("f4")  # 4 MiB a row
+    zarr.create_array(src, data=values, chunks=(3, 1024, 1024))
+    assert run("convert", src, tmp_path / "o.zarr", "-q") == 0
+    out = zarr.open_array(tmp_path / "o.zarr", mode="r")
+    assert out.chunks == (4, 1024, 1024), out.chunks
+    np.testing.assert_array_equal(out[...], values)
+    assert run("convert", src, tmp_path / "o6.zarr", "--chunk-rows", 6, "-q") == 0
+    assert zarr.open_array(tmp_path / "o6.zarr", mode="r").chunks == (6, 1024, 1024)
+    narrow = tmp_path / "narrow.zarr"
+    zarr.create_array(narrow, data=np.ones((600, 30), "f4"), chunks=(100, 30))
+    assert run("convert", narrow, tmp_path / "n.zarr", "-q") == 0
+    assert zarr.open_array(tmp_path / "n.zarr", mode="r").chunks == (256, 30)
 
 
 def test_convert_concatenates_inputs(tmp_path):
