@@ -523,6 +523,16 @@ class _UsageError(DaliZarrError):
     """A combination of command-line arguments that cannot work."""
 
 
+def command_line_words(message: str) -> str:
+    """A library error as the command line's user reads it: ``element=`` (the keyword of
+    ``open_dataset``) is ``--element`` here; a call in the message (``dz.open_dataset(...,
+    element='raw/X')``) keeps its Python."""
+    message = message.replace(" (--element on the command line)", "")
+    keyword = r"(?<!\()(?<!, )\belement="
+    message = re.sub(keyword + r"(?=[.,;:)])", "--element", message)  # "drop element=."
+    return re.sub(keyword + r"\s?", "--element ", message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 error, 130 interrupted)."""
     parser = build_parser()
@@ -540,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # a closed pipe fails here, where it is handled, not at exit
             return status
     except DaliZarrError as e:
-        print(f"{prefix}: error: {e}", file=sys.stderr)
+        print(f"{prefix}: error: {command_line_words(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prefix}: interrupted", file=sys.stderr)

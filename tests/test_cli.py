@@ -1690,3 +1690,28 @@ def test_overwrite_of_a_store_this_process_cannot_write_is_refused_up_front(
     assert run("convert", sc_store, dst, "--overwrite", "-q") == 2
     assert "cannot write in it" in one_line_error(capsys)
     assert not Path(f"{dst}.partial").exists() and dz.open_dataset(dst).n_obs == 20
+
+
+def test_cli_errors_name_the_element_as_the_command_line_takes_it(tmp_path, capsys):
+    """Errors written for open_dataset said "pass element= one of ..." on the command line,
+    where it is --element; and a part of an AnnData store given as the path
+    (`inspect cells.zarr/raw`) was "neither an AnnData store nor an array" with no word of
+    the store it is part of or the element that loads it."""
+    rng = np.random.default_rng(0)
+    adata = ad.AnnData(X=sp.random(40, 6, density=0.3, format="csr", random_state=rng))
+    adata.raw = adata.copy()
+    adata.layers["counts"] = adata.X.copy()
+    store = tmp_path / "cells.zarr"
+    adata.write_zarr(store)
+    assert run("inspect", store, "--element", "layers/nope") == 2
+    err = one_line_error(capsys)
+    assert "Pass --element one of: X, raw/X, layers/counts." in err, err
+    assert "element=" not in err, err
+    assert run("inspect", store / "raw") == 2
+    err = one_line_error(capsys)
+    assert f"It is 'raw' of the AnnData store {store}: open that store with --element one of: " \
+        "raw/X." in err, err  # fmt: skip
+    assert run("inspect", store / "obs") == 2
+    assert "pass --element '_index'" not in one_line_error(capsys)  # obs: no array advice
+    with pytest.raises(dz.DatasetError, match=r"open that store with element= one of: layers/c"):
+        dz.open_dataset(store / "layers")

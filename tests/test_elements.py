@@ -344,7 +344,7 @@ def test_convert_resolves_elements_like_open_dataset(tmp_path: Path, capsys) -> 
     for source, options, message in [
         (tmp_path / "climate.zarr", (), "neither an AnnData store"),
         (tmp_path / "climate.zarr", ("--element", "surface"), "'surface' is a group, not"),
-        (dst, ("--element", "X"), "is a Zarr array, so element='X' has nothing to pick"),
+        (dst, ("--element", "X"), "is a Zarr array, so --element 'X' has nothing to pick"),
     ]:
         assert cli("convert", *options, "-q", source, tmp_path / "o.zarr") == 2
         assert message in capsys.readouterr().err

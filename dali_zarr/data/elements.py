@@ -376,7 +376,8 @@ def pick_element(
             hint += f" {', '.join(coords)} {are} (xarray's, not data variables)."
         raise DatasetError(
             f"{store}: is a Zarr group but neither an AnnData store (root attribute "
-            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array.{hint}{inside}"
+            f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array."
+            f"{_enclosing_store_hint(root) or hint}{inside}"  # its arrays: no advice there
         )
     key = element.strip("/")
     if any(part in (".", "..") for part in key.split("/")):  # zarr raises a bare ValueError
@@ -487,6 +488,35 @@ def misplaced_observation_axis(dims: tuple[str, ...] | None) -> str | None:
     if not dims or dims[0].lower() not in _GRID_DIMS:
         return None
     return next((d for d in dims[1:] if d.lower() in _SAMPLE_DIMS), None)
+
+
+def _enclosing_store_hint(group: Any) -> str:
+    """Where ``group`` is a part of a local AnnData store (``cells.zarr/raw``, opened as a
+    path of its own), the store and the element= that loads the matrix under it."""
+    import zarr
+
+    from dali_zarr.io import local_directory
+
+    directory, _ = local_directory(group)
+    if directory is None:
+        return ""
+    below, parent = [], directory
+    for _ in range(3):  # raw, layers/<name>, obsm/<name>...: a few levels at most
+        parent, part = os.path.split(parent)
+        below.insert(0, part)
+        try:
+            root = zarr.open_group(parent, mode="r")
+        except Exception:  # not a group (or nothing): look further up
+            continue
+        if attribute(root, "encoding-type") != "anndata":
+            continue
+        rel = "/".join(below)
+        found = [e for e in available_elements(root) if e == rel or e.startswith(rel + "/")]
+        return (
+            f" It is {rel!r} of the AnnData store {parent}: open that store with element= "
+            f"one of: {', '.join(found or available_elements(root))}."
+        )
+    return ""
 
 
 def _readable_members(group: Any) -> list[tuple[str, Any]]:
