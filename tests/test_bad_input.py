@@ -544,6 +544,43 @@ def test_a_plain_group_with_one_unreadable_array_loads_the_others(tmp_path: Path
         dz.open_dataset(path, element="./good")
 
 
+def _lacks(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+@pytest.mark.skipif(not (_lacks("zfpy") and _lacks("imagecodecs")), reason="codecs installed")
+def test_a_codec_this_python_lacks_is_named_with_what_to_install(tmp_path: Path) -> None:
+    """A v3 numcodecs.zfpy array without zfpy opened, then failed at the first batch with
+    "the store may be truncated or corrupted: re-write the array"; a v2 compressor that no
+    package registers was "metadata cannot be read ... (e.g. a fill_value ...)"."""
+    values = np.arange(40, dtype="f4").reshape(10, 4)
+    group = zarr.open_group(tmp_path / "g.zarr", mode="w")
+    group.create_array("zfp", data=values, chunks=(4, 4))
+    meta_file = tmp_path / "g.zarr" / "zfp" / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    meta["codecs"] = [{"name": "numcodecs.zfpy", "configuration": {"mode": 4}}]
+    meta_file.write_text(json.dumps(meta))
+    for source, element in ((tmp_path / "g.zarr", "zfp"), (tmp_path / "g.zarr" / "zfp", None)):
+        with pytest.raises(dz.DatasetError, match=r"zfp: codec 'numcodecs\.zfpy' is not "
+                           r"available in this Python.*run pip install zfpy"):  # fmt: skip
+            dz.open_dataset(source, element=element)
+
+    v2 = tmp_path / "v2.zarr"
+    zarr.create_array(v2, data=values, chunks=(4, 4), zarr_format=2)
+    meta = json.loads((v2 / ".zarray").read_text())
+    meta["compressor"] = {"id": "imagecodecs_jpegxl", "level": 3}
+    (v2 / ".zarray").write_text(json.dumps(meta))
+    nested = tmp_path / "nested.zarr"
+    zarr.open_group(nested, mode="w", zarr_format=2)
+    os.rename(v2, nested / "x")
+    for source, element in ((nested / "x", None), (nested, "x")):
+        with pytest.raises(dz.DatasetError, match=r"x: codec 'imagecodecs_jpegxl' is not "
+                           r"available.*run pip install imagecodecs"):  # fmt: skip
+            dz.open_dataset(source, element=element)
+
+
 def test_array_with_a_bad_fill_value_is_not_called_not_a_store(tmp_path: Path) -> None:
     path = tmp_path / "fill.zarr"
     zarr.create_array(path, shape=(64, 4), dtype="i4", chunks=(16, 4), zarr_format=2)

@@ -51,9 +51,11 @@ from dali_zarr.io import (
     check_ranges,
     checked_around,
     metadata_file,
+    missing_codec_advice,
     open_reader,
     refuse_stale_metadata,
     refuse_unfinished,
+    unknown_codec_id,
 )
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
@@ -987,6 +989,12 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
         found = metadata_file(path)
+        codec = unknown_codec_id(exc)
+        if found and codec is not None:  # metadata naming a codec no package here registers
+            raise DatasetError(
+                f"{path}: {missing_codec_advice(codec)} (its {os.path.basename(found)} "
+                f"names it; {type(exc).__name__}: {exc})."
+            ) from exc
         if found:  # a store whose metadata zarr cannot take
             raise DatasetError(
                 f"{path}: its Zarr metadata ({os.path.basename(found)}) cannot be read "

@@ -22,6 +22,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from dali_zarr.errors import ConfigError, DatasetError
+from dali_zarr.io.layout import missing_codec_advice, unknown_codec_id
 
 #: Where elements whose rows are observations live, and the form each name takes.
 ELEMENT_FORMS = "X, raw/X, layers/<name>, obsm/<name> or obsp/<name>"
@@ -234,6 +235,12 @@ def zarr_member(group: Any, key: str, *, where: str) -> Any:
         error: Exception = exc
     except Exception as exc:  # zarr raises many types for bad metadata
         error = exc
+    codec = unknown_codec_id(error)
+    if codec is not None:  # intact metadata naming a codec no package here registers
+        raise DatasetError(
+            f"{where}/{key}: {missing_codec_advice(codec)} (its Zarr metadata names it; "
+            f"{type(error).__name__}: {error})."
+        ) from error
     raise DatasetError(
         f"{where}/{key}: its Zarr metadata cannot be read ({type(error).__name__}: {error}); "
         "the store is corrupted there: restore that node's zarr.json (v3) or .zarray/.zgroup/"

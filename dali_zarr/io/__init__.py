@@ -6,7 +6,14 @@ the `ArrayReader` protocol. See `dali_zarr.io.readers` for exactly which arrays 
 """
 
 from .codecs import ChunkDecoder, DecodeError
-from .layout import ArrayLayout, ChunkCodecs, ShardLayout, parse_layout
+from .layout import (
+    ArrayLayout,
+    ChunkCodecs,
+    ShardLayout,
+    missing_codec_advice,
+    parse_layout,
+    unknown_codec_id,
+)
 from .readers import (
     WRITER_MARKER,
     ArrayReader,
@@ -37,8 +44,10 @@ __all__ = [
     "default_executor",
     "local_directory",
     "metadata_file",
+    "missing_codec_advice",
     "open_reader",
     "parse_layout",
     "refuse_stale_metadata",
     "refuse_unfinished",
+    "unknown_codec_id",
 ]

@@ -27,7 +27,10 @@ __all__ = [
     "ArrayLayout",
     "ChunkCodecs",
     "ShardLayout",
+    "missing_codec",
+    "missing_codec_advice",
     "parse_layout",
+    "unknown_codec_id",
     "zarr_misreads",
 ]
 
@@ -359,6 +362,77 @@ def zarr_misreads(array: Any) -> str:
                 "hands it the big-endian values and reads them byte-swapped"
             )
         return ""
+    return ""
+
+
+#: what to install for numcodecs codecs that need a package of their own (``imagecodecs_*``
+#: come from imagecodecs)
+_CODEC_PACKAGES = {"zfpy": "zfpy", "pcodec": "pcodec", "msgpack2": "msgpack"}
+
+
+def missing_codec_advice(codec_id: str) -> str:
+    """What to tell a user whose Python lacks codec ``codec_id``: its chunks are not
+    damaged, a package is missing."""
+    cid = codec_id.removeprefix("numcodecs.")
+    if cid in _CODEC_PACKAGES:
+        install = f"run pip install {_CODEC_PACKAGES[cid]}"
+    elif cid.startswith("imagecodecs_"):
+        install = "run pip install imagecodecs"
+    else:
+        install = "install the package that registers it with numcodecs or zarr"
+    return (
+        f"codec {codec_id!r} is not available in this Python, so none of its chunks can be "
+        f"decoded (the store itself may be intact): {install} where the loader runs "
+        "(on every node), then open the store again"
+    )
+
+
+def unknown_codec_id(error: BaseException) -> str | None:
+    """The id of the codec an "unknown codec" error of zarr or numcodecs in ``error``'s
+    chain names (zarr raises one at open for a codec no package registers), or None."""
+    import numcodecs.errors
+    import zarr.errors
+
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, numcodecs.errors.UnknownCodecError):
+            return str(e.codec_id).strip("'\"")
+        if isinstance(e, zarr.errors.UnknownCodecError):
+            cause = e.__cause__
+            return str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else "?"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def missing_codec(array: Any) -> str:
+    """Why no chunk of ``array`` can be decoded in this Python ("" where they can): a format
+    3 ``numcodecs.*`` codec whose package is not installed (``numcodecs.zfpy`` without zfpy,
+    ``numcodecs.pcodec`` without pcodec). zarr opens such an array (its metadata is fine)
+    and fails on the first chunk it reads, which would be reported as a corrupted chunk at
+    the first batch. Format 2 codecs are built when zarr opens the array, and fail there."""
+    md = getattr(array, "metadata", None)
+    if md is None or int(getattr(md, "zarr_format", 0)) != 3:
+        return ""
+    import numcodecs
+    import numcodecs.errors
+
+    try:
+        todo = list(md.to_dict()["codecs"])
+    except (KeyError, TypeError, AttributeError):
+        return ""
+    while todo:
+        name, cfg = _named(todo.pop())
+        if name == "sharding_indexed":
+            todo += list(cfg.get("codecs", [])) + list(cfg.get("index_codecs", []))
+        elif name.startswith("numcodecs."):
+            try:
+                numcodecs.get_codec({"id": name.removeprefix("numcodecs."), **cfg})
+            except (numcodecs.errors.UnknownCodecError, ImportError):
+                return missing_codec_advice(name)
+            except Exception:  # a bad configuration: zarr's read reports it
+                continue
     return ""
 
 

@@ -69,7 +69,7 @@ from ..errors import ChunkReadError, DatasetError
 from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
 from . import buffers
 from .codecs import ChunkDecoder, DecodeError, verify_crc32c
-from .layout import ArrayLayout, parse_layout, zarr_misreads
+from .layout import ArrayLayout, missing_codec, parse_layout, zarr_misreads
 
 __all__ = [
     "ArrayReader",
@@ -1158,6 +1158,7 @@ def open_reader(
 ) -> ArrayReader:
     """The fastest reader that can serve ``array`` (see the module docstring)."""
     layout = parse_layout(array)  # raises DatasetError for 0-d arrays
+    _refuse_missing_codec(array, name)
     directory, why = local_directory(array)
     if directory is None:
         _refuse_zarr_misreads(
@@ -1216,6 +1217,15 @@ def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> N
     )
 
 
+def _refuse_missing_codec(array: Any, name: str) -> None:
+    """DatasetError at open where this Python lacks a codec of ``array``
+    (:func:`~dali_zarr.io.layout.missing_codec`): zarr's read of every chunk would fail,
+    at the first batch, as if the store were corrupted."""
+    problem = missing_codec(array)
+    if problem:
+        raise DatasetError(f"{name}: {problem}.")
+
+
 def _refuse_zarr_misreads(array: Any, name: str, why_zarr: str, direct: str) -> None:
     """DatasetError where zarr-python, which would read ``array`` (``why_zarr``), reads its
     values wrong (:func:`~dali_zarr.io.layout.zarr_misreads`); ``direct``: how to get the
@@ -1234,7 +1244,8 @@ def refuse_stale_metadata(array: Any, *, name: str) -> None:
     """:func:`_refuse_stale_metadata` for an array read whole at open (obs columns, a CSR's
     row offsets), where it is in a local store; and, since zarr-python reads such arrays,
     :func:`_refuse_zarr_misreads` (a delta-filtered ``indptr`` read byte-swapped would
-    cut every row at other offsets)."""
+    cut every row at other offsets) and :func:`_refuse_missing_codec`."""
+    _refuse_missing_codec(array, name)
     _refuse_zarr_misreads(array, name, "it is read whole at open", "")
     directory, _ = local_directory(array)
     if directory is not None:
