@@ -581,6 +581,25 @@ def test_a_codec_this_python_lacks_is_named_with_what_to_install(tmp_path: Path)
             dz.open_dataset(source, element=element)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "advice"),
+    [
+        ("c8", r"holds complex numbers.*np\.stack\(\[z\.real, z\.imag\], axis=-1\)"),
+        ("M8[s]", r"holds dates or durations.*astype\('int64'\)"),
+        ("U3", r"holds text.*return_index=True"),
+    ],
+)
+def test_an_array_of_values_batches_cannot_carry_says_what_to_store(
+    tmp_path: Path, dtype: str, advice: str
+) -> None:
+    """The message "dtype complex64 is not numeric" was wrong of complex values and said
+    nothing of what to store instead."""
+    path = tmp_path / "a.zarr"
+    zarr.create_array(path, shape=(6, 2), chunks=(3, 2), dtype=dtype, zarr_format=2)
+    with pytest.raises(dz.DatasetError, match=rf"a\.zarr: dtype \S+ {advice}"):
+        dz.open_dataset(path)
+
+
 def test_array_with_a_bad_fill_value_is_not_called_not_a_store(tmp_path: Path) -> None:
     path = tmp_path / "fill.zarr"
     zarr.create_array(path, shape=(64, 4), dtype="i4", chunks=(16, 4), zarr_format=2)

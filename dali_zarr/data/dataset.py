@@ -340,6 +340,35 @@ class _StoreDataset(Dataset):
         return self._columns[name]
 
 
+def not_batchable(dtype: np.dtype) -> str:
+    """Why values of ``dtype`` (not bool, integer or real float) cannot be batched, and
+    what to store instead: "not numeric" said nothing of what to do, and of complex values
+    it was wrong."""
+    kind = np.dtype(dtype).kind
+    if kind == "c":
+        what = (
+            "holds complex numbers, which a batch of real values cannot carry: store the real "
+            "and imaginary parts on a last axis of length 2 (np.stack([z.real, z.imag], "
+            "axis=-1)), or their magnitude (np.abs(z)), and open that array"
+        )
+    elif kind in "mM":
+        what = (
+            "holds dates or durations: store them as numbers (values.astype('int64'), counts "
+            "of the dtype's unit, or seconds as float) and open that array"
+        )
+    elif kind in "USOT":
+        what = (
+            "holds text, which does not ride in batches: encode it as integer codes (a "
+            "categorical obs column) or look it up by row with return_index=True"
+        )
+    else:
+        what = (
+            "is not a bool, integer or float dtype (a structured or raw-bytes dtype): write "
+            "each field as a numeric array of its own (or one with a field axis) and open that"
+        )
+    return f"dtype {dtype} {what}; only bool, integer and float arrays can be batched."
+
+
 class DenseDataset(_StoreDataset):
     """A dense array with observations on axis 0 (plain Zarr array or AnnData dense ``X``)."""
 
@@ -360,9 +389,7 @@ class DenseDataset(_StoreDataset):
         if len(reader.shape) < 1:
             raise DatasetError(f"{name}: a 0-d array holds no observations.")
         if reader.dtype.kind not in "biuf":
-            raise DatasetError(
-                f"{name}: dtype {reader.dtype} is not numeric; only numeric arrays can be batched."
-            )
+            raise DatasetError(f"{name}: {not_batchable(reader.dtype)}")
         #: the array's reader (public: the GPU path plans byte reads through it)
         self.values_reader = reader
         self.n_obs = int(reader.shape[0])
@@ -428,7 +455,9 @@ class CsrDataset(_StoreDataset):
         )
         self.dtype = np.dtype(self.data_reader.dtype)
         self.index_dtype = np.dtype(self.indices_reader.dtype)
-        if self.dtype.kind not in "biuf" or self.indices_reader.dtype.kind not in "iu":
+        if self.dtype.kind not in "biuf":
+            raise DatasetError(f"{name}/data: {not_batchable(self.dtype)}")
+        if self.indices_reader.dtype.kind not in "iu":
             raise DatasetError(
                 f"{name}: data dtype {self.dtype} / indices dtype {self.indices_reader.dtype} "
                 "are not numeric/integer."
