@@ -275,6 +275,34 @@ def test_chunks_under_the_other_dimension_separator_are_refused(tmp_path, writte
     assert open_reader(blank, name="b").path == "direct"
 
 
+@pytest.mark.parametrize("written", ["/", "."])
+def test_the_other_separator_is_refused_where_the_first_chunks_are_not_stored(tmp_path, written):
+    # the check looked only for the first chunk (a folder 0, a file 0.0): an array whose
+    # first rows were never written (or are all fill values) opened and read as fill values
+    import json
+
+    data = np.arange(40 * 6, dtype=np.float32).reshape(40, 6) + 1
+    data[:10] = 0  # the first row of chunks: fill values, not stored
+    path = tmp_path / "a.zarr"
+    enc = {"name": "v2", "separator": written}
+    write(path, data, fmt=2, chunks=(10, 3), chunk_key_encoding=enc)
+    assert not (path / "0").exists() and not (path / "0.0").exists()
+    meta = json.loads((path / ".zarray").read_text())
+    meta["dimension_separator"] = "." if written == "/" else "/"
+    (path / ".zarray").write_text(json.dumps(meta))
+    arr = zarr.open_array(str(path), mode="r")
+    assert not arr[:].any()  # what zarr reads: all fill values
+    with pytest.raises(
+        DatasetError,
+        match=rf"a\.zarr holds '[1-3][./]\S*'.*separator '{written}'.*"
+        rf"Add \"dimension_separator\": \"{written}\"",
+    ):
+        open_reader(arr, name="a.zarr")
+    meta["dimension_separator"] = written  # the advice works
+    (path / ".zarray").write_text(json.dumps(meta))
+    check_reader(open_reader(zarr.open_array(str(path), mode="r"), name="a"), data)
+
+
 # ---------------------------------------------------------------------------- chunk reads
 
 

@@ -1188,22 +1188,27 @@ def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> N
     format 3 with the ``v2`` chunk key encoding that ``zarr migrate v3`` writes) whose chunks
     are stored under the other separator than its metadata names: zarr-python < 2.8's
     NestedDirectoryStore wrote ``0/0`` folders without recording ``"/"``, and such an
-    array reads as fill values throughout, by zarr too, without an error. One stat at open:
-    an array holds no folders of its own, so a folder ``0`` means nested keys, and a file
-    ``0.0`` beside no such folder flat ones."""
+    array reads as fill values throughout, by zarr too, without an error. One stat at open
+    where the first chunk is stored: an array holds no folders of its own, so a folder
+    ``0`` means nested keys, and a file ``0.0`` beside no such folder flat ones. Where it is
+    not (never written, or all fill values), the first chunk entry the folder lists tells."""
     zeros = (0,) * len(layout.shape)
     key = layout.key(zeros)
     if len(zeros) < 2 or not key.startswith("0"):  # one axis: "0" either way; or "c/0/0"
         return
-    nested = os.path.isdir(os.path.join(directory, "0"))
-    if "/" in key and not nested:
-        found, want = ".".join(map(str, zeros)), "."
-        if not os.path.isfile(os.path.join(directory, found)):
-            return
-    elif "/" not in key and nested:
-        found, want = "0/...", "/"
+    flat_zero = ".".join(map(str, zeros))
+    if os.path.isdir(os.path.join(directory, "0")):
+        nested, found = True, "0/..."
+    elif os.path.isfile(os.path.join(directory, flat_zero)):
+        nested, found = False, flat_zero
     else:
+        entry = _first_chunk_entry(directory)
+        if entry is None:
+            return
+        nested, found = entry[1], entry[0] + ("/..." if entry[1] else "")
+    if nested == ("/" in key):
         return
+    want = "/" if nested else "."
     if layout.zarr_format == 2:
         meta, fix = ".zarray", f'Add "dimension_separator": "{want}" to'
     else:
@@ -1215,6 +1220,20 @@ def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> N
         f"value. {fix} {os.path.join(directory, meta)} (and in the store's consolidated "
         "metadata, if it has any)."
     )
+
+
+def _first_chunk_entry(directory: str) -> tuple[str, bool] | None:
+    """``(name, is a folder)`` of the first entry of an array's folder named like a v2-style
+    chunk key (it starts with a chunk index), None where there is none. ``os.scandir``
+    lists a folder in batches, so a folder of a million chunks costs one batch."""
+    try:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.name.split(".")[0].isdigit():
+                    return entry.name, entry.is_dir()
+    except OSError:
+        return None
+    return None
 
 
 def _refuse_missing_codec(array: Any, name: str) -> None:
