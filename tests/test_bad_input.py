@@ -600,6 +600,18 @@ def test_an_array_of_values_batches_cannot_carry_says_what_to_store(
         dz.open_dataset(path)
 
 
+def test_a_zipped_store_says_how_to_open_it(tmp_path: Path) -> None:
+    """A zip file was "not a Zarr store ... pass the directory that holds zarr.json"."""
+    path = tmp_path / "cells.zarr.zip"
+    with zarr.storage.ZipStore(path, mode="w") as store:
+        zarr.create_array(store, data=np.arange(12, dtype="f4").reshape(6, 2), chunks=(3, 2))
+    with pytest.raises(dz.DatasetError, match=r"cells\.zarr\.zip: is a zip file.*pass "
+                       r"zarr\.storage\.ZipStore\('.*cells\.zarr\.zip', mode='r'\)"):  # fmt: skip
+        dz.open_dataset(path)
+    dataset = dz.open_dataset(zarr.storage.ZipStore(path, mode="r"))  # the advice works
+    assert dataset.read_rows(np.array([[0, 6]])).values.sum() == 66
+
+
 def test_array_with_a_bad_fill_value_is_not_called_not_a_store(tmp_path: Path) -> None:
     path = tmp_path / "fill.zarr"
     zarr.create_array(path, shape=(64, 4), dtype="i4", chunks=(16, 4), zarr_format=2)

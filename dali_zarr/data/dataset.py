@@ -13,6 +13,7 @@ import itertools
 import os
 import urllib.parse
 import warnings
+import zipfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -1029,6 +1030,13 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
                 f"{path}: its Zarr metadata ({os.path.basename(found)}) cannot be read "
                 f"({type(exc).__name__}: {exc}); fix that file (e.g. a fill_value that fits "
                 "the dtype) or re-write the store."
+            ) from exc
+        if os.path.isfile(path) and zipfile.is_zipfile(path):  # zarr opens folders only
+            raise DatasetError(
+                f"{path}: is a zip file, which zarr opens only as a store object: pass "
+                f"zarr.storage.ZipStore({os.fspath(path)!r}, mode='r') instead of its path "
+                "(read through zarr-python), or unzip it to a folder and pass that (read "
+                "directly, faster)."
             ) from exc
         raise DatasetError(
             f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}). Pass the directory "
