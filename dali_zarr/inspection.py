@@ -20,6 +20,7 @@ import math
 import os
 import shlex
 import textwrap
+import zipfile
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -478,7 +479,7 @@ def inspect_store(
     ``element``: as for :func:`~dali_zarr.open_dataset` (an AnnData layer, ``obsm`` entry, ...).
     """
     path = os.fspath(path)
-    if os.path.isfile(path):
+    if os.path.isfile(path) and not zipfile.is_zipfile(path):  # a zip: open_dataset says
         # quoted, so that the command runs as printed for a path with spaces too
         command = shlex.join(["dali-zarr", "convert", path, os.path.splitext(path)[0] + ".zarr"])
         raise DatasetError(

@@ -608,6 +608,10 @@ def test_a_zipped_store_says_how_to_open_it(tmp_path: Path) -> None:
     with pytest.raises(dz.DatasetError, match=r"cells\.zarr\.zip: is a zip file.*pass "
                        r"zarr\.storage\.ZipStore\('.*cells\.zarr\.zip', mode='r'\)"):  # fmt: skip
         dz.open_dataset(path)
+    from dali_zarr.inspection import inspect_store  # `dali-zarr inspect` said to convert it
+
+    with pytest.raises(dz.DatasetError, match=r"is a zip file.*or unzip it to a folder"):
+        inspect_store(path)
     dataset = dz.open_dataset(zarr.storage.ZipStore(path, mode="r"))  # the advice works
     assert dataset.read_rows(np.array([[0, 6]])).values.sum() == 66
 
