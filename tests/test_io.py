@@ -30,6 +30,7 @@ from zarr.codecs import (
 )
 from zarr.codecs import numcodecs as znc
 
+import dali_zarr as dz
 from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
 from dali_zarr.io import codecs as codecs_mod
@@ -589,6 +590,47 @@ def test_fallback_wraps_zarr_errors(tmp_path):
         reader.read_rows(np.array([[1000, 1100]]))
     with pytest.raises(ChunkReadError, match=r"rows \[1100, 1200\) \(chunk 1 along axis 0"):
         reader.read_rows(np.array([[1100, 1200]]))
+
+
+def test_a_remote_store_that_stops_answering_is_not_called_corrupted(tmp_path):
+    # a remote store whose server went away mid-epoch was "truncated or corrupted: re-write
+    # the array", advice that would have a user re-write a healthy dataset
+    import functools
+    import http.server
+
+    pytest.importorskip("aiohttp")
+    group = zarr.open_group(tmp_path / "g.zarr", mode="w")
+    data = np.arange(400, dtype=np.float32).reshape(100, 4)
+    group.create_array("x", data=data, chunks=(10, 4))
+    zarr.consolidate_metadata(tmp_path / "g.zarr")
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/g.zarr"
+        (reader,) = dz.open_dataset(url, element="x").readers()
+        assert reader.path == "zarr"
+        np.testing.assert_array_equal(reader.read_rows(np.array([[0, 10]])), data[:10])
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    with pytest.raises(ChunkReadError, match=r"rows \[50, 60\).*Fetching the bytes failed .*"
+                       r"the store may well be intact"):  # fmt: skip
+        reader.read_rows(np.array([[50, 60]]))
+
+    # a corrupted chunk read through zarr still says so (bz2 fails with an OSError too,
+    # without an errno)
+    arr = write(tmp_path / "z.zarr", data, fmt=2, chunks=(10, 4), compressors=numcodecs.BZ2())
+    _garble_middle(tmp_path / "z.zarr/1.0")
+    with pytest.raises(ChunkReadError, match=r"OSError: .*truncated or corrupted"):
+        open_reader(arr, name="z", force_zarr=True).read_rows(np.array([[10, 20]]))
 
 
 def test_a_relative_store_path_survives_a_chdir(tmp_path, monkeypatch):

@@ -85,6 +85,36 @@ _ADVICE = (
     "The store may be truncated or corrupted: re-write the array, or restore this chunk "
     "from an intact copy of the dataset."
 )
+#: for a read that failed in the storage or network layer, before any byte was decoded
+_IO_ADVICE = (
+    "Fetching the bytes failed (a storage or network error), not decoding them: the store "
+    "may well be intact. Check the connection, credentials and storage service, then go on "
+    "from your last checkpoint (loader.state_dict())."
+)
+#: packages whose errors are a remote store's transport failing (fsspec's HTTP, S3, GCS, Azure)
+_NETWORK_PACKAGES = frozenset(
+    {"aiohttp", "botocore", "aiobotocore", "urllib3", "requests", "google", "azure"}
+)
+
+
+def _failed_fetching(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is the storage or network layer
+    failing: a timeout, a lost connection, a denied access (fsspec's S3 store raises
+    PermissionError for a 403), an OSError carrying an errno, or an error of a network
+    package. A corrupted chunk fails in its decompressor, with
+    errors that carry no errno (gzip's and bz2's OSErrors too)."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, TimeoutError | ConnectionError | PermissionError):
+            return True
+        if isinstance(e, OSError) and e.errno is not None:
+            return True
+        if type(e).__module__.split(".")[0] in _NETWORK_PACKAGES:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _past_end(offset: int, nbytes: int, size: int) -> str:
@@ -1054,7 +1084,8 @@ class ZarrReader:
                     chunks = f"chunk {first}" if first == last else f"chunks {first} to {last}"
                     raise ChunkReadError(
                         f"{self.name}: zarr-python failed to read rows [{a}, {b}) ({chunks} along "
-                        f"axis 0, {C} rows each; {type(e).__name__}: {e}). {_ADVICE}"
+                        f"axis 0, {C} rows each; {type(e).__name__}: {e}). "
+                        f"{_IO_ADVICE if _failed_fetching(e) else _ADVICE}"
                     ) from e
 
             _run_parallel(self.executor, range(len(spans)), read)
