@@ -57,7 +57,14 @@ from dali_zarr.data.elements import (
 )
 from dali_zarr.data.obs import changed_by_join
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
-from dali_zarr.io import WRITER_MARKER, metadata_file, refuse_stale_metadata, refuse_unfinished
+from dali_zarr.io import (
+    WRITER_MARKER,
+    metadata_file,
+    missing_codec_advice,
+    refuse_stale_metadata,
+    refuse_unfinished,
+    unknown_codec_id,
+)
 from dali_zarr.planning.partition import (
     concat_aranges,
     order_digest,
@@ -231,8 +238,9 @@ class _Input:
         except Exception as exc:
             base = f"{self.path}/{self.element}" if self.anndata and self.element else self.path
             name = base if part == "x" else f"{base}/{part}"
-            if _codec_missing(exc):  # v3 codecs load when a chunk is decoded
-                raise _codec_missing_error(name, exc) from exc
+            missing = _codec_missing_error(name, exc)  # v3 codecs load at a chunk's decode
+            if missing is not None:
+                raise missing from exc
             what = "rows" if part == "x" else "elements"
             where, cause = f"{what} [{start}, {stop})", exc
             chunk = int((getattr(array, "chunks", None) or (0,))[0])
@@ -278,17 +286,13 @@ class _Input:
             self.handle.close()
 
 
-def _codec_missing(exc: BaseException) -> bool:
-    """numcodecs' or zarr's UnknownCodecError: a sound store whose codec package is missing."""
-    return "UnknownCodecError" in {t.__name__ for t in type(exc).__mro__}
-
-
-def _codec_missing_error(name: str, exc: BaseException) -> DatasetError:
-    return DatasetError(
-        f"{name}: is compressed with a codec this Python cannot load ({exc}); install the "
-        "package that provides it (e.g. zfpy or pcodec for numcodecs' codecs of those names) "
-        "and run again."
-    )
+def _codec_missing_error(name: str, exc: BaseException) -> DatasetError | None:
+    """The error for a sound store whose codec package is missing (zarr's or numcodecs'
+    "unknown codec" in ``exc``'s chain), or None: it is no damage to restore."""
+    codec = unknown_codec_id(exc)
+    if codec is None:
+        return None
+    return DatasetError(f"{name}: {missing_codec_advice(codec)} ({type(exc).__name__}: {exc}).")
 
 
 def _open_input(path: str, element: str | None = None) -> _Input:
@@ -304,8 +308,9 @@ def _open_input(path: str, element: str | None = None) -> _Input:
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
-        if _codec_missing(exc):
-            raise _codec_missing_error(path, exc) from exc
+        missing = _codec_missing_error(path, exc)
+        if missing is not None:
+            raise missing from exc
         raise DatasetError(
             f"{path}: is not a Zarr store ({type(exc).__name__}: {exc}); pass an .h5ad file, "
             "or the directory that holds zarr.json (v3) or .zgroup/.zarray (v2)."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -248,7 +249,7 @@ def test_a_store_with_a_codec_not_installed_is_not_called_no_store(tmp_path, cap
     meta.write_text(json.dumps(doc))
     assert run("convert", src, tmp_path / "o.zarr") == 2
     err = one_line_error(capsys)
-    assert "a.zarr: is compressed with a codec this Python cannot load" in err, err
+    assert re.search(r"a.zarr: codec '(numcodecs\.)?zfpy' is not available in this", err), err
     assert "zfpy" in err and "not a Zarr store" not in err and "corrupted" not in err, err
 
 
