@@ -63,6 +63,33 @@ def load(directory: Path) -> dict:
     return torch.load(directory / "checkpoint.pt", map_location="cpu")
 
 
+def start_two_ranks(store: str, tmp_path: Path, *flags: str) -> list[subprocess.Popen]:
+    """ddp_train.py on two ranks launched as srun would (RANK, WORLD_SIZE; no torchrun) for
+    1000 epochs, checkpointing to ``tmp_path/ck`` and logging ids to ``tmp_path/a.<rank>``."""
+    cmd = [
+        *(sys.executable, "pipelines/ddp_train.py", "--data", store, *SETTINGS),
+        *("--epochs", "1000", "--checkpoint-dir", str(tmp_path / "ck"), *flags),
+        *("--log-indices", str(tmp_path / "a")),
+    ]
+    launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return [
+        start(cmd, env=child_env(**launch, RANK=str(rank), LOCAL_RANK=str(rank)))
+        for rank in range(2)
+    ]
+
+
+def wait_for_logged_steps(procs: list[subprocess.Popen], log: Path, steps: int) -> None:
+    """Until ``log`` holds ``steps`` steps; fails (killing ``procs``) if a run ends first."""
+    deadline = time.monotonic() + 240  # a guard against a hang, not a timing assertion
+    while not (log.exists() and len(log.read_text().splitlines()) >= steps):
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            logs = ["".join(p.communicate())[-2000:] for p in procs]
+            pytest.fail(f"the run ended or hung before step {steps}:\n" + "\n".join(logs))
+        time.sleep(0.05)
+
+
 @pytest.mark.slow
 def test_stopped_mid_epoch_resumes_with_the_same_batches_and_model(
     store: str, tmp_path: Path
@@ -102,26 +129,9 @@ def test_stopped_mid_epoch_resumes_with_the_same_batches_and_model(
 def test_killed_run_resumes_on_another_number_of_ranks(store: str, tmp_path: Path) -> None:
     """Two ranks launched as srun would (RANK, WORLD_SIZE), killed with SIGKILL wherever
     they are (mid-step or mid-save), resume from the last whole checkpoint on one rank."""
-    port, ck = str(free_port()), tmp_path / "ck"
-    cmd = [
-        *(sys.executable, "pipelines/ddp_train.py", "--data", store, *SETTINGS),
-        *("--epochs", "1000", "--checkpoint-dir", str(ck), "--checkpoint-every", "3"),
-        *("--log-indices", str(tmp_path / "a")),
-    ]
-    launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    procs = [
-        start(cmd, env=child_env(**launch, RANK=str(rank), LOCAL_RANK=str(rank)))
-        for rank in range(2)
-    ]
-    log = Path(f"{tmp_path / 'a'}.0")
-    deadline = time.monotonic() + 240  # a guard against a hang, not a timing assertion
-    while not (log.exists() and len(log.read_text().splitlines()) > 2 * STEPS_PER_EPOCH + 4):
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            logs = ["".join(p.communicate())[-2000:] for p in procs]
-            pytest.fail("the run ended or hung before it was killed:\n" + "\n".join(logs))
-        time.sleep(0.05)
+    ck = tmp_path / "ck"
+    procs = start_two_ranks(store, tmp_path, "--checkpoint-every", "3")
+    wait_for_logged_steps(procs, Path(f"{tmp_path / 'a'}.0"), 2 * STEPS_PER_EPOCH + 5)
     for p in procs:
         os.kill(p.pid, signal.SIGKILL)
     wait_all(procs, timeout=60)
@@ -150,26 +160,9 @@ def test_a_signal_to_one_rank_saves_every_rank_at_one_step(store: str, tmp_path:
     checkpoint was lost, and a rank that saved alone would have hung the others. Now a
     signal to one rank makes both save one checkpoint after the same step and exit 0, and
     the resumed run trains on each row of the interrupted epoch once."""
-    port, ck = str(free_port()), tmp_path / "ck"
-    cmd = [
-        *(sys.executable, "pipelines/ddp_train.py", "--data", store, *SETTINGS),
-        *("--epochs", "1000", "--checkpoint-dir", str(ck)),  # epoch-end saves only
-        *("--log-indices", str(tmp_path / "a")),
-    ]
-    launch = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-    procs = [
-        start(cmd, env=child_env(**launch, RANK=str(rank), LOCAL_RANK=str(rank)))
-        for rank in range(2)
-    ]
-    log = Path(f"{tmp_path / 'a'}.1")
-    deadline = time.monotonic() + 240  # a guard against a hang, not a timing assertion
-    while not (log.exists() and len(log.read_text().splitlines()) > STEPS_PER_EPOCH + 3):
-        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-            logs = ["".join(p.communicate())[-2000:] for p in procs]
-            pytest.fail("the run ended or hung before the signal:\n" + "\n".join(logs))
-        time.sleep(0.05)
+    ck = tmp_path / "ck"
+    procs = start_two_ranks(store, tmp_path)  # epoch-end saves only
+    wait_for_logged_steps(procs, Path(f"{tmp_path / 'a'}.1"), STEPS_PER_EPOCH + 4)
     os.kill(procs[1].pid, signal.SIGTERM)
     results = wait_all(procs, timeout=120)
     assert [code for code, _, _ in results] == [0, 0], [out + err for _, out, err in results]
