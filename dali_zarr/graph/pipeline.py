@@ -92,8 +92,9 @@ def convert_x(
 
 
 def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
-    """float32 ``X`` node decoded as ``open_dataset(..., mask_and_scale=True)`` promises:
-    elementwise DALI arithmetic, a few ops per batch on either device."""
+    """float32 ``X`` node decoded as ``open_dataset(..., mask_and_scale=True)`` promises,
+    in DALI arithmetic: six elementwise ops, a pass over the batch each (cheap on the GPU;
+    on the CPU, :meth:`GraphOps.cf_decoded` takes one pass instead)."""
     if decoding.wrap > 0:  # signed bits read as unsigned: -1 is 255
         x = x + (x < 0.0) * float(decoding.wrap)
     elif decoding.wrap < 0:  # unsigned bits read as signed: 255 is -1
@@ -105,9 +106,9 @@ def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
             with np.errstate(over="ignore"):  # a float64 fill past float32 is inf, as X is
                 kept = x != float(np.float32(fill))  # compared as the float32 values X holds
             keep = kept if keep is None else keep & kept
-        # 0 where kept, NaN where missing: 1 / False is inf and 0 * inf is NaN (IEEE, on
-        # both devices); DALI has no elementwise select
-        missing_to_nan = 0.0 * (1.0 / keep)
+        # -0 where kept (x + -0 is x, -0 too), NaN where missing: 1 / False is inf and
+        # -0 * inf is NaN (IEEE, on both devices); DALI has no elementwise select
+        missing_to_nan = -0.0 * (1.0 / keep)
     if decoding.scale != 1.0:
         x = x * float(np.float32(decoding.scale))
     if decoding.offset != 0.0:
@@ -270,6 +271,20 @@ class GraphOps:
             bits = kernels.to_float16_bits(x, dtype=dtype)
         return fn.reinterpret(bits, dtype=types.FLOAT16)
 
+    def cf_decoded(self, x, decoding: CfDecoding, feature_shape: tuple[int, ...]):
+        """float32 ``X`` (rows of ``feature_shape``) decoded as :func:`cf_decoded` does:
+        on the GPU by its DALI arithmetic, on the CPU by one kernel pass (same values)."""
+        if self.on_gpu:
+            return cf_decoded(x, decoding)
+        params = fn.constant(
+            fdata=[float(decoding.wrap), decoding.scale, decoding.offset, *decoding.fills],
+            dtype=types.FLOAT,  # (fn.constant takes no float64) as X compares and computes
+        )
+        if len(feature_shape) == 1:
+            return kernels.cf_decode(x, params)
+        rows = rows_shaped(x, (int(np.prod(feature_shape)),))
+        return rows_shaped(kernels.cf_decode(rows, params), feature_shape)
+
     def to_bfloat16_bits(self, bits):
         """uint16 bfloat16 bits of 2-D float32 ``bits`` (as uint32), shaped like them."""
         if self.on_gpu:
@@ -389,7 +404,7 @@ def assemble_pipeline(
         outputs = declare_graph()
         decoding = dataset.cf_decoding()
         if decoding is not None and "X" in outputs:
-            outputs["X"] = cf_decoded(outputs["X"], decoding)
+            outputs["X"] = ops.cf_decoded(outputs["X"], decoding, dataset.feature_shape)
         if transform is not None:
             outputs = _transformed(transform, dict(outputs))
         if "X" in outputs:
