@@ -627,6 +627,24 @@ def test_mask_and_scale_reads_unsigned_bytes_and_every_missing_value(tmp_path: P
     np.testing.assert_allclose(got["X"], want_counts[got["index"]][:, [5, 1]], rtol=1e-6)
 
 
+def test_a_fill_outside_the_stored_range_masks_no_valid_value(tmp_path: Path) -> None:
+    """``_Unsigned`` bytes with a generic ``missing_value`` of -9999 (or a ``_FillValue`` of
+    300): neither is a byte, so none of the stored values is missing. The fill was wrapped
+    into the stored type (-9999 as int8 is 241, 300 is 44), and every valid 241 and 44
+    arrived as NaN. Only a fill the stored bits can hold is reinterpreted; -1 is still 255."""
+    path = tmp_path / "bytes.zarr"
+    as_unsigned = np.arange(256, dtype="u1").reshape(32, 8)
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    group.create_array("counts", data=as_unsigned.view("i1"), chunks=(8, 8)).attrs.update(
+        {"_Unsigned": "true", "_FillValue": -1, "missing_value": [-9999, 300]}
+    )
+    counts = dz.open_dataset(path, element="counts", mask_and_scale=True)
+    got = run_epoch(dz.Loader(counts, sampler(chunk_size=8, batch_size=8), return_index=True))
+    want = cf_decoded_reference(as_unsigned, fills=[255])
+    np.testing.assert_array_equal(got["X"], want[got["index"]])
+    assert np.isnan(got["X"]).sum() == 1
+
+
 def test_mask_and_scale_refuses_what_it_cannot_decode(tmp_path: Path) -> None:
     """A collection of a decoded and an undecoded copy would mix 280.5 K with 50 counts;
     an attribute that is not a number cannot be applied; both are refused by name."""

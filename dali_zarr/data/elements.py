@@ -117,9 +117,12 @@ def cf_decoding(packing: dict[str, Any], stored: np.dtype, *, name: str) -> CfDe
     elif stored.kind == "u" and unsigned == "false":
         wrap = -(1 << (8 * stored.itemsize))
     fills = []
+    # a fill the stored bits can hold in either reading (int8: -128..255); one outside them
+    # (a generic -9999) matches no value, and wrapped into the type it would mask a valid one
+    held = (-(abs(wrap) // 2), abs(wrap) - 1)
     for fill in numbers("_FillValue") + numbers("missing_value"):
-        if wrap and np.isfinite(fill) and fill == int(fill):  # in the stored type's bits, as
-            # the values are: read the same way (int8 -1 is 255)
+        if wrap and held[0] <= fill <= held[1] and fill == int(fill):  # in the stored type's
+            # bits, as the values are: read the same way (int8 -1 is 255)
             bits = np.array(int(fill)).astype(stored)
             fill = float(bits.view(np.dtype(f"{'u' if wrap > 0 else 'i'}{stored.itemsize}")))
         fills.append(fill)
