@@ -46,6 +46,7 @@ import zarr
 from dali_zarr.data.elements import (
     Picked,
     bad_column_error,
+    dimension_names,
     first_bad_column,
     is_array,
     matrix_layout,
@@ -221,6 +222,7 @@ class _Input:
     # None: the input is that array
     var_key: str | None = "var"  # the dataframe describing its features (None: numbered)
     packing: dict[str, Any] = field(default_factory=dict)  # a plain array's CF attributes
+    dims: tuple[str, ...] | None = None  # a plain array's dimension names (xarray's)
 
     @property
     def nnz(self) -> int:
@@ -322,6 +324,8 @@ def _open_input(path: str, element: str | None = None) -> _Input:
         inp = _dense_input(where, picked.node, anndata=False, root=None)
         inp.element = picked.key
         inp.packing = packing_attributes(picked.node)  # the copy must stay unpackable
+        # and keep its dimension names: open_dataset warns of a (lat, lon, time) copy by them
+        inp.dims = dimension_names(picked.node)
         return inp
     return _anndata_input(path, node, picked, handle=None)
 
@@ -622,8 +626,10 @@ def _create(
     chunk: int,
     shard: int | None,
     codec: str,
+    dims: tuple[str, ...] | None = None,
 ) -> zarr.Array:
     kwargs: dict[str, Any] = dict(
+        dimension_names=dims,
         shape=shape,
         dtype=dtype,
         # an axis of length 0 still gets chunks of 1 (as zarr's own default): a chunk of
@@ -1455,7 +1461,14 @@ class _Outputs:
     shard_chunks: int | None
 
 
-def _create_x(root: zarr.Group | None, partial: str, plan: _Plan, shard_bytes: int, codec: str):
+def _create_x(
+    root: zarr.Group | None,
+    partial: str,
+    plan: _Plan,
+    shard_bytes: int,
+    codec: str,
+    dims: tuple[str, ...] | None = None,
+):
     if plan.layout == "csr":
         assert root is not None and plan.nnz is not None and plan.index_dtype is not None
         x = root.create_group("X")
@@ -1481,6 +1494,7 @@ def _create_x(root: zarr.Group | None, partial: str, plan: _Plan, shard_bytes: i
         chunk=chunk,
         shard=shard,
         codec=codec,
+        dims=dims,
     )
     return _Outputs(
         {"X": _Appender(array, unit)}, None, None, None if shard is None else shard // chunk
@@ -1579,7 +1593,9 @@ def _convert(
             warnings.filterwarnings("ignore", message=".*zarr v3 autosharding")
             # The root gets its AnnData attributes last: a partial store is not a dataset.
             root = zarr.open_group(partial, mode="a", zarr_format=3) if first.anndata else None
-            out = _create_x(root, partial, plan, shard_bytes, codec)
+            # the inputs' dimension names where they agree (a plain array's; AnnData: None)
+            dims = first.dims if all(i.dims == first.dims for i in inputs) else None
+            out = _create_x(root, partial, plan, shard_bytes, codec, dims)
             if shard_bytes and out.shard_chunks is None:
                 notes.append("not sharded: a shard of the requested size holds < 2 chunks")
             n_blocks, lengths = _stream(inputs, plan, out, progress)

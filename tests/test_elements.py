@@ -583,6 +583,36 @@ def test_a_variable_with_time_last_warns_that_batches_are_grid_slices(
         dz.open_dataset(tmp_path / "t.zarr", element="image")
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_convert_keeps_a_variables_dimension_names(tmp_path: Path, zarr_format: int) -> None:
+    """convert of a (lat, lon, time) variable wrote a copy without dimension names: opening
+    the copy no longer warned that its rows are latitude bands, so the one warning about it
+    was lost by the step that prepares a store for training. The copy now keeps the names
+    (v3 dimension_names) and warns as the input does; a (time, lat, lon) copy does not."""
+    group = zarr.open_group(tmp_path / "t.zarr", mode="w", zarr_format=zarr_format)
+    for name, dims in {
+        "lat_first": ("lat", "lon", "time"),
+        "time_first": ("time", "lat", "lon"),
+    }.items():
+        extra = {"dimension_names": dims} if zarr_format == 3 else {}
+        array = group.create_array(name, data=np.ones((3, 4, 5), "f4"), chunks=(3, 4, 5), **extra)
+        if zarr_format == 2:
+            array.attrs["_ARRAY_DIMENSIONS"] = list(dims)
+    with pytest.warns(dz.ObservationAxisWarning):
+        dz.open_dataset(tmp_path / "t.zarr", element="lat_first")
+    convert(tmp_path / "t.zarr", tmp_path / "lat_first.zarr", element="lat_first")
+    convert(tmp_path / "t.zarr", tmp_path / "time_first.zarr", element="time_first")
+    copy = zarr.open_array(tmp_path / "lat_first.zarr", mode="r")
+    assert copy.metadata.dimension_names == ("lat", "lon", "time")
+    with pytest.warns(
+        dz.ObservationAxisWarning, match=r"lat_first.zarr: its dimensions are \('lat'"
+    ):
+        dz.open_dataset(tmp_path / "lat_first.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dz.ObservationAxisWarning)
+        dz.open_dataset(tmp_path / "time_first.zarr")
+
+
 def unsigned_store(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """int8 counts netCDF-packed as unsigned bytes (``_Unsigned="true"``, fill -1 which is
     255, missing_value -2 which is 254) and uint8 values packed as signed
