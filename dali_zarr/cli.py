@@ -260,6 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--preload-nchunks", type=_positive, default=None, metavar="N")
     b.add_argument("--batch-size", type=_positive, default=256, metavar="B")
     b.add_argument("--output", choices=("dense", "csr"), default="dense")
+    b.add_argument(
+        "--mask-and-scale",
+        action="store_true",
+        help="decode a CF-packed plain array as xarray reads it (open_dataset's "
+        "mask_and_scale=True), as training on its values would",
+    )
     b.add_argument("--batches", type=_positive, default=50, metavar="N", help="timed batches")
     b.add_argument(
         "--warmup",
@@ -420,7 +426,11 @@ def _bench(args: argparse.Namespace) -> int:
     from dali_zarr.planning import ChunkSampler
 
     paths = args.paths
-    dataset = open_dataset(paths[0] if len(paths) == 1 else paths, element=args.element)
+    dataset = open_dataset(
+        paths[0] if len(paths) == 1 else paths,
+        element=args.element,
+        mask_and_scale=True if args.mask_and_scale else None,
+    )
     if args.output == "csr" and dataset.layout != "csr":
         raise _UsageError(f"--output csr needs a sparse X, but {dataset.name} is dense")
     chunk_size, preload = suggested_settings(

@@ -1716,3 +1716,19 @@ def test_cli_errors_name_the_element_as_the_command_line_takes_it(tmp_path, caps
     assert "pass --element '_index'" not in one_line_error(capsys)  # obs: no array advice
     with pytest.raises(dz.DatasetError, match=r"open that store with element= one of: layers/c"):
         dz.open_dataset(store / "layers")
+
+
+def test_bench_decodes_a_packed_array_with_mask_and_scale(tmp_path, capsys):
+    """bench of a CF-packed array warned to open it with mask_and_scale=True, an option it
+    did not have, and timed the stored integers, not the decoding training would run."""
+    path = tmp_path / "t2m.zarr"
+    array = zarr.create_array(path, data=np.arange(6000, dtype="i2").reshape(300, 20))
+    array.attrs.update({"scale_factor": 0.01, "add_offset": 280.0, "_FillValue": -32767})
+    argv = ["bench", path, "--batches", 2, "--batch-size", 64, "--json", "-q"]
+    with pytest.warns(dz.PackedValuesWarning):
+        assert run(*argv) == 0
+    capsys.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dz.PackedValuesWarning)
+        assert run(*argv, "--mask-and-scale") == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 2 * 64
