@@ -154,6 +154,10 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
     def features_per_rank():  # as many genes on each rank, other ones
         loader(dz.FeatureSubset(dz.open_dataset(big), [rank, 2]), sampler()).close()
 
+    def collection_order_per_rank():  # a glob listed in another order on rank 1's node
+        parts = [dz.open_dataset(big), dz.open_dataset(small)]
+        loader(dz.Collection(parts if rank == 0 else parts[::-1]), sampler()).close()
+
     def int32_refused_on_one_rank():  # JaxLoader: rank 1's copy holds values int32 wraps
         path = Path(big).parent / f"int64_obs_rank{rank}.zarr"
         if not path.exists():
@@ -168,6 +172,7 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
     return {
         "subset_per_rank": subset_per_rank,
         "features_per_rank": features_per_rank,
+        "collection_order_per_rank": collection_order_per_rank,
         "obs_refused_on_one_rank": obs_refused_on_one_rank,
         "state_into_a_used_loader_on_one_rank": state_into_a_used_loader_on_one_rank,
         "raw_error_on_one_rank": raw_error_on_one_rank,

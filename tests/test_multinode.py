@@ -313,6 +313,8 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         # the same size but other rows or genes (their digests): rows twice or never
         "subset_per_rank": ["selection (rank 0: ['600 of 1000 rows #", "same rows"],
         "features_per_rank": ["selection (rank 0: ['2 of 16 features #", "same rows"],
+        # the same stores joined in another order: each rank numbers the rows otherwise
+        "collection_order_per_rank": ["selection (rank 0: [{'rows': 1000", "same order"],
         "resume_other_steps": ["load_state_dict", "batches left (rank 0: ", "same step"],
         # equal counts without enforce_equal_batches: the epoch runs under DDP, so the
         # steps must agree too (they were not compared: rows twice, then a hang)

@@ -686,7 +686,10 @@ class Collection(Dataset):
         return out
 
     def selections(self) -> list[object]:
-        return [part.selections() for part in self.parts]
+        # each part's size, in order: the same stores joined in another order (a glob listed
+        # in another order on another node) number their rows otherwise, and the ranks'
+        # shards then overlap; sizes, not paths, so node-local copies still agree
+        return [{"rows": int(part.n_obs), "selects": part.selections()} for part in self.parts]
 
     def packing(self) -> dict[str, Any]:
         return self.parts[0].packing()  # the parts' one packing (refused otherwise)
