@@ -33,8 +33,10 @@ __all__ = [
     "cgroup_cpus",
     "collectives_may_hang",
     "cpu_share",
+    "exchange_of_initialized",
     "exchange_over",
     "gather_across_ranks",
+    "initialized_worlds",
     "jax_world_is",
     "refuse_disagreement",
     "resolve_rank_world",
@@ -120,6 +122,38 @@ def _from_env() -> tuple[int, int]:
     )
 
 
+def initialized_worlds() -> list[tuple[Exchange, int, int]]:
+    """``(whose, rank, world size)`` of each of torch.distributed and jax.distributed that
+    is initialized in this process."""
+    worlds: list[tuple[Exchange, int, int]] = []
+    if torch_dist_initialized():
+        import torch.distributed as dist
+
+        worlds.append(("torch", int(dist.get_rank()), int(dist.get_world_size())))
+    if _jax_distributed_up():
+        jax = sys.modules["jax"]
+        worlds.append(("jax", int(jax.process_index()), int(jax.process_count())))
+    return worlds
+
+
+def _refuse_another_world(rank: object, world: object) -> None:
+    """Refuse launcher variables that count another number of processes than an initialized
+    torch.distributed or jax.distributed of several: variables a wrapper or an allocation
+    left behind (``salloc -n 1``'s SLURM_NTASKS=1 under ``mp.spawn``) made every rank rank 0
+    of 1, each delivering every row, with nothing checked (its world was not torch's)."""
+    names = "RANK/WORLD_SIZE" if "RANK" in os.environ else "SLURM_PROCID/SLURM_NTASKS"
+    for whose, their_rank, their_world in initialized_worlds():
+        if their_world > 1 and str(their_world) != str(world).strip():
+            framework = f"{whose}.distributed"
+            raise ConfigError(
+                f'dist_info="env": {names} say rank {rank} of {world}, but {framework} is '
+                f"initialized with {their_world} processes (this one {their_rank}); the "
+                "sampler would split the data for another number of ranks (rows twice or "
+                f"never). Fix or unset the stale {names} variables, or pass "
+                f'dist_info="{whose}"'
+            )
+
+
 def resolve_rank_world(dist_info: DistInfo) -> tuple[int, int]:
     """Return ``(rank, world_size)`` from ``dist_info``, checking ``0 <= rank < world_size``."""
     if callable(dist_info):
@@ -139,6 +173,7 @@ def resolve_rank_world(dist_info: DistInfo) -> tuple[int, int]:
     elif dist_info == "env":
         rank, world = _from_env()
         source = "the environment"
+        _refuse_another_world(rank, world)
     else:
         raise ConfigError(f"unknown dist_info {dist_info!r}: {_DIST_INFO_HELP}")
     try:
@@ -202,6 +237,14 @@ def exchange_over(rank: int, world_size: int, *, dist_info: object = None) -> Ex
         return None
     order: tuple[Exchange, ...] = ("jax", "torch") if dist_info == "jax" else ("torch", "jax")
     return next((over for over in order if world_is(over, rank, world_size)), None)
+
+
+def exchange_of_initialized() -> Exchange | None:
+    """Over whose processes a rank whose own rank or world size was refused still exchanges:
+    an initialized torch.distributed (else jax.distributed) of several; None without one,
+    and with the checks turned off."""
+    worlds = [whose for whose, _, n in initialized_worlds() if n > 1]
+    return None if not worlds or _checks_off() else worlds[0]
 
 
 def world_is(over: Exchange, rank: int, world_size: int) -> bool:

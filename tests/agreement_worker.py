@@ -154,6 +154,15 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
     def features_per_rank():  # as many genes on each rank, other ones
         loader(dz.FeatureSubset(dz.open_dataset(big), [rank, 2]), sampler()).close()
 
+    def env_stale_on_one_rank():  # a wrapper on rank 1's node left RANK=0 WORLD_SIZE=1
+        saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE")}
+        os.environ.update(RANK="0", WORLD_SIZE="2" if rank == 0 else "1")
+        try:
+            sampler(dist_info="env")
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.update({k: v})
+
     def collection_order_per_rank():  # a glob listed in another order on rank 1's node
         parts = [dz.open_dataset(big), dz.open_dataset(small)]
         loader(dz.Collection(parts if rank == 0 else parts[::-1]), sampler()).close()
@@ -173,6 +182,7 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "subset_per_rank": subset_per_rank,
         "features_per_rank": features_per_rank,
         "collection_order_per_rank": collection_order_per_rank,
+        "env_stale_on_one_rank": env_stale_on_one_rank,
         "obs_refused_on_one_rank": obs_refused_on_one_rank,
         "state_into_a_used_loader_on_one_rank": state_into_a_used_loader_on_one_rank,
         "raw_error_on_one_rank": raw_error_on_one_rank,

@@ -330,6 +330,9 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         "state_refused_on_one_rank",
         "sampler_refused_on_one_rank",
         "path_on_one_rank",
+        # rank 1 alone took stale launcher variables for its world: it went on as the only
+        # rank (every row) while rank 0 waited for it
+        "env_stale_on_one_rank",
     ):
         (kind0, text0), (kind1, text1) = ranks[0][name], ranks[1][name]
         assert kind0 == kind1 == "error", name
@@ -349,6 +352,11 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
     assert ranks[0]["refused_on_one_rank"][1].count("sideways") == 1
     assert "unknown shard 'rows'" in ranks[0]["sampler_refused_on_one_rank"][1]
     assert "open the store first" in ranks[0]["path_on_one_rank"][1]
+    stale = "RANK/WORLD_SIZE say rank 0 of 1, but "
+    assert (
+        stale in ranks[0]["env_stale_on_one_rank"][1]
+        and stale in ranks[1]["env_stale_on_one_rank"][1]
+    )
     # ... also with an error that is not ours (it skipped the exchange: rank 0 waited)
     (kind0, text0), (kind1, text1) = (
         ranks[0]["raw_error_on_one_rank"],

@@ -21,6 +21,7 @@ from dali_zarr.distributed import (
     Exchange,
     agree_or_raise,
     broadcast_seed,
+    exchange_of_initialized,
     exchange_over,
     resolve_rank_world,
     torch_dist_initialized,
@@ -395,7 +396,12 @@ class DistributedSampler:
             _check_flag("enforce_equal_batches", enforce_equal_batches)
         except Exception as exc:
             refused = exc
-        rank, world_size = resolve_rank_world(dist_info)
+        try:
+            rank, world_size = resolve_rank_world(dist_info)
+        except ConfigError as exc:  # the ranks that resolved theirs wait in the exchange
+            if not callable(dist_info):  # a callable's ranks may be a group of the world's
+                _refuse_on_every_rank(exc)
+            raise
         over = exchange_over(rank, world_size, dist_info=dist_info)
         if over is not None:
             seed = _agreed_seed(
@@ -530,6 +536,16 @@ def _agreed_seed(
     )
     drawn = rows[0]["drawn seed"]  # None where rank 0 chose (possible with shuffle=False)
     return int(drawn if sampler.seed_was_drawn and drawn is not None else sampler.seed)
+
+
+def _refuse_on_every_rank(refused: ConfigError) -> None:
+    """A rank whose own rank or world size was refused (a stale launcher variable on its
+    node) still takes part in the exchange of an initialized torch.distributed or
+    jax.distributed of several, so that the ranks that resolved theirs raise too instead
+    of waiting for it; the others' error names this rank."""
+    over = exchange_of_initialized()
+    if over is not None:
+        agree_or_raise({}, over=over, local_error=refused, what="DistributedSampler")
 
 
 def _restore_distributed(
