@@ -138,8 +138,9 @@ class Loader:
                 "the sampler shards one dataset among the ranks, it does not join "
                 "one store per rank",
                 "selection": "select the same rows and features on every rank (a split drawn "
-                "on each rank, e.g. with an unseeded RNG, gives each rank other rows), and "
-                "join the same stores in the same order (sort a glob's paths)",
+                "on each rank, e.g. with an unseeded RNG, gives each rank other rows), open "
+                "the same element= with the same mask_and_scale=, and join the same stores "
+                "in the same order (sort a glob's paths)",
             },
         ) as mine:
             if not isinstance(dataset, Dataset):  # a path failed later: 'str' has no 'name'

@@ -163,6 +163,17 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.update({k: v})
 
+    def element_per_rank():  # one store read as X on rank 0, as layers/counts on rank 1
+        path = Path(big).parent / f"layers_rank{rank}.zarr"
+        if not path.exists():
+            import anndata as ad
+            import scipy.sparse as sp
+
+            x = sp.random(1_000, 16, density=0.1, format="csr", dtype=np.float32, random_state=0)
+            ad.AnnData(X=x, layers={"counts": x.copy()}).write_zarr(path)
+        element = "X" if rank == 0 else "layers/counts"
+        loader(dz.open_dataset(str(path), element=element), sampler()).close()
+
     def collection_order_per_rank():  # a glob listed in another order on rank 1's node
         parts = [dz.open_dataset(big), dz.open_dataset(small)]
         loader(dz.Collection(parts if rank == 0 else parts[::-1]), sampler()).close()
@@ -183,6 +194,7 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "features_per_rank": features_per_rank,
         "collection_order_per_rank": collection_order_per_rank,
         "env_stale_on_one_rank": env_stale_on_one_rank,
+        "element_per_rank": element_per_rank,
         "obs_refused_on_one_rank": obs_refused_on_one_rank,
         "state_into_a_used_loader_on_one_rank": state_into_a_used_loader_on_one_rank,
         "raw_error_on_one_rank": raw_error_on_one_rank,

@@ -315,6 +315,11 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         "features_per_rank": ["selection (rank 0: ['2 of 16 features #", "same rows"],
         # the same stores joined in another order: each rank numbers the rows otherwise
         "collection_order_per_rank": ["selection (rank 0: [{'rows': 1000", "same order"],
+        # the same store and size, another matrix (X, layers/counts): other values, unsaid
+        "element_per_rank": [
+            "selection (rank 0: ['element X']; rank 1: ['element layers",
+            "element=",
+        ],
         "resume_other_steps": ["load_state_dict", "batches left (rank 0: ", "same step"],
         # equal counts without enforce_equal_batches: the epoch runs under DDP, so the
         # steps must agree too (they were not compared: rows twice, then a hang)

@@ -265,14 +265,24 @@ class _StoreDataset(Dataset):
         var: zarr.Group | None = None,
         *,
         store: str | None = None,
+        element: str | None = None,
     ) -> None:
         self.name = name
+        #: the array's path in its store (``X``, ``layers/counts``); None: the store is it
+        self.element = element
         #: where obs lives, for messages: the store's name (``name`` may end in X's key)
         self.obs_name = f"{store or name}/obs"
         self._obs = obs
         self._var = var
         self._var_names: tuple[str, ...] | None = None
         self._columns: dict[str, ObsColumn] = {}
+
+    def selections(self) -> list[object]:
+        # which array of the store, and whether it is decoded: X on one rank and
+        # layers/counts (or the packed values decoded) on another have the same size
+        element = [] if self.element is None else [f"element {self.element}"]
+        decoding = self.cf_decoding()
+        return element + ([] if decoding is None else [f"decoded {tuple(decoding)}"])
 
     def store_runs(self, ranges: np.ndarray) -> list[StoreRun]:
         return [StoreRun(self, np.asarray(ranges, dtype=np.int64).reshape(-1, 2))]
@@ -383,10 +393,11 @@ class DenseDataset(_StoreDataset):
         obs: zarr.Group | None = None,
         var: zarr.Group | None = None,
         store: str | None = None,
+        element: str | None = None,
         packing: dict[str, Any] | None = None,
         mask_and_scale: bool = False,
     ) -> None:
-        super().__init__(name, obs, var, store=store)
+        super().__init__(name, obs, var, store=store, element=element)
         if len(reader.shape) < 1:
             raise DatasetError(f"{name}: a 0-d array holds no observations.")
         if reader.dtype.kind not in "biuf":
@@ -429,8 +440,9 @@ class CsrDataset(_StoreDataset):
         force_zarr: bool,
         var: zarr.Group | None = None,
         store: str | None = None,
+        element: str | None = None,
     ) -> None:
-        super().__init__(name, obs, var, store=store)
+        super().__init__(name, obs, var, store=store, element=element)
         arrays = {key: zarr_member(group, key, where=name) for key in ("data", "indices", "indptr")}
         for key, array in arrays.items():
             if not isinstance(array, zarr.Array):
@@ -859,7 +871,11 @@ def _open_one(
             _warn_if_packed(packing, picked.node, array_name)
         _warn_if_observations_lie_later(picked.node, array_name)
         return DenseDataset(
-            reader, name=array_name, packing=packing, mask_and_scale=bool(mask_and_scale)
+            reader,
+            name=array_name,
+            element=picked.key,
+            packing=packing,
+            mask_and_scale=bool(mask_and_scale),
         )
     x, x_key = picked.node, picked.key
     assert x_key is not None
@@ -873,10 +889,17 @@ def _open_one(
     if matrix_layout(x, where=x_name, any_rank=x_key.startswith("obsm/")) == "dense":
         reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
         shown = name if x_key == "X" else x_name
-        dataset = DenseDataset(reader, name=shown, obs=obs, var=var, store=name)
+        dataset = DenseDataset(reader, name=shown, obs=obs, var=var, store=name, element=x_key)
     else:
         dataset = CsrDataset(
-            x, name=x_name, obs=obs, var=var, executor=executor, force_zarr=force_zarr, store=name
+            x,
+            name=x_name,
+            obs=obs,
+            var=var,
+            executor=executor,
+            force_zarr=force_zarr,
+            store=name,
+            element=x_key,
         )
     if var is not None:
         _check_var_width(var, dataset.feature_shape, var_name=f"{name}/{names_at}", x_name=x_name)
