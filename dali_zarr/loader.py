@@ -20,7 +20,13 @@ import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
 from dali_zarr.data.dataset import Dataset
-from dali_zarr.distributed import Exchange, agree_or_raise, collectives_may_hang, world_is
+from dali_zarr.distributed import (
+    Exchange,
+    agree_or_raise,
+    collectives_may_hang,
+    exchange_over,
+    world_is,
+)
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
@@ -36,6 +42,7 @@ from dali_zarr.planning.resume import (
     make_state,
     resume_point,
 )
+from dali_zarr.planning.samplers import SETTINGS_HINTS, DistributedSampler, compared_settings
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +134,12 @@ class Loader:
         # the sampler's exchange travels with it when pickled; it needs this process's world
         over: Exchange | None = getattr(sampler, "exchange", None)
         rank, world = getattr(sampler, "rank", 0), getattr(sampler, "world_size", 1)
+        # a DistributedSampler built before init_process_group (dist_info="env" needs no
+        # group) compared nothing: its ranks are compared here, or nothing ever was (a seed
+        # per rank, another store: rows twice or never, and batch counts that hang DDP)
+        unchecked = over is None and isinstance(sampler, DistributedSampler)
+        if unchecked:
+            over = exchange_over(rank, world)
         self._exchange = over if over is not None and world_is(over, rank, world) else None
         self.device_id: int | None = None
         self._source: BatchSource | None = None  # type: ignore[assignment]
@@ -134,6 +147,7 @@ class Loader:
             f"Loader over {getattr(dataset, 'name', dataset)}",
             release=self._release_source,
             hints={
+                **{f"sampler {k}": hint for k, hint in SETTINGS_HINTS.items()},
                 "n_obs": "open the same store (or the same subset of it) on every rank; "
                 "the sampler shards one dataset among the ranks, it does not join "
                 "one store per rank",
@@ -171,6 +185,9 @@ class Loader:
             mine.update(dataset_fingerprint(dataset))
             del mine["name"]
             mine["selection"] = dataset.selections()
+            if unchecked:
+                settings = compared_settings(sampler.settings)  # type: ignore[union-attr]
+                mine.update({f"sampler {k}": v for k, v in settings.items()})
             # built before the exchange: its own checks (obs columns, read_threads, ...)
             # refusing on one rank after it let the other ranks go on to train alone
             self._source = self._new_source(

@@ -226,7 +226,24 @@ def main() -> None:
     jax_help = "one of 2 JAX processes (coordinator on 127.0.0.1:PORT), not torchrun"
     p.add_argument("--jax", nargs=2, type=int, metavar=("PORT", "PROCESS_ID"), help=jax_help)
     p.add_argument("--absent", action="store_true", help="rank 1 leaves before its Loader")
+    first = "build each rank's sampler (seed=rank) before init_process_group"
+    p.add_argument("--sampler-first", action="store_true", help=first)
     args = p.parse_args()
+    if args.sampler_first:  # dist_info="env" needs no group: nothing is compared then
+        import torch.distributed as dist
+
+        rank = int(os.environ["RANK"])
+        s = sampler(seed=rank, dist_info="env")
+        dist.init_process_group("gloo")
+        try:
+            with loader(args.stores[rank], s) as ld:
+                outcome = ["ok", len(ld)]
+        except dz.ConfigError as e:
+            outcome = ["error", str(e)]
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps({"sampler_first": outcome}))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if args.jax:
         import jax
 
@@ -249,11 +266,11 @@ def main() -> None:
         if rank == 1:
             os._exit(0)
         try:
-            sampler = dz.DistributedSampler(
+            alone = dz.DistributedSampler(
                 dz.ChunkSampler(chunk_size=100, preload_nchunks=2, batch_size=50),
                 dist_info="torch",
             )
-            dz.Loader(dz.open_dataset(args.stores[0]), sampler, device="cpu")
+            dz.Loader(dz.open_dataset(args.stores[0]), alone, device="cpu")
             outcome = "built"
         except RuntimeError as e:
             outcome = str(e)

@@ -278,6 +278,27 @@ def test_a_rank_that_never_builds_its_loader_is_named(tmp_path: Path) -> None:
     assert "rank 0 of 2 waited in vain" in outcome and "DistributedSampler and Loader" in outcome
 
 
+def test_a_sampler_built_before_the_group_is_checked_by_the_loader(tmp_path: Path) -> None:
+    """A DistributedSampler(dist_info="env") built before init_process_group (it needs no
+    group) exchanged nothing, and its Loader then checked nothing either: a seed per rank
+    over another store on each rank ran 15 and 14 batches (rows twice or never, and DDP
+    waiting forever on the last steps)."""
+    big = synthetic.make_single_cell(tmp_path / "big.zarr", n_obs=1_000, n_features=8)
+    small = synthetic.make_single_cell(tmp_path / "small.zarr", n_obs=900, n_features=8)
+    worker = [str(AGREEMENT_WORKER), "--stores", big, small, big, "--out", str(tmp_path)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc_per_node=2", *worker, "--sampler-first"]
+    for code, stdout, stderr in wait_all([start(cmd, env=_env())], TIMEOUT):
+        assert code == 0, stdout[-2000:] + stderr[-2000:]
+    outcomes = [
+        json.loads((tmp_path / f"rank{r}.json").read_text())["sampler_first"] for r in (0, 1)
+    ]
+    for kind, text in outcomes:
+        assert kind == "error", outcomes
+        assert "n_obs (rank 0: 1000; rank 1: 900)" in text, text
+        assert "sampler seed (rank 0: 0; rank 1: 1)" in text and "seed + rank" in text, text
+
+
 @pytest.mark.parametrize("world", ["gloo", "nccl-default-group", "jax"])
 def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: str) -> None:
     """A rank with its own seed, batch size, store or resume step would plan alone (rows

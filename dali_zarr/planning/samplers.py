@@ -502,6 +502,22 @@ class DistributedSampler:
         return int(counts[self._rank])
 
 
+#: what to change where the ranks' sampler settings differ
+SETTINGS_HINTS = {
+    "seed": "pass the same seed on every rank (not seed + rank; the ranks' shards "
+    "come from one shared order), or seed=None on every rank to use rank 0's draw",
+}
+
+
+def compared_settings(settings: PlanSettings) -> dict[str, object]:
+    """What the ranks' plans depend on, to compare between ranks: every field, the seed
+    only where it orders something (with ``shuffle=False`` any per-rank seed is harmless)."""
+    compared: dict[str, object] = settings.as_dict()
+    if not settings.shuffle:
+        compared["seed"] = "unused (shuffle=False)"
+    return compared
+
+
 def _agreed_seed(
     sampler: ChunkSampler,
     *,
@@ -515,12 +531,12 @@ def _agreed_seed(
     where the seeds were drawn (``seed=None``)."""
     mine: dict[str, object] = {}
     if refused is None:
-        settings = dataclasses.replace(
-            sampler.settings, enforce_equal_batches=enforce_equal_batches, shard=shard
-        ).as_dict()  # what a plan depends on: every field compared
-        if not sampler.shuffle:  # the seed orders nothing: any per-rank seed is harmless
-            settings["seed"] = "unused (shuffle=False)"
-        elif sampler.seed_was_drawn:  # differs by design; rank 0's is taken
+        settings = compared_settings(
+            dataclasses.replace(
+                sampler.settings, enforce_equal_batches=enforce_equal_batches, shard=shard
+            )
+        )
+        if sampler.shuffle and sampler.seed_was_drawn:  # differs by design; rank 0's is taken
             settings["seed"] = None
         mine = {**settings, "drawn seed": sampler.seed if sampler.seed_was_drawn else None}
     rows = agree_or_raise(
@@ -528,10 +544,7 @@ def _agreed_seed(
         over=over,
         local_error=refused,
         what="DistributedSampler",
-        hints={
-            "seed": "pass the same seed on every rank (not seed + rank; the ranks' shards "
-            "come from one shared order), or seed=None on every rank to use rank 0's draw",
-        },
+        hints=SETTINGS_HINTS,
         not_compared=("drawn seed",),
     )
     drawn = rows[0]["drawn seed"]  # None where rank 0 chose (possible with shuffle=False)
