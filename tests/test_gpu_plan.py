@@ -1210,3 +1210,18 @@ def test_kvikio_readers_raise_the_soft_limit_of_open_files():
         assert now == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_chunks_wider_than_the_array_name_the_padding(tmp_path):
+    """A chunk wider than the array (zarr keeps chunks=(8, 10) on a 7-wide array, padding
+    each chunk's row) holds each row contiguously; the GPU path still reads it on the host,
+    and its note must say why (the rows are spaced by the chunk's width), not that a row
+    is split across chunks, which would send the user chunking along the wrong axis."""
+    data = np.zeros((40, 7), dtype=np.float32)
+    arr = write(tmp_path / "a.zarr", data, chunks=(8, 10))
+    with pytest.raises(NotPlannable) as info:
+        plan_rows(open_reader(arr, name="a"), np.array([[0, 8]]))
+    message = str(info.value)
+    assert "do not span" not in message, message
+    assert "wider than the array's trailing axes (7,)" in message, message
+    assert "chunks=(N, 7)" in message, message

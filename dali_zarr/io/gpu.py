@@ -29,8 +29,9 @@ byte order: disk → GPU with no decode), ``"zstd"`` (zarr v3's default; nvCOMP 
 the header with the block but the decoder gets only the block, and the decoded size is
 checked instead of the header), and ``"host"`` for everything else (blosc, gzip, filters,
 big-endian, per-chunk crc32c, F order...), decoded by the same
-:class:`~dali_zarr.io.ChunkDecoder` as the CPU path. Arrays whose chunks do not span all
-non-leading axes cannot be planned (rows would not be contiguous in a chunk); the caller
+:class:`~dali_zarr.io.ChunkDecoder` as the CPU path. Arrays whose chunks do not equal
+the non-leading axes cannot be planned (rows would not be contiguous in a chunk, or not back
+to back where chunks are wider than the array); the caller
 reads those with ``read_rows`` on the host and copies the window once.
 """
 
@@ -235,12 +236,20 @@ def plan_problem(reader: Any) -> str:
     if not isinstance(reader, DirectReader):
         return f"not read by the direct path ({reader.path}: {reader.reason})"
     shape, chunk = reader.layout.shape, reader.layout.chunk_shape
-    if tuple(chunk[1:]) != tuple(shape[1:]):
+    if tuple(chunk[1:]) == tuple(shape[1:]):
+        return ""
+    fit = f"chunks=(N, {', '.join(map(str, shape[1:]))})"
+    if all(c >= s for c, s in zip(chunk[1:], shape[1:], strict=True)):
+        # a row is whole in its chunk, but padded: "do not span" sent users the wrong way
         return (
-            f"chunks {chunk} do not span the trailing axes {shape[1:]}, so a row is not "
-            "contiguous within a chunk"
+            f"chunks {chunk} are wider than the array's trailing axes {shape[1:]}, so each "
+            f"row is padded within its chunk and rows are not back to back; re-write with "
+            f"{fit} for byte plans"
         )
-    return ""
+    return (
+        f"chunks {chunk} do not span the trailing axes {shape[1:]}, so a row is not "
+        f"contiguous within a chunk; re-write with {fit} for byte plans"
+    )
 
 
 @dataclass(frozen=True)
