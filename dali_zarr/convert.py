@@ -335,6 +335,8 @@ def _open_h5ad(path: str, element: str | None) -> _Input:
         import h5py
     except ImportError as exc:
         raise ConfigError(f"{path}: reading .h5ad files needs h5py (pip install h5py).") from exc
+    with contextlib.suppress(ImportError):  # registers the HDF5 filters anndata writes with it
+        import hdf5plugin  # noqa: F401
     if not h5py.is_hdf5(path):
         raise DatasetError(
             f"{path}: is a file but not an HDF5 (.h5ad) file; pass an .h5ad file, a Zarr "
@@ -361,9 +363,7 @@ def _refuse_missing_filters(h5py: Any, handle: Any, key: str | None, path: str) 
     """Refuse datasets under ``key`` compressed with an HDF5 filter h5py has not loaded
     (anndata writes zstd/blosc/lz4 ones with hdf5plugin): their reads failed with h5py's
     "can't open directory (/usr/local/lib/plugin)", reported as a corrupted chunk or a file
-    system error. hdf5plugin, where installed, is imported first: that registers them."""
-    with contextlib.suppress(ImportError):
-        import hdf5plugin  # noqa: F401
+    system error. (:func:`_open_h5ad` imports hdf5plugin where installed, registering them.)"""
     node = handle.get(key) if key else None
     found: list[tuple[str, Any]] = [(str(key), node)] if isinstance(node, h5py.Dataset) else []
     if isinstance(node, h5py.Group):
