@@ -81,14 +81,9 @@ def convert_x(
         return fn.cast(x, dtype=types.FLOAT64)
     if transformed:
         x = fn.cast(x, dtype=types.FLOAT)
-        rows, shape = fn.reshape(x, shape=[-1, 1]), x.shape()
-    elif len(feature_shape) != 1:
-        rows = rows_shaped(x, (int(np.prod(feature_shape)),))
-        return rows_shaped(ops.float32_to_half(rows, dtype), feature_shape)
-    else:
-        rows, shape = x, None
-    out = ops.float32_to_half(rows, dtype)
-    return out if shape is None else fn.reshape(out, shape=shape)
+        out = ops.float32_to_half(fn.reshape(x, shape=[-1, 1]), dtype)
+        return fn.reshape(out, shape=x.shape())
+    return through_rows(lambda rows: ops.float32_to_half(rows, dtype), x, feature_shape)
 
 
 def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
@@ -114,6 +109,15 @@ def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
     if decoding.offset != 0.0:
         x = x + float(np.float32(decoding.offset))
     return x if missing_to_nan is None else x + missing_to_nan
+
+
+def through_rows(op: Callable[[Any], Any], x: Any, feature_shape: tuple[int, ...]) -> Any:
+    """``op`` (one of our ops, which take 2-D batches) applied to ``x``, rows of
+    ``feature_shape``: N-D rows are flattened around it."""
+    if len(feature_shape) == 1:
+        return op(x)
+    rows = rows_shaped(x, (int(np.prod(feature_shape)),))
+    return rows_shaped(op(rows), feature_shape)
 
 
 def rows_shaped(x: Any, feature_shape: tuple[int, ...]) -> Any:
@@ -280,10 +284,7 @@ class GraphOps:
             fdata=[float(decoding.wrap), decoding.scale, decoding.offset, *decoding.fills],
             dtype=types.FLOAT,  # (fn.constant takes no float64) as X compares and computes
         )
-        if len(feature_shape) == 1:
-            return kernels.cf_decode(x, params)
-        rows = rows_shaped(x, (int(np.prod(feature_shape)),))
-        return rows_shaped(kernels.cf_decode(rows, params), feature_shape)
+        return through_rows(lambda rows: kernels.cf_decode(rows, params), x, feature_shape)
 
     def to_bfloat16_bits(self, bits):
         """uint16 bfloat16 bits of 2-D float32 ``bits`` (as uint32), shaped like them."""
