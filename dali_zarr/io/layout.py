@@ -13,7 +13,7 @@ without touching zarr's codec classes.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ __all__ = [
     "ArrayLayout",
     "ChunkCodecs",
     "ShardLayout",
+    "error_chain",
     "missing_codec",
     "missing_codec_advice",
     "parse_layout",
@@ -393,17 +394,24 @@ def unknown_codec_id(error: BaseException) -> str | None:
     import numcodecs.errors
     import zarr.errors
 
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in error_chain(error):
         if isinstance(e, numcodecs.errors.UnknownCodecError):
             return str(e.codec_id).strip("'\"")
         if isinstance(e, zarr.errors.UnknownCodecError):
             cause = e.__cause__
             return str(cause.args[0]) if isinstance(cause, KeyError) and cause.args else "?"
-        e = e.__cause__ or e.__context__
     return None
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from or while handling, once each (a cycle
+    in the chain ends it): zarr and fsspec wrap the error that says what happened."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 def missing_codec(array: Any) -> str:

@@ -69,7 +69,7 @@ from ..errors import ChunkReadError, DatasetError
 from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
 from . import buffers
 from .codecs import ChunkDecoder, DecodeError, verify_crc32c
-from .layout import ArrayLayout, missing_codec, parse_layout, zarr_misreads
+from .layout import ArrayLayout, error_chain, missing_codec, parse_layout, zarr_misreads
 
 __all__ = [
     "ArrayReader",
@@ -103,18 +103,12 @@ def _failed_fetching(error: BaseException) -> bool:
     PermissionError for a 403), an OSError carrying an errno, or an error of a network
     package. A corrupted chunk fails in its decompressor, with
     errors that carry no errno (gzip's and bz2's OSErrors too)."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, TimeoutError | ConnectionError | PermissionError):
-            return True
-        if isinstance(e, OSError) and e.errno is not None:
-            return True
-        if type(e).__module__.split(".")[0] in _NETWORK_PACKAGES:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any(
+        isinstance(e, TimeoutError | ConnectionError | PermissionError)
+        or (isinstance(e, OSError) and e.errno is not None)
+        or type(e).__module__.split(".")[0] in _NETWORK_PACKAGES
+        for e in error_chain(error)
+    )
 
 
 def _past_end(offset: int, nbytes: int, size: int) -> str:
