@@ -60,6 +60,7 @@ from dali_zarr.data.obs import changed_by_join
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
 from dali_zarr.io import (
     WRITER_MARKER,
+    error_chain,
     metadata_file,
     missing_codec_advice,
     refuse_stale_metadata,
@@ -865,11 +866,41 @@ def written_whole(dest: str, *, sources: Sequence[str] = (), overwrite: bool) ->
     try:
         yield partial
         _publish(partial, os.path.normpath(dest), overwrite)
-    except BaseException:
+    except BaseException as exc:
+        full = _disk_full(exc, dest, partial, sources)
         _discard(partial)
+        if full is not None:
+            raise full from exc
         raise
     finally:
         lock.close()
+
+
+def _disk_full(
+    exc: BaseException, dest: str, partial: str, sources: Sequence[str]
+) -> ConfigError | None:
+    """The words for a write that ran out of space or quota (``exc`` or an error it wraps),
+    or None for any other failure. The OS says only "No space left on device", naming no
+    file: the user needs to hear which destination, how far the output got and what is free."""
+    if not any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in error_chain(exc)
+    ):
+        return None
+    written = _dir_bytes(partial) if os.path.isdir(partial) else 0
+    folder = os.path.dirname(os.path.abspath(dest))
+    try:
+        free = f"{shutil.disk_usage(folder).free / 1e6:,.1f} MB are free there now"
+    except OSError:
+        free = "its free space could not be read"
+    local = [p for p in sources if os.path.exists(p)]  # a URL has no size here
+    inputs = sum(_dir_bytes(p) if os.path.isdir(p) else os.path.getsize(p) for p in local)
+    need = f" (the inputs take {inputs / 1e6:,.1f} MB on disk)" if local else ""
+    return ConfigError(
+        f"{dest}: the file system (or your quota) under {folder} ran out of space after "
+        f"{written / 1e6:,.1f} MB of the output were written{need}, and {free}. The partial "
+        "output was removed. Free space there, or write to a destination on another file "
+        "system."
+    )
 
 
 def _discard(partial: str) -> None:

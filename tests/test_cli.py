@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -400,6 +401,56 @@ def test_interrupted_convert_leaves_no_store_and_reruns(tmp_path, sc_store, monk
     monkeypatch.undo()
     assert run("convert", sc_store, dst, "-q") == 0
     np.testing.assert_array_equal(csr_reference(dst).toarray(), csr_reference(sc_store).toarray())
+
+
+def test_a_full_disk_names_the_destination_and_what_was_written(
+    tmp_path, sc_store, monkeypatch, capsys
+):
+    """The OS says only "No space left on device"; the user hears which destination, how far
+    the output got, and that nothing half-written is left."""
+    dst = tmp_path / "out.zarr"
+    original = _Appender.append
+    count = {"n": 0}
+
+    def fill_the_disk(self, values):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(self, values)
+
+    monkeypatch.setattr(_Appender, "append", fill_the_disk)
+    assert run("convert", sc_store, dst, "--block-rows", 300, "-q") == 2
+    err = capsys.readouterr().err
+    assert f"{dst}: the file system (or your quota) under {tmp_path} ran out of space" in err
+    assert "MB of the output were written (the inputs take" in err
+    assert "The partial output was removed" in err
+    assert not dst.exists() and not Path(f"{dst}.partial").exists()
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 128 KiB tmpfs (less than a convert of sc_store writes), where this machine lets us
+    mount one (root in the CI container)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_convert_onto_a_really_full_file_system_says_so(tiny_filesystem, sc_store, capsys):
+    dst = tiny_filesystem / "out.zarr"
+    assert run("convert", sc_store, dst, "-q") == 2
+    err = capsys.readouterr().err
+    assert f"{dst}: the file system (or your quota) under {tiny_filesystem} ran out" in err
+    assert "MB are free there now" in err
+    assert os.listdir(tiny_filesystem) == []
 
 
 def test_ctrl_c_while_zarr_writes_leaves_a_partial_the_rerun_removes(tmp_path):
