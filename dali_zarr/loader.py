@@ -148,6 +148,11 @@ class Loader:
             release=self._release_source,
             hints={
                 **{f"sampler {k}": hint for k, hint in SETTINGS_HINTS.items()},
+                # seed=None is refused by a sampler built before init_process_group
+                "sampler seed": "pass the same seed to ChunkSampler on every rank (not seed "
+                "+ rank; the ranks' shards come from one shared order), or build the "
+                "DistributedSampler after torch.distributed.init_process_group(...) with "
+                "seed=None on every rank to use rank 0's draw",
                 "n_obs": "open the same store (or the same subset of it) on every rank; "
                 "the sampler shards one dataset among the ranks, it does not join "
                 "one store per rank",

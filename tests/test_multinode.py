@@ -297,6 +297,8 @@ def test_a_sampler_built_before_the_group_is_checked_by_the_loader(tmp_path: Pat
         assert kind == "error", outcomes
         assert "n_obs (rank 0: 1000; rank 1: 900)" in text, text
         assert "sampler seed (rank 0: 0; rank 1: 1)" in text and "seed + rank" in text, text
+        # seed=None is refused in a sampler built before the group: the hint says when it works
+        assert "DistributedSampler after torch.distributed.init_process_group" in text, text
 
 
 @pytest.mark.parametrize("world", ["gloo", "nccl-default-group", "jax"])
