@@ -17,7 +17,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, ZstdCodec
 
-from dali_zarr.convert import written_whole
+from dali_zarr.io.publish import written_whole
 
 Codec = Literal["zstd", "blosc", "lz4", "none"]
 

@@ -1262,7 +1262,7 @@ def test_synthetic_stores_appear_whole_or_not_at_all(tmp_path, monkeypatch):
     synthetic.make_single_cell(path, n_obs=30, n_features=10)  # replaces the store whole
     assert dz.open_dataset(path).n_obs == 30
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.zarr"]
-    from dali_zarr.convert import _prepare_destination
+    from dali_zarr.io.publish import _prepare_destination
 
     _, lock = _prepare_destination(str(path), [], overwrite=True)  # a writer running
     with pytest.raises(dz.ConfigError, match="another dali-zarr writer"):
@@ -1275,7 +1275,7 @@ def test_a_second_convert_to_a_destination_being_written_is_refused(tmp_path):
     """Each convert locks its DST.partial: a second one used to take the first's live partial
     for a stale one, delete it and write into it, and the first then published a store of
     rows from both (and rows from neither)."""
-    from dali_zarr.convert import _prepare_destination
+    from dali_zarr.io.publish import _prepare_destination
 
     src = tmp_path / "a.zarr"
     zarr.create_array(src, data=np.arange(40, dtype=np.float32).reshape(20, 2), chunks=(5, 2))
@@ -1507,10 +1507,11 @@ def test_legacy_obs_table_is_refused_by_name(tmp_path, capsys):
 _KILL_IN_COMMIT = """
 import os, signal, sys
 import dali_zarr.convert as c
+import dali_zarr.io.publish as p
 
 src, dst, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 state = {"committing": False, "calls": 0}
-real_publish = c._publish
+real_publish = p._publish
 
 
 def publish(*args, **kw):
@@ -1529,11 +1530,10 @@ def counted(fn):
     return call
 
 
-c._publish = publish
+p._publish = publish
 for name in ("rename", "replace", "remove", "unlink", "rmdir"):
     setattr(os, name, counted(getattr(os, name)))
-if hasattr(c, "_renameat2"):
-    c._renameat2 = counted(c._renameat2)
+p._renameat2 = counted(p._renameat2)
 c.convert(src, dst, overwrite=True, chunk_rows=5, shard_bytes=0)
 print(state["calls"])
 """
@@ -1585,10 +1585,10 @@ def test_convert_makes_the_store_durable_before_publishing_it(tmp_path, sc_store
     """Nothing was fsynced: after a power loss the rename (journaled) could survive while the
     chunks it points at did not, leaving a DST of empty or missing chunk files. Every file
     and folder of the store is now fsynced before the rename, and the parent folder after."""
-    import dali_zarr.convert as convert_module
+    import dali_zarr.io.publish as publish_module
 
     synced: list[str] = []
-    real_fsync, real_publish = os.fsync, convert_module._publish
+    real_fsync, real_publish = os.fsync, publish_module._publish
 
     def fsync(fd: int) -> None:
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
@@ -1599,7 +1599,7 @@ def test_convert_makes_the_store_durable_before_publishing_it(tmp_path, sc_store
         real_publish(*args, **kw)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(convert_module, "_publish", publish)
+    monkeypatch.setattr(publish_module, "_publish", publish)
     dst = tmp_path / "out.zarr"
     convert(sc_store, dst)
     partial = f"{dst}.partial"
@@ -1667,9 +1667,9 @@ def test_a_killed_converts_partial_plain_array_is_refused_not_read_as_zeros(tmp_
 def test_overwrite_without_an_atomic_swap_still_replaces_the_store(tmp_path, monkeypatch):
     """Where renameat2 is missing (not Linux, an old libc, a file system without
     RENAME_EXCHANGE), --overwrite falls back to two renames and leaves nothing else."""
-    import dali_zarr.convert as convert_module
+    import dali_zarr.io.publish as publish_module
 
-    monkeypatch.setattr(convert_module, "_renameat2", lambda *args: None)
+    monkeypatch.setattr(publish_module, "_renameat2", lambda *args: None)
     src = tmp_path / "a.zarr"
     zarr.create_array(src, data=np.arange(40, dtype=np.float32).reshape(20, 2), chunks=(5, 2))
     dst = tmp_path / "out.zarr"
