@@ -407,6 +407,12 @@ class ZarrDataModule(LightningDataModule):
                 "split_column= naming a column the data holds, or splits={'train': rows, "
                 "'val': rows, ...} (boolean masks or row ids) for data without one."
             ) from exc
+        if column.values.ndim != 1:  # an obsm entry: several values per row, no label
+            raise DatasetError(
+                f"ZarrDataModule: split_column={self.split_column!r} holds "
+                f"{column.values.shape[1:]} values per observation, not one label; name an "
+                "obs column (or pass splits={'train': rows, ...})."
+            )
         rows = {}
         for name, wanted in self.split_labels.items():
             values = [wanted] if np.ndim(wanted) == 0 else list(wanted)  # np.int64(0) too

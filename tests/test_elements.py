@@ -754,3 +754,92 @@ def test_the_cpu_decode_kernel_matches_the_devices_arithmetic(decoding) -> None:
     np.testing.assert_array_equal(np.isnan(kernel), np.isin(x + (x < 0) * max(d.wrap, 0)
                                   - (x >= -d.wrap / 2) * max(-d.wrap, 0),
                                   np.float32(d.fills)))  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- obsm beside X
+
+
+@pytest.mark.parametrize("element", ["X", "layers/scaled"])
+def test_obsm_entries_ride_beside_x(rich, tmp_path: Path, element: str) -> None:
+    """obs=["obsm/<key>"]: an obsm entry's rows arrive beside X, each row's own (spatial
+    coordinates, a protein panel): before, obs columns were 1-D only and the refusal sent
+    users to obsm, which only loaded as the dataset itself, never beside X."""
+    path, adata = rich
+    dataset = dz.open_dataset(path, element=element)
+    obs = ["cell_type", "obsm/X_pca"]
+    got = run_epoch(dz.Loader(dataset, sampler(), obs=obs, return_index=True), epoch=3)
+    assert_rows_match(got, element_of(adata, element).astype(np.float32), N_OBS)
+    pca = got["obsm/X_pca"]
+    assert pca.dtype == np.float64 and pca.shape == (N_OBS, 8)  # the stored dtype, as obs
+    np.testing.assert_array_equal(pca, adata.obsm["X_pca"][got["index"]])
+    # the same batches on the GPU path's wiring (host backend), and in a subset
+    cpu, gpu = both(dataset, "host", obs=obs, return_index=True)
+    assert assert_same_batches(cpu, gpu, epochs=(1,)) == len(cpu) > 0
+    rows = np.arange(0, N_OBS, 3)
+    part = run_epoch(dz.Loader(dz.Subset(dataset, rows), sampler(), obs=obs, return_index=True))
+    assert set(part["index"]) == set(rows)  # ids of the parent's rows
+    np.testing.assert_array_equal(part["obsm/X_pca"], adata.obsm["X_pca"][part["index"]])
+
+
+def test_obsm_entries_of_any_rank_and_dtype_in_a_collection(tmp_path: Path) -> None:
+    """N-D entries keep their row shape; float16 arrives as float32 (no float16 reaches
+    DALI); the stores of a collection join theirs, and a row shape that differs between
+    them is refused naming each store, not with NumPy's bare concatenate error."""
+    paths, patches = [], []
+    for seed, n_obs in enumerate((150, 90)):
+        adata = make_adata(seed, n_obs=n_obs)
+        patches.append(np.random.default_rng(seed).random((n_obs, 3, 4)).astype(np.float16))
+        adata.obsm["patches"] = patches[-1]
+        adata.obsm["spatial"] = np.ones((n_obs, 2 + seed), dtype=np.int32)  # widths differ
+        paths.append(tmp_path / f"s{seed}.zarr")
+        adata.write_zarr(paths[-1])
+    both_stores = dz.open_dataset(paths)
+    got = run_epoch(dz.Loader(both_stores, sampler(), obs=["obsm/patches"], return_index=True))
+    want = np.concatenate(patches).astype(np.float32)
+    assert got["obsm/patches"].dtype == np.float32 and got["obsm/patches"].shape == (240, 3, 4)
+    np.testing.assert_array_equal(got["obsm/patches"], want[got["index"]])
+    with pytest.raises(dz.DatasetError) as caught:
+        dz.Loader(both_stores, sampler(), obs=["obsm/spatial"])
+    message = str(caught.value)
+    assert "'obsm/spatial': its rows have other shapes in the stores of the collection" in message
+    assert "s0.zarr/X (None, 2)" in message and "s1.zarr/X (None, 3)" in message, message
+
+
+def test_obsm_entries_that_cannot_ride_are_named_with_what_to_do(
+    rich, tmp_path: Path, monkeypatch
+) -> None:
+    path, _ = rich
+    dataset = dz.open_dataset(path)
+    # held whole on every rank: a wide entry is warned of (the limit lowered to this store's)
+    monkeypatch.setattr("dali_zarr.data.obs.OBSM_WARN_BYTES", N_OBS * 8 * 8 - 1)
+    with pytest.warns(UserWarning, match=r"rich.zarr/obsm/X_pca: is held whole in memory"):
+        dz.open_dataset(path).obs_column("obsm/X_pca")
+    monkeypatch.undo()
+
+    def refused(column: str) -> str:
+        with pytest.raises(dz.DatasetError) as caught:
+            dz.Loader(dataset, sampler(), obs=[column])
+        return str(caught.value)
+
+    message = refused("obsm/umap")
+    assert "rich.zarr/obsm/umap: not in the store; its obsm entries: X_pca, meta." in message
+    message = refused("obsm/meta")  # a dataframe
+    assert "rich.zarr/obsm/meta: is dataframe, not a dense array" in message, message
+    assert "element='obsm/meta'" in message
+    sparse = make_adata(3)
+    sparse.obsm["counts"] = sp.random(N_OBS, 5, density=0.3, format="csr", random_state=0)
+    sparse.write_zarr(tmp_path / "sparse.zarr")
+    with pytest.raises(dz.DatasetError, match=r"is csr_matrix, not a dense array.*toarray"):
+        dz.Loader(dz.open_dataset(tmp_path / "sparse.zarr"), sampler(), obs=["obsm/counts"])
+    plain = tmp_path / "plain.zarr"
+    zarr.create_array(plain, data=np.zeros((40, 3), dtype=np.float32))
+    with pytest.raises(dz.DatasetError, match="has no obs dataframe"):
+        dz.Loader(dz.open_dataset(plain), sampler(), obs=["obsm/X_pca"])
+    from dali_zarr.lightning import ZarrDataModule
+
+    module = ZarrDataModule(
+        data=dataset, split_column="obsm/X_pca", split_labels={"train": 1.0}, batch_size=50
+    )
+    module.setup("fit")
+    with pytest.raises(dz.DatasetError, match=r"holds \(8,\) values per observation"):
+        module.train_dataloader()

@@ -40,7 +40,14 @@ from dali_zarr.data.elements import (
     var_key,
     zarr_member,
 )
-from dali_zarr.data.obs import ObsColumn, as_text, concat_obs_columns, read_obs_column
+from dali_zarr.data.obs import (
+    ObsColumn,
+    as_text,
+    concat_obs_columns,
+    is_obsm,
+    read_obs_column,
+    read_obsm_entry,
+)
 from dali_zarr.errors import (
     ConfigError,
     DatasetError,
@@ -341,10 +348,16 @@ class _StoreDataset(Dataset):
                     f"{self.name}: has no obs dataframe, so obs column {name!r} cannot be "
                     "loaded; open an AnnData store or drop obs=[...]."
                 )
-            column = read_obs_column(self._obs, name, where=self.obs_name)
+            if is_obsm(name):
+                store = self.obs_name.removesuffix("/obs")
+                column = read_obsm_entry(self._obs, name, where=store)
+                where = f"{store}/{name}"
+            else:
+                column = read_obs_column(self._obs, name, where=self.obs_name)
+                where = f"{self.obs_name}/{name}"
             if len(column.values) != self.n_obs:
                 raise DatasetError(
-                    f"{self.obs_name}/{name}: has {len(column.values)} values for "
+                    f"{where}: has {len(column.values)} values for "
                     f"{self.n_obs} observations; the store is inconsistent."
                 )
             self._columns[name] = column

@@ -6,6 +6,7 @@ once at open and gather a batch's labels with one vectorized take; no per-row wo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,7 +70,8 @@ def _read_1d(array: zarr.Array, *, where: str) -> np.ndarray:
     if array.ndim != 1:
         raise DatasetError(
             f"{where}: has shape {array.shape}, but obs columns are 1-D (one value per "
-            "observation). Re-write it; store several values per observation in obsm."
+            "observation). Re-write it; store several values per observation in obsm "
+            "(adata.obsm[key] = values) and load them beside X with obs=['obsm/<key>']."
         )
     refuse_stale_metadata(array, name=where)  # a column re-annotated after consolidation
     return np.asarray(array[...])
@@ -148,6 +150,67 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     )
 
 
+#: obs "columns" named so are read from the AnnData store's obsm, not obs
+OBSM_PREFIX = "obsm/"
+#: an obsm entry held in memory beyond this many bytes is warned of (it is held whole)
+OBSM_WARN_BYTES = 2**30
+
+
+def is_obsm(column: str) -> bool:
+    """Whether ``column`` names an ``obsm`` entry (``"obsm/spatial"``) rather than an obs
+    column: several values per observation, which ride beside ``X`` as one array each."""
+    return column.startswith(OBSM_PREFIX)
+
+
+def read_obsm_entry(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
+    """An AnnData ``obsm`` entry (``column`` = ``"obsm/<key>"``; ``obs`` is the store's
+    obs group, beside obsm), read whole as a column of rows: spatial coordinates, a
+    protein panel, an embedding, to ride in batches beside ``X`` (``where``: the store).
+
+    Held whole in memory like obs columns, since it is read by the same row take; that
+    suits the narrow entries it is for (coordinates: 16 bytes a cell); a wide one (an
+    embedding of hundreds of columns on 10^8 cells) is warned of. Dense arrays only: a
+    sparse entry or a dataframe is refused, naming how to load it instead."""
+    root_path = obs.path.rpartition("/")[0]
+    root = zarr.open_group(store=obs.store, path=root_path, mode="r")
+    key = column[len(OBSM_PREFIX) :]
+    node = zarr_member(root, column, where=where)
+    name = f"{where}/{column}"
+    if node is None:
+        obsm = zarr_member(root, "obsm", where=where)
+        held = sorted(obsm) if isinstance(obsm, zarr.Group) else []
+        raise DatasetError(
+            f"{name}: not in the store; its obsm entries: {', '.join(held) or 'none'}."
+        )
+    if not isinstance(node, zarr.Array):
+        encoding = node.attrs.get("encoding-type", "a group")
+        raise DatasetError(
+            f"{name}: is {encoding}, not a dense array, so it cannot ride beside X (its rows "
+            "are not one array a batch can take). Load it as the dataset itself, "
+            f"open_dataset(..., element={column!r}), or store it dense "
+            f"(adata.obsm[{key!r}] = adata.obsm[{key!r}].toarray() for a sparse one)."
+        )
+    if node.ndim < 2:
+        raise DatasetError(f"{name}: has shape {node.shape}; an obsm entry is at least 2-D.")
+    refuse_stale_metadata(node, name=name)
+    values = np.asarray(node[...])
+    if values.dtype.kind not in "biuf":
+        raise DatasetError(
+            f"{name}: dtype {values.dtype} cannot ride in a batch tensor; store it as numbers."
+        )
+    values = _native(values)
+    if values.dtype == np.float16:  # see ObsColumn: no float16 column reaches the graph
+        values = values.astype(np.float32)
+    if values.nbytes > OBSM_WARN_BYTES:
+        warnings.warn(
+            f"{name}: is held whole in memory on every rank ({values.nbytes / 2**30:,.1f} "
+            "GiB); for an entry this wide, load it as its own dataset "
+            f"(open_dataset(..., element={column!r})), read by chunks.",
+            stacklevel=4,
+        )
+    return ObsColumn(column, values)
+
+
 def changed_by_join(parts: Sequence[np.ndarray], joined: np.ndarray) -> list[int]:
     """Which of ``parts`` their concatenation ``joined`` (in NumPy's or pandas' common
     dtype) no longer holds exactly: int64 beside uint64 or a float becomes float64, which
@@ -179,6 +242,13 @@ def concat_obs_columns(parts: list[ObsColumn], stores: list[str]) -> ObsColumn:
             f"in others: {held}; make it the same type everywhere."
         )
     if not parts[0].is_categorical:
+        shapes = [p.values.shape[1:] for p in parts]
+        if len(set(shapes)) > 1:  # obsm entries: np.concatenate's own error names no store
+            held = ", ".join(f"{s} {(None, *t)}" for s, t in zip(stores, shapes, strict=True))
+            raise DatasetError(
+                f"{name!r}: its rows have other shapes in the stores of the collection: "
+                f"{held}; store it with one shape per row in every store."
+            )
         values = np.concatenate([p.values for p in parts])
         changed = [stores[i] for i in changed_by_join([p.values for p in parts], values)]
         if changed:

@@ -182,7 +182,7 @@ def source_nodes(source: BatchSource, callback: Callable, names: Sequence[str], 
         "index": (np.dtype(np.int64), 1),
     }
     fixed.update(
-        (obs_source_name(c), (v.dtype.newbyteorder("="), 1)) for c, v in source.obs.items()
+        (obs_source_name(c), (v.dtype.newbyteorder("="), v.ndim)) for c, v in source.obs.items()
     )
     layout = [fixed[n] for n in names]
     nodes = fn.external_source(
