@@ -108,7 +108,8 @@ _CONVERT_HELP = """\
 Convert an .h5ad file, an AnnData Zarr store or a plain Zarr array (several inputs are
 concatenated along the rows) into a zarr v3 store laid out for dali_zarr: chunks of
 --chunk-rows rows, shards of --shard-size, a codec the GPU path decodes. AnnData inputs give an
-AnnData store (X, obs, var; layers/obsm/uns are not copied: --element layers/counts makes a
+AnnData store (X, obs, var and dense obsm entries, which the loader serves beside X with
+obs=["obsm/<key>"]; layers/obsp/uns are not copied: --element layers/counts makes a
 layer, raw/X or an obsm entry the output's X) with an obs column original_index
 (each output row's row number in the concatenated input) and, for several inputs,
 original_source; plain arrays give a plain array.

@@ -10,9 +10,10 @@ read; plain arrays give a plain array.
 Memory is bounded: ``X`` is never loaded whole. At any time the converter holds one block of
 input rows (twice while shuffling it) and, per output array, a buffer of one shard, because
 zarr rewrites a whole shard on every partial write, so each shard is written once, complete.
-``obs``/``var`` (one value per row or feature), CSR ``indptr`` and the output→input row map
-are held in memory. AnnData inputs need the ``anndata`` package (and ``.h5ad`` files h5py),
-which reads and writes ``obs``/``var`` in every encoding anndata knows.
+``obs``/``var`` (one value per row or feature), the dense ``obsm`` entries carried (up to
+`OBSM_CARRY_BYTES` each), CSR ``indptr`` and the output→input row map are held in memory.
+AnnData inputs need the ``anndata`` package (and ``.h5ad`` files h5py), which reads and
+writes ``obs``/``var`` in every encoding anndata knows.
 
 The output is written whole (`dali_zarr.io.publish`): into ``DST.partial``, renamed to
 ``DST`` only when complete, so an interrupted or killed run never leaves a ``DST`` that looks
@@ -739,6 +740,60 @@ def _integers_kept(parts, merged) -> bool:
     return not changed_by_join([np.asarray(p) for p in parts], np.asarray(merged))
 
 
+#: the most bytes of one obsm entry convert holds to carry it (it is read whole, like obs)
+OBSM_CARRY_BYTES = 2**30
+
+
+def _combined_obsm(inputs: Sequence[_Input]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The inputs' dense obsm entries, concatenated in input row order (the loader serves
+    them beside X, ``obs=["obsm/<key>"]``: a convert that dropped spatial coordinates left
+    no way to train with them), and the notes on entries left out: sparse or dataframe
+    entries, entries not in every input or with other row shapes or dtypes that cannot
+    join, and entries over `OBSM_CARRY_BYTES` (held whole: convert them with --element),
+    each element with why."""
+    keys: dict[str, None] = {}
+    for inp in inputs:
+        node = inp.root.get("obsm") if inp.root is not None else None
+        keys.update(dict.fromkeys(node.keys() if hasattr(node, "keys") else ()))
+    carried, notes = {}, {}
+    for key in keys:
+        element = f"obsm/{key}"
+        if any(inp.element == element for inp in inputs):
+            continue  # it is this convert's X
+        parts, why = [], ""
+        for inp in inputs:
+            node = inp.root.get(element)
+            if node is None:
+                why = f"not in {inp.path}"
+                break
+            if not is_array(node) or len(node.shape) < 2 or node.dtype.kind not in "biuf":
+                why = f"not a dense numeric array in {inp.path}"
+                break
+            if node.shape[0] != inp.n_obs:
+                raise DatasetError(
+                    f"{inp.path}/{element}: has {node.shape[0]} rows for {inp.n_obs} "
+                    "observations; the store is inconsistent."
+                )
+            if parts and node.shape[1:] != parts[0].shape[1:]:
+                why = "rows of other shapes in the inputs"
+                break
+            if sum(p.nbytes for p in parts) + node.nbytes > OBSM_CARRY_BYTES:
+                why = f"over {OBSM_CARRY_BYTES / 2**30:.0f} GiB, held whole to copy it"
+                break
+            if isinstance(node, zarr.Array):
+                refuse_stale_metadata(node, name=f"{inp.path}/{element}")
+            parts.append(np.asarray(node[...]))
+        if not why:
+            joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            if changed_by_join(parts, joined):
+                why = "dtypes that cannot join without changing values"
+        if why:
+            notes[element] = why
+        else:
+            carried[key] = joined
+    return carried, notes
+
+
 def _column_kind(column, pd) -> str:
     """What an obs column holds, for concatenating it with the same column of another
     input: "categorical", "text" or "other" (numbers, booleans, ...)."""
@@ -747,9 +802,10 @@ def _column_kind(column, pd) -> str:
     return "text" if pd.api.types.is_string_dtype(column.dtype) else "other"
 
 
-def _not_copied(inputs: Sequence[_Input]) -> str | None:
+def _not_copied(inputs: Sequence[_Input], told: set[str]) -> str | None:
     """A note naming the inputs' AnnData elements the output leaves out (it holds one
-    element as X, obs and var): the summary said nothing of a layer or an obsm entry gone."""
+    element as X, obs, var and the dense ``obsm`` entries it carried): the summary said
+    nothing of a layer or an obsm entry gone. ``told``: elements another note names."""
     left: set[str] = set()
     for inp in inputs:
         root = inp.root
@@ -764,10 +820,12 @@ def _not_copied(inputs: Sequence[_Input]) -> str | None:
             except Exception:
                 names = ["?"]
             left |= {f"{key}/{n}" for n in names if f"{key}/{n}" != inp.element}
+    left -= told
     if not left:
         return None
     return (
-        f"not copied (the output holds X, obs and var): {', '.join(sorted(left))}; "
+        f"not copied (the output holds X, obs, var and dense obsm entries): "
+        f"{', '.join(sorted(left))}; "
         "--element (element=) converts a layer, raw/X or an obsm/obsp entry as the X of a "
         "store of its own"
     )
@@ -1206,11 +1264,18 @@ def _convert(
     _refuse_chunks_over_codec_limit(inputs, plan, codec)
     obs = var = var_note = left_out = None
     dropped: tuple[str, ...] = ()
+    obsm: dict[str, np.ndarray] = {}
+    obsm_notes: dict[str, str] = {}
     if first.anndata:  # read (and check) before touching the file system
         obs, dropped = _combined_obs(inputs)
         var, var_note = _check_var(inputs)
-        left_out = _not_copied(inputs)
+        obsm, obsm_notes = _combined_obsm(inputs)
+        left_out = _not_copied(inputs, {f"obsm/{k}" for k in obsm} | set(obsm_notes))
     notes = [n for n in (_shuffle_note(inputs, plan), var_note, left_out) if n]
+    if obsm_notes:
+        notes.append(
+            "obsm entries not carried: " + ", ".join(f"{k} ({w})" for k, w in obsm_notes.items())
+        )
     if obs is not None:
         obs, obs_note = _zarr_names(obs, "obs", ", ".join(i.path for i in inputs))
         var, var_names_note = _zarr_names(var, "var", first.path)
@@ -1270,7 +1335,7 @@ def _convert(
                     if plan.shuffle
                     else np.arange(plan.n_obs, dtype=np.int64)
                 )
-                obs_columns = _write_obs_var(root, inputs, obs, var, original)
+                obs_columns = _write_obs_var(root, inputs, obs, var, original, obsm)
                 root.attrs.update(
                     {"encoding-type": "anndata", "encoding-version": "0.1.0", "dali_zarr": info}
                 )
@@ -1336,10 +1401,14 @@ def _plain_strings(frame, pd):
     return frame
 
 
-def _write_obs_var(root, inputs, obs, var, original: np.ndarray) -> tuple[str, ...]:
-    """obs (in output row order, plus original_index/original_source), var, empty groups."""
+def _write_obs_var(
+    root, inputs, obs, var, original: np.ndarray, obsm: dict[str, np.ndarray]
+) -> tuple[str, ...]:
+    """obs (in output row order, plus original_index/original_source), var, the carried
+    obsm entries (in output row order), empty groups for the rest."""
     aio, pd = _anndata_io()
-    obs = obs.iloc[original] if not np.array_equal(original, np.arange(len(obs))) else obs
+    permuted = not np.array_equal(original, np.arange(len(obs)))
+    obs = obs.iloc[original] if permuted else obs
     obs = obs.copy()
     obs[ORIGINAL_INDEX] = original
     if len(inputs) > 1:
@@ -1350,6 +1419,7 @@ def _write_obs_var(root, inputs, obs, var, original: np.ndarray) -> tuple[str, .
         obs[ORIGINAL_SOURCE] = pd.Categorical.from_codes(which, categories=names)
     aio.write_elem(root, "obs", _plain_strings(obs, pd))
     aio.write_elem(root, "var", _plain_strings(var, pd))
-    for key in ("obsm", "varm", "obsp", "varp", "layers", "uns"):
+    aio.write_elem(root, "obsm", {k: v[original] if permuted else v for k, v in obsm.items()})
+    for key in ("varm", "obsp", "varp", "layers", "uns"):
         aio.write_elem(root, key, {})
     return tuple(str(c) for c in obs.columns)

@@ -1479,9 +1479,61 @@ def test_convert_names_the_elements_it_leaves_out(tmp_path, capsys):
         assert len(notes) == 1, notes
         return notes[0].split(": ", 2)[2].split(";")[0]
 
-    assert left_out() == "layers/counts, obsm/pca, raw, uns/note"
-    assert left_out("--element", "raw/X") == "X, layers/counts, obsm/pca, uns/note"
-    assert left_out("--element", "layers/counts") == "X, obsm/pca, raw, uns/note"
+    # obsm/pca is dense: carried (test_convert_carries_dense_obsm_entries)
+    assert left_out() == "layers/counts, raw, uns/note"
+    assert left_out("--element", "raw/X") == "X, layers/counts, uns/note"
+    assert left_out("--element", "layers/counts") == "X, raw, uns/note"
+
+
+@pytest.mark.parametrize("source", ["h5ad", "zarr"])
+def test_convert_carries_dense_obsm_entries(tmp_path, capsys, source):
+    """Dense obsm entries (spatial coordinates, a protein panel) are copied in the output's
+    row order, so the loader serves them beside X (obs=["obsm/<key>"]); before, convert
+    left every obsm entry out, and a converted .h5ad could not train with its coordinates.
+    Entries that cannot be carried are named with why, once."""
+    rng = np.random.default_rng(0)
+    stores = []
+    for k, n_obs in enumerate((70, 50)):
+        x = sp.random(n_obs, 6, density=0.5, format="csr", dtype=np.float32, random_state=k)
+        a = ad.AnnData(X=x, obs=pd.DataFrame(index=[f"s{k}c{i}" for i in range(n_obs)]))
+        a.obsm["spatial"] = rng.random((n_obs, 2))
+        a.obsm["patches"] = rng.integers(0, 9, (n_obs, 2, 3)).astype(np.int16)
+        a.obsm["pca"] = rng.random((n_obs, 2 + k)).astype(np.float32)  # other widths
+        a.obsm["meta"] = pd.DataFrame({"v": np.arange(n_obs)}, index=a.obs_names)
+        a.obsm["sparse"] = sp.random(n_obs, 4, density=0.5, format="csr", random_state=k)
+        if k == 0:
+            a.obsm["only_first"] = np.zeros((n_obs, 2))
+        path = tmp_path / f"in{k}.{source}"
+        a.write_h5ad(path) if source == "h5ad" else a.write_zarr(path)
+        stores.append(a)
+    dst = tmp_path / "o.zarr"
+    assert run("convert", *(tmp_path / f"in{k}.{source}" for k in (0, 1)), dst, "--shuffle") == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if "obsm" in line]
+    assert len(notes) == 1, out  # not also in "not copied"
+    for element, why in (
+        ("obsm/meta", "not a dense numeric array in"),
+        ("obsm/sparse", "not a dense numeric array in"),
+        ("obsm/pca", "rows of other shapes in the inputs"),
+        ("obsm/only_first", f"not in {tmp_path / f'in1.{source}'}"),
+    ):
+        assert f"{element} ({why}" in notes[0], notes[0]
+    written = ad.read_zarr(dst)
+    assert sorted(written.obsm) == ["patches", "spatial"]
+    original = written.obs["original_index"].to_numpy()
+    assert not np.array_equal(original, np.arange(120))  # shuffled: rows moved
+    for key in ("spatial", "patches"):
+        joined = np.concatenate([a.obsm[key] for a in stores])
+        assert written.obsm[key].dtype == joined.dtype
+        np.testing.assert_array_equal(written.obsm[key], joined[original])
+    sampler = dz.ChunkSampler(chunk_size=16, preload_nchunks=2, batch_size=20, seed=0)
+    with dz.Loader(dz.open_dataset(dst), sampler, obs=["obsm/spatial"], return_index=True) as L:
+        for batch in L:
+            rows = original[batch["index"].numpy()]
+            np.testing.assert_array_equal(
+                batch["obsm/spatial"].numpy(),
+                np.concatenate([a.obsm["spatial"] for a in stores])[rows],
+            )
 
 
 def test_legacy_obs_table_is_refused_by_name(tmp_path, capsys):
