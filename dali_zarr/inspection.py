@@ -21,6 +21,7 @@ import os
 import shlex
 import textwrap
 import zipfile
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -125,6 +126,8 @@ class StoreReport:
     arrays: tuple[ArrayInfo, ...]
     obs: tuple[ObsInfo, ...]
     elements: tuple[str, ...]  # every loadable element of an AnnData store (element=...)
+    #: obsm entries that ride beside X (obs=["obsm/<key>"]): "obsm/<key> <row shape> <dtype>"
+    beside: tuple[str, ...]
     suggestion: Suggestion
     converted: dict[str, Any] | None  # the ``dali_zarr`` attribute `convert` wrote, if any
 
@@ -493,6 +496,7 @@ def inspect_store(
     arrays: list[ArrayInfo] = []
     obs: tuple[ObsInfo, ...] = ()
     elements: tuple[str, ...] = ()
+    beside: tuple[str, ...] = ()
     nnz = None
     # convert records its settings on the root group, or on the array it wrote
     converted = node.attrs.get("dali_zarr") or x.attrs.get("dali_zarr")
@@ -502,6 +506,7 @@ def inspect_store(
     else:
         kind = "anndata"
         elements = tuple(available_elements(node))
+        beside = tuple(_beside_x(node, elements))
         if isinstance(ds, CsrDataset):
             nnz = int(ds.indptr[-1])
             per_element = _rows_per_element(ds)
@@ -525,9 +530,20 @@ def inspect_store(
         arrays=tuple(arrays),
         obs=obs,
         elements=elements,
+        beside=beside,
         suggestion=dataset_suggestion(ds, batch_size=batch_size),
         converted=dict(converted) if isinstance(converted, dict) else None,
     )
+
+
+def _beside_x(root: zarr.Group, elements: Sequence[str]) -> Iterator[str]:
+    """The loadable obsm entries that can ride beside X too (dense numeric arrays), each
+    with its row shape and dtype, for obs=["obsm/<key>"]."""
+    for element in elements:
+        if element.startswith("obsm/"):
+            node = root[element]
+            if isinstance(node, zarr.Array) and node.dtype.kind in "biuf":
+                yield f"{element} {tuple(node.shape[1:])} {node.dtype}"
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:
@@ -591,6 +607,8 @@ def format_report(report: StoreReport) -> str:
     if r.kind == "anndata":
         lines.append("")
         lines.append("  loadable elements (element=...): " + ", ".join(r.elements))
+        if r.beside:
+            lines.append('  beside X (obs=["obsm/<key>"]): ' + ", ".join(r.beside))
         if r.obs:
             parts = []
             for o in r.obs:

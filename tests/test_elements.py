@@ -435,6 +435,9 @@ def test_inspect_and_bench_an_element(rich, capsys) -> None:
     text = capsys.readouterr().out
     assert "AnnData store, obsm/X_pca dense" in text
     assert "loadable elements (element=...): X, raw/X, layers/counts" in text
+    # what rides beside X: dense obsm entries (not the dataframe obsm/meta)
+    assert '\n  beside X (obs=["obsm/<key>"]): obsm/X_pca (8,) float64\n' in text, text
+    assert report["beside"] == ["obsm/X_pca (8,) float64"]
     assert cli("bench", path, "--element", "raw/X", "--batches", 2, "--batch-size", 64,
                "--json") == 0  # fmt: skip
     summary = json.loads(capsys.readouterr().out)
