@@ -784,6 +784,14 @@ def test_obsm_entries_ride_beside_x(rich, tmp_path: Path, element: str) -> None:
     np.testing.assert_array_equal(part["obsm/X_pca"], adata.obsm["X_pca"][part["index"]])
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_obsm_entries_beside_x_on_the_gpu_path(rich, where: str) -> None:
+    """An obsm entry rides the host external source with the obs columns, then to the
+    device: batch for batch what the CPU path delivers (held to anndata above)."""
+    cpu, gpu = both(dz.open_dataset(rich[0]), where, obs=["obsm/X_pca"], return_index=True)
+    assert assert_same_batches(cpu, gpu, epochs=(0,), where=where) == len(cpu) > 0
+
+
 def test_obsm_entries_of_any_rank_and_dtype_in_a_collection(tmp_path: Path) -> None:
     """N-D entries keep their row shape; float16 arrives as float32 (no float16 reaches
     DALI); the stores of a collection join theirs, and a row shape that differs between
