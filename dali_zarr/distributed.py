@@ -38,6 +38,7 @@ __all__ = [
     "gather_across_ranks",
     "initialized_worlds",
     "jax_world_is",
+    "refuse_another_world",
     "refuse_disagreement",
     "resolve_rank_world",
     "torch_dist_initialized",
@@ -136,21 +137,33 @@ def initialized_worlds() -> list[tuple[Exchange, int, int]]:
     return worlds
 
 
-def _refuse_another_world(rank: object, world: object) -> None:
+def refuse_another_world(rank: object, world: object) -> None:
     """Refuse launcher variables that count another number of processes than an initialized
-    torch.distributed or jax.distributed of several: variables a wrapper or an allocation
-    left behind (``salloc -n 1``'s SLURM_NTASKS=1 under ``mp.spawn``) made every rank rank 0
-    of 1, each delivering every row, with nothing checked (its world was not torch's)."""
+    torch.distributed or jax.distributed of several, or that give this process another rank
+    in one of as many: variables a wrapper or an allocation left behind (``salloc -n 1``'s
+    SLURM_NTASKS=1 under ``mp.spawn``, a RANK=0 exported to every task) made every rank
+    rank 0 of 1, each delivering every row, or two ranks one: rows twice, and the rank whose
+    numbers matched exchanged its settings alone, paired with another rank's next
+    collective (DDP's parameter check, or garbage)."""
     names = "RANK/WORLD_SIZE" if "RANK" in os.environ else "SLURM_PROCID/SLURM_NTASKS"
     for whose, their_rank, their_world in initialized_worlds():
-        if their_world > 1 and str(their_world) != str(world).strip():
-            framework = f"{whose}.distributed"
+        if their_world < 2:
+            continue
+        framework = f"{whose}.distributed"
+        if str(their_world) != str(world).strip():
             raise ConfigError(
                 f'dist_info="env": {names} say rank {rank} of {world}, but {framework} is '
-                f"initialized with {their_world} processes (this one {their_rank}); the "
+                f"initialized with {their_world} processes (this one is rank {their_rank}); the "
                 "sampler would split the data for another number of ranks (rows twice or "
                 f"never). Fix or unset the stale {names} variables, or pass "
                 f'dist_info="{whose}"'
+            )
+        if str(their_rank) != str(rank).strip():
+            raise ConfigError(
+                f'dist_info="env": {names} say rank {rank} of {world}, but {framework} '
+                f"says this one is rank {their_rank}; ranks that take another rank's number "
+                f"deliver its rows twice (and others never). Fix or unset the stale {names} "
+                f'variables, or pass dist_info="{whose}"'
             )
 
 
@@ -173,7 +186,7 @@ def resolve_rank_world(dist_info: DistInfo) -> tuple[int, int]:
     elif dist_info == "env":
         rank, world = _from_env()
         source = "the environment"
-        _refuse_another_world(rank, world)
+        refuse_another_world(rank, world)
     else:
         raise ConfigError(f"unknown dist_info {dist_info!r}: {_DIST_INFO_HELP}")
     try:

@@ -24,7 +24,9 @@ from dali_zarr.distributed import (
     Exchange,
     agree_or_raise,
     collectives_may_hang,
+    exchange_of_initialized,
     exchange_over,
+    refuse_another_world,
     world_is,
 )
 from dali_zarr.errors import ConfigError
@@ -141,6 +143,15 @@ class Loader:
         if unchecked:
             over = exchange_over(rank, world)
         self._exchange = over if over is not None and world_is(over, rank, world) else None
+        # launcher variables read before init_process_group that count another world than
+        # the one now initialized, or give this process another rank in it (stale RANK=0
+        # on every rank): rows twice, and the ranks whose numbers matched exchanged alone
+        stale_env: ConfigError | None = None
+        if unchecked and self._exchange is None and getattr(sampler, "from_env", False):
+            try:
+                refuse_another_world(rank, world)
+            except ConfigError as exc:
+                stale_env, self._exchange = exc, exchange_of_initialized()
         self.device_id: int | None = None
         self._source: BatchSource | None = None  # type: ignore[assignment]
         with self._checked_on_every_rank(
@@ -162,6 +173,8 @@ class Loader:
                 "in the same order (sort a glob's paths)",
             },
         ) as mine:
+            if stale_env is not None:
+                raise stale_env
             if not isinstance(dataset, Dataset):  # a path failed later: 'str' has no 'name'
                 raise ConfigError(
                     f"Loader takes a dataset, got {type(dataset).__name__} {dataset!r}: open "

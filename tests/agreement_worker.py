@@ -218,6 +218,34 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
     }
 
 
+def stale_env(mode: str, store: str, out: Path) -> None:
+    """Every rank's RANK=0 is stale (a wrapper's, exported to every task), with WORLD_SIZE=2
+    (or 1: ``before-world-1``), and ``dist_info="env"``: the sampler built after
+    ``init_process_group`` (``after``) or before it. Writes this rank's outcome and the ids
+    it would deliver (a short timeout: a rank left waiting fails, it does not hang)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.update(RANK="0", WORLD_SIZE="1" if mode == "before-world-1" else "2")
+    group = {"backend": "gloo", "rank": rank, "world_size": world}
+    timeout = datetime.timedelta(seconds=60)
+    if mode != "after":
+        s = sampler(dist_info="env")
+    dist.init_process_group(**group, timeout=timeout)
+    try:
+        if mode == "after":
+            s = sampler(dist_info="env")
+        with loader(store, s) as ld:
+            outcome = ["ok", np.concatenate([b["index"].numpy() for b in ld]).tolist()]
+    except dz.ConfigError as e:
+        outcome = ["error", str(e)]
+    (out / f"rank{rank}.json").write_text(json.dumps({"stale_env": outcome}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--stores", nargs=3, required=True, help="a store, a smaller one, a link")
@@ -228,7 +256,12 @@ def main() -> None:
     p.add_argument("--absent", action="store_true", help="rank 1 leaves before its Loader")
     first = "build each rank's sampler (seed=rank) before init_process_group"
     p.add_argument("--sampler-first", action="store_true", help=first)
+    stale = "RANK=0 (and WORLD_SIZE as given) left on every rank by a wrapper"
+    p.add_argument("--stale-env", choices=["after", "before", "before-world-1"], help=stale)
     args = p.parse_args()
+    if args.stale_env:
+        stale_env(args.stale_env, args.stores[0], Path(args.out))
+        return
     if args.sampler_first:  # dist_info="env" needs no group: nothing is compared then
         import torch.distributed as dist
 

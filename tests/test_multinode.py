@@ -278,6 +278,35 @@ def test_a_rank_that_never_builds_its_loader_is_named(tmp_path: Path) -> None:
     assert "rank 0 of 2 waited in vain" in outcome and "DistributedSampler and Loader" in outcome
 
 
+@pytest.mark.parametrize("mode", ["after", "before", "before-world-1"])
+def test_a_stale_rank_in_the_environment_is_refused_on_every_rank(
+    tmp_path: Path, mode: str
+) -> None:
+    """``dist_info="env"`` with RANK=0 left on every rank (a wrapper's export) under a
+    2-process torch.distributed: rank 0 exchanged its settings and rank 1, "rank 0" too,
+    did not, so rank 0's exchange paired with rank 1's next collective (DDP's "Rank 1 has 2
+    params, while rank 0 has inconsistent 164 params", or garbage). A sampler built before
+    init_process_group was not checked by its Loader either: both ranks delivered rank 0's
+    rows (with WORLD_SIZE=1: every row, on both). Every rank now raises, naming the
+    variables."""
+    store = synthetic.make_single_cell(tmp_path / "s.zarr", n_obs=1_000, n_features=8)
+    worker = [str(AGREEMENT_WORKER), "--stores", store, store, store, "--out", str(tmp_path)]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, "--nproc_per_node=2", *worker, "--stale-env", mode]
+    for code, stdout, stderr in wait_all([start(cmd, env=_env())], TIMEOUT):
+        assert code == 0, stdout[-2000:] + stderr[-2000:]
+    outcomes = [json.loads((tmp_path / f"rank{r}.json").read_text())["stale_env"] for r in (0, 1)]
+    world = "1" if mode == "before-world-1" else "2"
+    for kind, text in outcomes:
+        assert kind == "error", outcomes
+        assert f"RANK/WORLD_SIZE say rank 0 of {world}, but torch.distributed" in text, text
+    # rank 1's own words; rank 0's name rank 1 (it could not go on), unless its own
+    # world size was stale too
+    assert "this one is rank 1" in outcomes[1][1], outcomes[1][1]
+    if mode != "before-world-1":
+        assert "rank 1 could not go on" in outcomes[0][1], outcomes[0][1]
+
+
 def test_a_sampler_built_before_the_group_is_checked_by_the_loader(tmp_path: Path) -> None:
     """A DistributedSampler(dist_info="env") built before init_process_group (it needs no
     group) exchanged nothing, and its Loader then checked nothing either: a seed per rank

@@ -374,7 +374,16 @@ class DistributedSampler:
     same way. Every rank must construct it then.
     """
 
-    __slots__ = ("_enforce", "_exchange", "_rank", "_sampler", "_seed", "_shard", "_world_size")
+    __slots__ = (
+        "_enforce",
+        "_exchange",
+        "_from_env",
+        "_rank",
+        "_sampler",
+        "_seed",
+        "_shard",
+        "_world_size",
+    )
 
     def __init__(
         self,
@@ -433,6 +442,7 @@ class DistributedSampler:
         object.__setattr__(self, "_enforce", enforce_equal_batches)
         object.__setattr__(self, "_shard", shard)
         object.__setattr__(self, "_exchange", over)
+        object.__setattr__(self, "_from_env", isinstance(dist_info, str) and dist_info == "env")
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"DistributedSampler is immutable; build a new one to change {name}")
@@ -450,6 +460,7 @@ class DistributedSampler:
                 self._enforce,
                 self._shard,
                 self._exchange,
+                self._from_env,
             ),
         )
 
@@ -470,6 +481,10 @@ class DistributedSampler:
         lambda self: self._exchange,
         doc='Whose processes the ranks\' settings were exchanged over ("torch", "jax"), and '
         "agreed; None where they were not checked.",
+    )
+    from_env = property(
+        lambda self: self._from_env,
+        doc='Rank and world size came from launcher variables (dist_info="env").',
     )
     ranks_checked = property(
         lambda self: self._exchange is not None, doc="The ranks' settings were exchanged and agree."
@@ -569,6 +584,7 @@ def _restore_distributed(
     enforce: bool,
     shard: Shard,
     exchange: Exchange | bool | None = None,
+    from_env: bool = False,
 ) -> DistributedSampler:
     if isinstance(exchange, bool):  # pickled before 2026-11-25 (d): a flag, torch's if set
         exchange = "torch" if exchange else None
@@ -581,6 +597,7 @@ def _restore_distributed(
         ("_enforce", enforce),
         ("_shard", shard),
         ("_exchange", exchange),
+        ("_from_env", from_env),
     ):
         object.__setattr__(obj, name, value)
     return obj
