@@ -299,22 +299,22 @@ def main(argv: list[str] | None = None) -> int:
         obs=[args.label],
         return_index=bool(args.log_indices),
     )
+    if resumed is not None:
+        # all ranks' states: on as many ranks, each continues its own stream with the next
+        # batch; on another number, the rest of the epoch is split among the new ranks.
+        # Before the model: a checkpoint of other data is refused naming what differs, not
+        # as a weight shape torch cannot copy. Before the first plan (len(loader)): a world
+        # the checkpoint cannot use failed there, on rank 0 alone, advising a new chunk_size
+        loader.load_state_dict(resumed["loaders"])
     n_classes = categorical_classes(loader.categories(args.label), args.label)
     log1p = holds_counts(args.element)
     if rank == 0:
         print(
             f"[rank 0] {dataset}; chunk_size {chunk_size}, preload_nchunks {preload_nchunks}; "
-            f"{world} ranks x {len(loader)} batches/epoch; input "
+            f"{world} ranks x {sampler.num_batches(dataset.n_obs)} batches/epoch; input "
             f"{'log1p(x)' if log1p else 'x as stored'}; "
             f"{loader.device_reason}; read paths {loader.read_paths()}"
         )
-
-    if resumed is not None:
-        # all ranks' states: on as many ranks, each continues its own stream with the next
-        # batch; on another number, the rest of the epoch is split among the new ranks.
-        # Before the model: a checkpoint of other data is refused naming what differs, not
-        # as a weight shape torch cannot copy
-        loader.load_state_dict(resumed["loaders"])
 
     torch.manual_seed(args.seed)
     model = mlp(dataset.feature_shape, hidden=args.hidden, n_classes=n_classes).to(device)

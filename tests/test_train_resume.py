@@ -245,6 +245,29 @@ def test_ranks_that_see_other_checkpoints_stop_with_an_error_not_a_hang(
         train(store, "--checkpoint-dir", str(ck), "--resume", nproc=1)
 
 
+def test_a_resume_on_more_ranks_than_the_checkpoint_allows_says_so(
+    store: str, tmp_path: Path
+) -> None:
+    """A checkpoint of 2 chunks (one rank) resumed on 3 ranks failed in the script's first
+    print (len(loader), before load_state_dict) with the planner's advice for a new run,
+    "lower chunk_size to at most 213 or run on at most 2 ranks", where a resume refuses
+    another chunk_size. The loader's refusal of the resume is what is said now."""
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    big = ["--chunk-size", "320", "--preload-nchunks", "1"]  # 2 chunks of 640 rows
+    train(store, *big, *ck, "--stop-after-steps", "2", nproc=1)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    script = ["pipelines/ddp_train.py", "--data", store, *SETTINGS, *big, *ck, "--resume"]
+    ((code, _, err),) = wait_all([start([*torchrun, "--nproc_per_node=3", *script])], 300)
+    assert code != 0
+    for rank in range(3):  # every rank says it (rank 0 alone failed, the others waited)
+        said = f"[rank{rank}]: dali_zarr.errors.ConfigError: sc.zarr/X: cannot resume epoch 0 on 3"
+        assert said in err, err[-3000:]
+    assert "Resume on at most 2 ranks (a resume may change only the number" in err
+    # two ranks resume it
+    out = train(store, *big, *ck, "--resume", nproc=2)
+    assert "2 ranks x 10 batches/epoch" in out and "resumed" in out, out
+
+
 def test_a_checkpoint_is_not_overwritten_without_resume(tmp_path: Path) -> None:
     """Without --resume, a checkpoint in the directory is refused before anything starts
     (the new run's first save would replace it); --resume needs a directory."""
