@@ -19,7 +19,7 @@ import zarr
 import dali_zarr as dz
 from dali_zarr.cli import main
 from dali_zarr.convert import convert
-from tests.test_gpu_loader import WHERE, assert_same_batches, both
+from tests.test_gpu_loader import WHERE, assert_same_batches, both, gpu_kwargs
 from tests.test_loader import assert_rows_match, run_epoch, sampler
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -676,6 +676,41 @@ def test_a_fill_outside_the_stored_range_masks_no_valid_value(tmp_path: Path) ->
     want = cf_decoded_reference(as_unsigned, fills=[255])
     np.testing.assert_array_equal(got["X"], want[got["index"]])
     assert np.isnan(got["X"]).sum() == 1
+
+
+@pytest.mark.parametrize("where", ["cpu", *WHERE])
+def test_unsigned_words_are_reinterpreted_before_they_become_float32(
+    tmp_path: Path, where: str
+) -> None:
+    """``_Unsigned="false"`` on uint32/uint64 words (signed values stored unsigned): the
+    graph made the stored words float32 first and subtracted 2**32 (2**64) after, so
+    4294967295 rounded to 2**32 and came out 0, not -1; -100 came out 0, 2**31 - 1
+    came out -2**31, and a fill of -1 masked nothing. The bits are now read as the signed
+    (or unsigned) type before they are made float32, on both paths."""
+    group = zarr.open_group(tmp_path / "w.zarr", mode="w", zarr_format=3)
+    signed = np.array([-1, -2, -100, -1000, 5, 2**31 - 1, -(2**31), 0] * 3, "i8")
+    meant = {  # what the words mean: signed in uint32/uint64 words, unsigned in int32 ones
+        "u4": signed.astype("i4"),
+        "u8": signed,
+        "i4": np.array([2**32 - 1, 2**32 - 1000, 2**31, 5, 0, 2**31 - 1, 100, 7] * 3, "u4"),
+    }
+    fill = {"u4": -1, "u8": -1, "i4": 2**32 - 1}  # -1 in the stored words
+    for name, values in meant.items():
+        words = values.view(np.dtype(name))
+        group.create_array(name, data=words[:, None], chunks=(5, 1)).attrs.update(
+            {"_Unsigned": "true" if name == "i4" else "false", "_FillValue": -1, "scale_factor": 2}
+        )
+    for name, values in meant.items():
+        want = values.astype("f4")[:, None] * np.float32(2.0)
+        want[values == fill[name]] = np.nan
+        ds = dz.open_dataset(tmp_path / "w.zarr", element=name, mask_and_scale=True)
+        kw = {} if where == "cpu" else gpu_kwargs(where)
+        with dz.Loader(
+            ds, sampler(chunk_size=5, batch_size=4, drop_last=False), return_index=True, **kw
+        ) as loader:
+            got = run_epoch(loader)
+        assert sorted(got["index"]) == list(range(len(values)))
+        np.testing.assert_array_equal(got["X"], want[got["index"]], err_msg=name)
 
 
 def test_mask_and_scale_refuses_what_it_cannot_decode(tmp_path: Path) -> None:

@@ -143,6 +143,20 @@ def cf_decoding(packing: dict[str, Any], stored: np.dtype, *, name: str) -> CfDe
     return None if decoding == CfDecoding(0, (), 1.0, 0.0) else decoding
 
 
+def cf_read_as(stored: np.dtype, decoding: CfDecoding | None) -> tuple[np.dtype, CfDecoding | None]:
+    """``(dtype, decoding)``: the dtype the graph reads ``stored`` values as before making
+    them float32, and what is left of ``decoding`` for those float32 values. Where
+    ``_Unsigned`` reinterprets integers (``wrap``), their bits are read as the other
+    signedness (a view, no copy) and ``wrap`` drops out: made float32 first, a uint32 word
+    4294967295 (-1 under ``_Unsigned="false"``) rounds to 2**32 and the wrap took it to 0."""
+    stored = np.dtype(stored)
+    if decoding is None or not decoding.wrap:
+        return stored, decoding
+    other = np.dtype(f"{'u' if decoding.wrap > 0 else 'i'}{stored.itemsize}")
+    rest = decoding._replace(wrap=0)
+    return other, (None if rest == CfDecoding(0, (), 1.0, 0.0) else rest)
+
+
 def is_array(node: Any) -> bool:
     """A zarr array or an h5py dataset (both have shape and dtype; groups have neither)."""
     return hasattr(node, "shape") and hasattr(node, "dtype")

@@ -17,7 +17,7 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.pipeline import Pipeline
 
-from dali_zarr.data.elements import CfDecoding
+from dali_zarr.data.elements import CfDecoding, cf_read_as
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import kernels
 from dali_zarr.graph.source import BatchSource, obs_source_name, window_dtype
@@ -320,7 +320,12 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
         if np.dtype(ds.dtype) == np.bool_:  # a column id stored twice is True, not 2 (scipy)
             out["X"] = dmath.min(out["X"], 1.0)
     else:
-        x = ops.gather_dense_float32(pos, node["values"], n_features=ds.n_features, stored=ds.dtype)
+        # _Unsigned words are read as the other signedness before they become float32
+        stored, _ = cf_read_as(ds.dtype, ds.cf_decoding())
+        values = node["values"]
+        if stored != np.dtype(ds.dtype):
+            values = fn.reinterpret(values, dtype=kernels.dali_type(stored))
+        x = ops.gather_dense_float32(pos, values, n_features=ds.n_features, stored=stored)
         if len(ds.feature_shape) != 1:
             x = rows_shaped(x, ds.feature_shape)
         out["X"] = x  # user ops then see float32 X
@@ -403,7 +408,7 @@ def assemble_pipeline(
     )
     with pipe:
         outputs = declare_graph()
-        decoding = dataset.cf_decoding()
+        _, decoding = cf_read_as(dataset.dtype, dataset.cf_decoding())  # less what the gather did
         if decoding is not None and "X" in outputs:
             outputs["X"] = ops.cf_decoded(outputs["X"], decoding, dataset.feature_shape)
         if transform is not None:
