@@ -332,7 +332,8 @@ class Loader:
         with self._loop_lock:
             self._in_dali = True
             try:
-                iterator = self._start_epoch()
+                with self._pipeline_interruptible():
+                    iterator = self._start_epoch()
             finally:
                 self._in_dali = False
             self._passes += 1
@@ -361,7 +362,8 @@ class Loader:
             )
         self._in_dali = True
         try:
-            outputs = next(iterator)
+            with self._pipeline_interruptible():
+                outputs = next(iterator)
             self._consumed += 1  # before the flag drops: no state counts it twice
         except StopIteration:
             self._open_epoch = False
@@ -379,6 +381,26 @@ class Loader:
         finally:
             self._in_dali = False
         return outputs
+
+    @contextlib.contextmanager
+    def _pipeline_interruptible(self) -> Iterator[None]:
+        """Drop the DALI pipeline where a KeyboardInterrupt (Ctrl-C) or another exception
+        that is not an ``Exception`` (a signal handler's ``SystemExit``) ends a call into it.
+
+        It may have landed while DALI fed one batch's outputs to its external sources, some
+        fed and some not: every later batch of that pipeline joined one batch's ``pos`` with
+        another's rows (X of other rows than ``index`` says, rows twice and never, or a
+        crash in the densify op), in later epochs too. The next loop builds a new pipeline,
+        as at the first loop; the position handed out so far is kept for state_dict()."""
+        try:
+            yield
+        except Exception:
+            raise
+        except BaseException:
+            self._iterator = self._pipe = None
+            self._open_epoch = False
+            self._source.restart()
+            raise
 
     def close(self) -> None:
         """Stop the reader threads and let the DALI pipeline and its buffers go (on the GPU
@@ -433,7 +455,8 @@ class Loader:
                 # drawing the transform's random ops for it; a checkpoint taken before that
                 # resumed the ops short of those draws (other values than the run's)
                 try:
-                    self._end_left_loop()
+                    with self._pipeline_interruptible():
+                        self._end_left_loop()
                 except Exception as exc:
                     log.warning(
                         "dali_zarr: the batches DALI had prefetched past the loop left early "

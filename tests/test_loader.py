@@ -272,6 +272,63 @@ def test_break_mid_epoch_then_next_epoch_is_complete(sc_store: Path) -> None:
     np.testing.assert_array_equal(run_epoch(again, epoch=1)["index"], full["index"])
 
 
+def interrupt_dali_feed(after_outputs: int) -> None:
+    """Raise SIGINT (Ctrl-C) on this thread once DALI has fed ``after_outputs`` more of the
+    external source's outputs: where a real Ctrl-C lands while a batch is drawn."""
+    import signal
+    import sys
+
+    fed = [0]
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "_feed_input":
+            fed[0] += 1
+            if fed[0] > after_outputs:
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGINT)
+        return None
+
+    sys.settrace(trace)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu-host"])
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_a_ctrl_c_while_a_batch_is_drawn_leaves_the_next_loops_right(
+    sc_store: Path, device: str, output: str
+) -> None:
+    """A Ctrl-C (or a signal handler's exception) that landed while DALI fed one batch's
+    outputs left DALI's external sources one batch apart: every later loop, next epochs
+    included, gave each batch's X with another batch's index (and rows twice, others never),
+    without an error. The pipeline is now rebuilt at the next loop."""
+    import sys
+
+    from dali_zarr.graph.window_backends import HostBackend
+
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    reference = csr_reference(sc_store).toarray()
+    loader = dz.Loader(
+        dz.open_dataset(sc_store), sampler(), output=output, return_index=True, **where
+    )
+    loader.set_epoch(0)
+    handed = 0
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            for i, _ in enumerate(loader):
+                handed += 1
+                if i == 3:
+                    interrupt_dali_feed(after_outputs=1)
+        finally:
+            sys.settrace(None)
+    assert loader.state_dict()["consumed"] == handed == 4
+    for epoch in (1, 1, 0):
+        got = run_epoch(loader, epoch)
+        np.testing.assert_array_equal(got["X"], reference[got["index"]])
+        assert np.array_equal(np.sort(got["index"]), np.arange(3_001)), "every row once"
+        fresh = dz.Loader(dz.open_dataset(sc_store), sampler(), return_index=True)
+        np.testing.assert_array_equal(got["index"], run_epoch(fresh, epoch)["index"])
+    loader.close()
+
+
 def test_closed_loader_refuses_to_iterate(sc_store: Path) -> None:
     with dz.Loader(dz.open_dataset(sc_store), sampler()) as loader:
         assert len(next(iter(loader))["X"]) == 50

@@ -364,6 +364,13 @@ class GpuBatchSource(BatchSource):
     def read_paths(self) -> dict[str, str]:
         return self.reader.read_paths()
 
+    def restart(self) -> None:
+        """As the base source's; a half fed to the old pipeline's other source must not
+        serve the new one's batch of the same (epoch, iteration) either."""
+        super().restart()
+        with self._twin_lock:
+            self._twins.clear()
+
     def close(self) -> None:
         super().close()
         self.ring.close()  # a reader waiting for a slot the stopped consumer holds ends

@@ -369,6 +369,18 @@ class BatchSource:
             rows = self.dataset.read_rows(window_plan.row_ranges)
         return Window(window_plan, window_arrays(self.dataset, rows))
 
+    def restart(self) -> None:
+        """Forget the DALI pipeline fed so far (the loader dropped it): a new one counts its
+        epochs from 0 again, which must not find the old one's epochs bound, cut short or
+        read ahead (on the GPU path a cached window's ring slot may have been recycled)."""
+        with self._lock:
+            self._epochs.clear()
+            self._stop_at.clear()
+            self._expected.clear()
+            for future in self._windows.values():
+                future.cancel()
+            self._windows.clear()
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._buffers.close()
