@@ -341,17 +341,17 @@ class Loader:
         try:
             while True:
                 with self._loop_lock:  # the check and the draw as one: no loop starts between
-                    outputs = self._next_outputs(iterator, this_pass)
-                if outputs is None:
+                    batch = self._next_batch(iterator, this_pass)
+                if batch is None:
                     return
-                yield self._to_batch(outputs[0])
+                yield batch
         finally:  # run out, left (break closes the generator) or failed
             if self._looping == this_pass:
                 self._looping = 0
 
-    def _next_outputs(self, iterator: Any, this_pass: int) -> Any:
-        """The next outputs of DALI's iterator for loop ``this_pass``, or None where its
-        epoch ended; a loop replaced by a newer one is refused (call with the loop lock)."""
+    def _next_batch(self, iterator: Any, this_pass: int) -> dict[str, Any] | None:
+        """The next batch of DALI's iterator for loop ``this_pass``, or None where its epoch
+        ended; a loop replaced by a newer one is refused (call with the loop lock)."""
         self._refuse_if_closed()  # a generator still held after close()
         if self._passes != this_pass:  # it would take the newer loop's batches
             raise ConfigError(
@@ -362,25 +362,34 @@ class Loader:
             )
         self._in_dali = True
         try:
-            with self._pipeline_interruptible():
-                outputs = next(iterator)
-            self._consumed += 1  # before the flag drops: no state counts it twice
-        except StopIteration:
-            self._open_epoch = False
-            return None
-        except Exception as exc:
-            self._dali_ahead = self.enable_checkpointing
-            error = self._original_error(exc)
-            if self._closed:  # by another thread mid-batch: its readers' own errors told
-                # "cannot schedule new futures after shutdown" or RingClosed
-                raise ConfigError(
-                    f"this Loader of {self.dataset.name} was closed while it drew a batch "
-                    f"({type(error).__name__}: {error}); create a new one to iterate"
-                ) from error
-            raise error from exc
+            try:
+                with self._pipeline_interruptible():
+                    outputs = next(iterator)
+            except StopIteration:
+                self._open_epoch = False
+                return None
+            except Exception as exc:
+                self._dali_ahead = self.enable_checkpointing
+                error = self._original_error(exc)
+                if self._closed:  # by another thread mid-batch: its readers' own errors told
+                    # "cannot schedule new futures after shutdown" or RingClosed
+                    raise ConfigError(
+                        f"this Loader of {self.dataset.name} was closed while it drew a batch "
+                        f"({type(error).__name__}: {error}); create a new one to iterate"
+                    ) from error
+                raise error from exc
+            # counted once it is the caller's, before the flag drops (no state counts it
+            # twice): a Ctrl-C while it was converted left it counted and never handed out,
+            # and a state saved on that Ctrl-C resumed past its rows
+            try:
+                batch = self._to_batch(outputs[0])
+            except BaseException:
+                self._dali_ahead = self.enable_checkpointing  # DALI's checkpoint counts it
+                raise
+            self._consumed += 1
         finally:
             self._in_dali = False
-        return outputs
+        return batch
 
     @contextlib.contextmanager
     def _pipeline_interruptible(self) -> Iterator[None]:
