@@ -80,9 +80,11 @@ class CfDecoding(NamedTuple):
     xarray's order: read signed as unsigned (or back), values equal to a fill become NaN,
     then ``value * scale + offset``.
 
-    ``wrap``: added to values below 0 (``_Unsigned="true"`` on signed ints: int8 -1 is 255),
-    or subtracted from values at or above ``wrap / 2`` when negative (``"false"`` on
-    unsigned ints); 0 for neither. ``fills``: the missing values, already so reinterpreted.
+    ``wrap``: the range of the stored words where ``_Unsigned`` reads them with the other
+    signedness: positive for signed words read as unsigned (``"true"``: int8 -1 is 255),
+    negative for unsigned words read as signed (``"false"``); 0 for neither. The gather
+    does that reading (:func:`cf_read_as`), so the float32 ops see no wrap. ``fills``: the
+    missing values, already so reinterpreted.
     """
 
     wrap: int

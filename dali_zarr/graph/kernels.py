@@ -239,35 +239,26 @@ def _to_float16_bits(out, x):
 
 
 def _cf_decode(out, x, params):
-    """out = float32 ``x`` (2-D) decoded as ``params`` say (float32: ``wrap``, ``scale``,
-    ``offset``, then the fills; see elements.CfDecoding): one pass over the batch, where
-    the GPU path's DALI arithmetic takes six (each a pass of its own: ~7x the time of this
-    kernel on the CPU). The same float32 operations in the same order, so both paths give
-    the same values: a scale of 1 and an offset of 0 are not applied (x + 0 would make -0
-    +0). Branches on the parameters are taken out of the loop, and the first two fills are
-    locals (NaN, never equal, where there are fewer): ~4x faster than a loop over them."""
-    wrap = params[0]
-    if wrap > 0.0:  # signed bits read as unsigned: values below 0 go up by wrap
-        low, high = np.float32(-np.inf), np.float32(0.0)
-    elif wrap < 0.0:  # unsigned bits read as signed: values from -wrap / 2 on go down
-        low, high = np.float32(-wrap / 2.0), np.float32(np.inf)
-    else:  # an empty range
-        low, high = np.float32(np.inf), np.float32(-np.inf)
-    shift = np.float32(wrap)
-    scale, offset = np.float32(params[1]), np.float32(params[2])
+    """out = float32 ``x`` (2-D) decoded as ``params`` say (float32: ``scale``, ``offset``,
+    then the fills; see elements.CfDecoding, whose ``_Unsigned`` reading the gather has
+    done): one pass over the batch, where the GPU path's DALI arithmetic takes several
+    (each a pass of its own: ~7x the time of this kernel on the CPU). The same float32
+    operations in the same order, so both paths give the same values: a scale of 1 and an
+    offset of 0 are not applied (x + 0 would make -0 +0). Branches on the parameters are
+    taken out of the loop, and the first two fills are locals (NaN, never equal, where
+    there are fewer): ~4x faster than a loop over them."""
+    scale, offset = np.float32(params[0]), np.float32(params[1])
     scaled, offset_added = scale != np.float32(1.0), offset != np.float32(0.0)
     nan = np.float32(np.nan)
-    n_fills = params.shape[0] - 3
-    fill0 = params[3] if n_fills > 0 else nan
-    fill1 = params[4] if n_fills > 1 else nan
+    n_fills = params.shape[0] - 2
+    fill0 = params[2] if n_fills > 0 else nan
+    fill1 = params[3] if n_fills > 1 else nan
     for i in range(x.shape[0]):
         row, out_row = x[i], out[i]
         for c in range(x.shape[1]):
             v = row[c]
-            if low <= v < high:
-                v = v + shift
             missing = (v == fill0) | (v == fill1)
-            for k in range(5, params.shape[0]):
+            for k in range(4, params.shape[0]):
                 missing |= v == params[k]
             if scaled:
                 v = v * scale
@@ -393,7 +384,7 @@ def to_bfloat16_bits(bits):
 
 
 def cf_decode(x, params):
-    """DALI op: 2-D float32 ``x`` decoded by ``params`` (a 1-D float32 node: wrap, scale,
+    """DALI op: 2-D float32 ``x`` decoded by ``params`` (a 1-D float32 node: scale,
     offset, fills...; see :func:`_cf_decode`)."""
     op = _numba_op("cf_decode", None, (types.FLOAT,), (types.FLOAT, types.FLOAT), (2,), (2, 1))
     return op(x, params)

@@ -88,12 +88,11 @@ def convert_x(
 
 def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
     """float32 ``X`` node decoded as ``open_dataset(..., mask_and_scale=True)`` promises,
-    in DALI arithmetic: six elementwise ops, a pass over the batch each (cheap on the GPU;
-    on the CPU, :meth:`GraphOps.cf_decoded` takes one pass instead)."""
-    if decoding.wrap > 0:  # signed bits read as unsigned: -1 is 255
-        x = x + (x < 0.0) * float(decoding.wrap)
-    elif decoding.wrap < 0:  # unsigned bits read as signed: 255 is -1
-        x = x + (x >= float(-decoding.wrap // 2)) * float(decoding.wrap)
+    in DALI arithmetic: up to five elementwise ops, a pass over the batch each (cheap on
+    the GPU; on the CPU, :meth:`GraphOps.cf_decoded` takes one pass instead). ``_Unsigned``
+    words were read as the other signedness by the gather (:func:`cf_read_as`), before
+    they became float32, where a uint32 word's low bits are lost."""
+    assert not decoding.wrap, "cf_read_as leaves no wrap to the float32 values"
     missing_to_nan = None
     if decoding.fills:
         keep = None
@@ -280,8 +279,9 @@ class GraphOps:
         on the GPU by its DALI arithmetic, on the CPU by one kernel pass (same values)."""
         if self.on_gpu:
             return cf_decoded(x, decoding)
+        assert not decoding.wrap, "cf_read_as leaves no wrap to the float32 values"
         params = fn.constant(
-            fdata=[float(decoding.wrap), decoding.scale, decoding.offset, *decoding.fills],
+            fdata=[decoding.scale, decoding.offset, *decoding.fills],
             dtype=types.FLOAT,  # (fn.constant takes no float64) as X compares and computes
         )
         return through_rows(lambda rows: kernels.cf_decode(rows, params), x, feature_shape)
