@@ -885,3 +885,21 @@ def test_obsm_entries_that_cannot_ride_are_named_with_what_to_do(
     module.setup("fit")
     with pytest.raises(dz.DatasetError, match=r"holds \(8,\) values per observation"):
         module.train_dataloader()
+
+
+def test_a_v2_bool_array_with_dimension_names_is_not_packed(tmp_path: Path) -> None:
+    """zarr's default fill False of a v2 bool array with xarray's dimension names was taken
+    as a CF _FillValue: a PackedValuesWarning at open, and mask_and_scale=True refused the
+    array ("_FillValue=False is not a number"), an attribute it does not have."""
+    path = tmp_path / "flags.zarr"
+    flags = np.random.default_rng(0).random((40, 3)) < 0.5
+    array = zarr.create_array(path, shape=flags.shape, dtype=bool, chunks=(8, 3), zarr_format=2)
+    array[...] = flags
+    array.attrs["_ARRAY_DIMENSIONS"] = ["time", "x"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dz.PackedValuesWarning)
+        assert dz.open_dataset(path).packing() == {}
+    decoded = dz.open_dataset(path, mask_and_scale=True)
+    assert decoded.cf_decoding() is None
+    got = run_epoch(dz.Loader(decoded, sampler(), return_index=True))
+    np.testing.assert_array_equal(got["X"], flags.astype(np.float32)[got["index"]])

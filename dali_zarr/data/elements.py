@@ -57,6 +57,8 @@ def packing_attributes(node: Any) -> dict[str, Any]:
     packed = "scale_factor" in found or "add_offset" in found or "_ARRAY_DIMENSIONS" in node.attrs
     v2 = getattr(getattr(node, "metadata", None), "zarr_format", None) == 2
     fill = _cf_number(getattr(node, "fill_value", None)) if v2 else None
+    if isinstance(fill, bool):  # zarr's default False of a bool array: no CF fill (xarray
+        fill = None  # stores bools as int8 with a "dtype" attribute), nothing to decode
     if packed and "_FillValue" not in found and fill is not None:
         found["_FillValue"] = fill
     return found
