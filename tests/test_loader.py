@@ -453,7 +453,7 @@ def test_truncated_chunk_raises(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "gpu-path-on-host", "zarr-python"])
 @pytest.mark.parametrize("shard_chunks", [None, 2], ids=["chunk-files", "shards"])
-@pytest.mark.parametrize("kind", ["dangling-link", "dangling-folder", "named-pipe"])
+@pytest.mark.parametrize("kind", ["dangling-link", "dangling-folder", "named-pipe", "folder"])
 def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
     tmp_path: Path, kind: str, shard_chunks, device: str
 ) -> None:
@@ -477,6 +477,8 @@ def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
     elif kind == "dangling-folder":
         target.parent.rmdir()
         target.parent.symlink_to(tmp_path / "not-mounted")
+    elif kind == "folder":  # was called "not a regular file (a named pipe, socket or device?)"
+        target.mkdir()
     else:
         os.mkfifo(target)
     where = {"device": "gpu", "gpu_backend": HostBackend()} if device.startswith("gpu") else {}
@@ -486,6 +488,7 @@ def test_a_stored_file_that_is_no_file_is_named_not_read_as_fill(
         "dangling-link": "is a symbolic link to",
         "dangling-folder": r"folder '[^']*c/1' is a symbolic link to",
         "named-pipe": "not a regular file",
+        "folder": "it is a folder, not a chunk file",
     }[kind]
     with pytest.raises(dz.ChunkReadError, match=rf"c/1/0.*{problem}"):
         for _ in loader:

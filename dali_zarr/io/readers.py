@@ -359,6 +359,8 @@ def _refuse_odd(path: str, mode: int | None) -> None:
                 break
             at = parent
         return
+    if stat.S_ISDIR(mode):  # a chunk key of another key encoding's depth, or a stray folder
+        raise DecodeError("it is a folder, not a chunk file; remove it or re-write the array")
     if not stat.S_ISREG(mode):
         raise DecodeError("it is not a regular file (a named pipe, socket or device?)")
 
