@@ -43,6 +43,7 @@ from dali_zarr.data.elements import (
     matrix_layout,
     packing_attributes,
     pick_element,
+    refuse_bad_indptr,
     refuse_non_integer,
     shape_attribute,
     var_key,
@@ -395,11 +396,12 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
     n_obs, n_features = shape_attribute(x, where=where)
     refuse_non_integer(x["indptr"].dtype, f"{where}/indptr", part="indptr")
     indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
-    if indptr.shape != (n_obs + 1,) or indptr[0] != 0 or np.any(indptr[1:] < indptr[:-1]):
+    if indptr.shape != (n_obs + 1,):
         raise DatasetError(
-            f"{where}/indptr: must hold {n_obs + 1} non-decreasing offsets from 0 "
-            f"(has {len(indptr)}); the store is inconsistent."
+            f"{where}/indptr: must hold {n_obs + 1} offsets, one per row plus one (has "
+            f"{len(indptr)}); the store is inconsistent: re-write the matrix."
         )
+    refuse_bad_indptr(indptr, f"{where}/indptr")
     data, indices = x["data"], x["indices"]
     refuse_non_integer(indices.dtype, f"{where}/indices", part="indices")  # as open_dataset
     for name, arr in (("data", data), ("indices", indices)):

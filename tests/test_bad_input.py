@@ -136,6 +136,40 @@ def test_an_indptr_the_int64_cast_would_change_is_refused(
         dz.open_dataset(path)
 
 
+def _decreasing_at_row_7(indptr: np.ndarray) -> np.ndarray:
+    out = indptr.copy()
+    out[8] = out[7] - 1  # row 7 would hold -1 values
+    return out
+
+
+def _starting_at_3(indptr: np.ndarray) -> np.ndarray:
+    return indptr + 3
+
+
+@pytest.mark.parametrize(
+    ("indptr_of", "match"),
+    [
+        (_decreasing_at_row_7, r"decreases at row 7: indptr\[7\] = \d+ > indptr\[8\] = \d+"),
+        (_starting_at_3, r"indptr\[0\] is 3, not 0"),
+    ],
+    ids=["decreasing", "not-from-0"],
+)
+def test_bad_indptr_names_its_first_bad_offset(tmp_path: Path, indptr_of, match: str) -> None:
+    """Offsets that decrease or do not start at 0 were refused as "must start at 0 and never
+    decrease" (convert: "must hold 121 non-decreasing offsets from 0 (has 121)"), naming
+    neither which rule failed nor where: on a 10**8-row store the row could not be found.
+    Both open_dataset and convert name the first bad offset and how to re-write it."""
+    from dali_zarr.convert import convert
+
+    adata = make_adata()
+    path = write_store(tmp_path / "ip.zarr", adata)
+    replace_array(path, "X/indptr", indptr_of(adata.X.indptr))
+    with pytest.raises(dz.DatasetError, match=rf"ip\.zarr/X/indptr: {match}.*re-write"):
+        dz.open_dataset(path)
+    with pytest.raises(dz.DatasetError, match=rf"ip\.zarr/X/indptr: {match}.*re-write"):
+        convert(path, tmp_path / "out.zarr")
+
+
 def test_two_d_indptr_reports_its_shape(tmp_path: Path) -> None:
     adata = make_adata()
     path = write_store(tmp_path / "ip2.zarr", adata)
