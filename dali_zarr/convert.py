@@ -39,6 +39,7 @@ from dali_zarr.data.elements import (
     bad_column_error,
     dimension_names,
     first_bad_column,
+    indptr_as_int64,
     is_array,
     matrix_layout,
     packing_attributes,
@@ -395,7 +396,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
         refuse_stale_metadata(x[part], name=f"{where}/{part}")
     n_obs, n_features = shape_attribute(x, where=where)
     refuse_non_integer(x["indptr"].dtype, f"{where}/indptr", part="indptr")
-    indptr = np.asarray(x["indptr"][...]).astype(np.int64, copy=False)
+    indptr = indptr_as_int64(np.asarray(x["indptr"][...]), f"{where}/indptr")
     if indptr.shape != (n_obs + 1,):
         raise DatasetError(
             f"{where}/indptr: must hold {n_obs + 1} offsets, one per row plus one (has "

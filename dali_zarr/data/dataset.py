@@ -30,6 +30,7 @@ from dali_zarr.data.elements import (
     dimension_names,
     first_bad_column,
     frame_index,
+    indptr_as_int64,
     matrix_layout,
     misplaced_observation_axis,
     packing_attributes,
@@ -503,13 +504,7 @@ class CsrDataset(_StoreDataset):
                 "one offset per row, plus one); the store is inconsistent: re-write the matrix."
             )
         refuse_stale_metadata(array, name=where)
-        indptr = np.asarray(array[...])
-        if indptr.dtype.itemsize == 8 and indptr.dtype.kind == "u" and indptr.max() > 2**63 - 1:
-            raise DatasetError(
-                f"{where}: offset {int(indptr.max())} is beyond int64 (the largest is "
-                f"{2**63 - 1}); the store is corrupted: re-write the matrix."
-            )
-        return indptr.astype(np.int64, copy=False)
+        return indptr_as_int64(np.asarray(array[...]), where)
 
     def _check_indptr(self) -> None:
         indptr, name = self.indptr, self.name

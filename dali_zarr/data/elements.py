@@ -644,6 +644,18 @@ def refuse_non_integer(dtype: Any, where: str, *, part: str) -> None:
         )
 
 
+def indptr_as_int64(indptr: np.ndarray, where: str) -> np.ndarray:
+    """Row offsets (integers) as int64, refused where the cast would change them: uint64
+    ones past int64 wrap negative (then named as offsets that decrease, or passed)."""
+    wide = indptr.dtype.itemsize == 8 and indptr.dtype.kind == "u" and indptr.size
+    if wide and indptr.max() > 2**63 - 1:
+        raise DatasetError(
+            f"{where}: offset {int(indptr.max())} is beyond int64 (the largest is "
+            f"{2**63 - 1}); the store is corrupted: re-write the matrix."
+        )
+    return indptr.astype(np.int64, copy=False)
+
+
 def refuse_bad_indptr(indptr: np.ndarray, where: str) -> None:
     """Row offsets (int64) must start at 0 and never decrease; refused otherwise, naming the
     first bad offset (on a 10**8-row store "never decrease" alone leaves the row unfound).
