@@ -887,6 +887,28 @@ def test_obsm_entries_that_cannot_ride_are_named_with_what_to_do(
         module.train_dataloader()
 
 
+def test_an_obsm_entry_added_after_consolidation_is_named_as_such(tmp_path: Path) -> None:
+    """An obsm entry written after the store's metadata was consolidated (anndata writes it
+    consolidated) is on disk but not in zarr's listing: obs=["obsm/<key>"] said "not in
+    the store" and listed the other entries, as element= does not; now it says why."""
+    path = tmp_path / "late.zarr"
+    make_adata(4).write_zarr(path)
+    spatial = np.random.default_rng(0).random((N_OBS, 2))
+    zarr.open_group(path, mode="r+", use_consolidated=False)["obsm"].create_array(
+        "spatial", data=spatial
+    )
+    with pytest.raises(dz.DatasetError) as caught:
+        dz.Loader(dz.open_dataset(path), sampler(), obs=["obsm/spatial"])
+    message = str(caught.value)
+    assert "late.zarr/obsm/spatial: not in the store" in message, message
+    assert f"It is on disk at {path / 'obsm' / 'spatial'}, but not in the store's " in message
+    assert "run zarr.consolidate_metadata on the store" in message
+    zarr.consolidate_metadata(str(path))  # what the message says to do
+    loader = dz.Loader(dz.open_dataset(path), sampler(), obs=["obsm/spatial"], return_index=True)
+    got = run_epoch(loader)
+    np.testing.assert_array_equal(got["obsm/spatial"], spatial[got["index"]])
+
+
 def test_a_v2_bool_array_with_dimension_names_is_not_packed(tmp_path: Path) -> None:
     """zarr's default fill False of a v2 bool array with xarray's dimension names was taken
     as a CF _FillValue: a PackedValuesWarning at open, and mask_and_scale=True refused the

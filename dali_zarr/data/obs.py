@@ -181,6 +181,7 @@ def read_obsm_entry(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
         held = sorted(obsm) if isinstance(obsm, zarr.Group) else []
         raise DatasetError(
             f"{name}: not in the store; its obsm entries: {', '.join(held) or 'none'}."
+            + stale_listing_hint(root, column)  # added after zarr.consolidate_metadata
         )
     if not isinstance(node, zarr.Array):
         encoding = node.attrs.get("encoding-type", "a group")
