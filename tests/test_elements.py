@@ -447,6 +447,33 @@ def test_inspect_and_bench_an_element(rich, capsys) -> None:
     assert "not an element whose rows are observations" in capsys.readouterr().err
 
 
+def test_inspect_gives_the_dtype_an_obsm_entry_has_in_batches(tmp_path: Path, capsys) -> None:
+    """inspect's "beside X" listing gave the stored dtype: float16 (batches hold float32)
+    and a v2 big-endian '>f8' or '>i4' (batches hold native float64, int32)."""
+    path = tmp_path / "be.zarr"
+    with ad.settings.override(zarr_write_format=2):
+        make_adata(5).write_zarr(path)
+    rng = np.random.default_rng(0)
+    entries = {
+        "half": rng.random((N_OBS, 3)).astype(np.float16),
+        "coords": rng.random((N_OBS, 2)).astype(">f8"),
+        "counts": rng.integers(-9, 9, (N_OBS, 4)).astype(">i4"),
+    }
+    obsm = zarr.open_group(path, mode="r+", use_consolidated=False)["obsm"]
+    for key, values in entries.items():
+        obsm.create_array(key, shape=values.shape, dtype=values.dtype)[...] = values
+    zarr.consolidate_metadata(str(path))
+    assert cli("inspect", path, "--json") == 0
+    beside = json.loads(capsys.readouterr().out)["beside"]
+    loader = dz.Loader(dz.open_dataset(path), sampler(), obs=[f"obsm/{k}" for k in entries])
+    batch = next(iter(loader))
+    got = {k: str(batch[f"obsm/{k}"].numpy().dtype) for k in entries}
+    loader.close()
+    assert got == {"half": "float32", "coords": "float64", "counts": "int32"}
+    want = sorted(f"obsm/{k} {entries[k].shape[1:]} {got[k]}" for k in entries)
+    assert [b for b in beside if b.split()[0][5:] in entries] == want, beside
+
+
 def test_a_v3_packed_variable_without_fill_value_names_none(tmp_path: Path) -> None:
     """xarray writes a v3 variable's _FillValue as an attribute and leaves the array's fill
     value at zarr's default (0 for int16). A v3 variable packed without _FillValue was read

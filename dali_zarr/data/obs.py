@@ -156,6 +156,14 @@ OBSM_PREFIX = "obsm/"
 OBSM_WARN_BYTES = 2**30
 
 
+def batch_dtype(stored: np.dtype) -> np.dtype:
+    """The dtype a numeric obs column or obsm entry stored as ``stored`` has in batches:
+    native byte order, float16 widened to float32 (see `ObsColumn`), for what inspect and
+    convert report (a listing of the stored ``float16`` or ``>f8`` promised another tensor)."""
+    dtype = np.dtype(stored).newbyteorder("=")
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
 def is_obsm(column: str) -> bool:
     """Whether ``column`` names an ``obsm`` entry (``"obsm/spatial"``) rather than an obs
     column: several values per observation, which ride beside ``X`` as one array each."""
