@@ -373,6 +373,8 @@ def _convert_summary(r: Any) -> str:
         lines.append(
             f"  obs columns not in every input, dropped: {', '.join(r.dropped_obs_columns)}"
         )
+    if r.obsm:  # what rides beside X: the summary said nothing of the entries carried
+        lines.append(f'  beside X (obs=["obsm/<key>"]): {", ".join(r.obsm)}')
     lines += [f"  note: {n}" for n in r.notes]
     # quoted: a path with spaces, pasted as printed, would be two arguments
     lines.append(f"  next: {PROG} inspect {shlex.quote(str(r.path))}")

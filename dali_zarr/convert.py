@@ -49,7 +49,7 @@ from dali_zarr.data.elements import (
     shape_attribute,
     var_key,
 )
-from dali_zarr.data.obs import changed_by_join
+from dali_zarr.data.obs import batch_dtype, changed_by_join
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
 from dali_zarr.io import (
     WRITER_MARKER,
@@ -118,6 +118,8 @@ class ConvertResult:
     n_blocks: int  # blocks of input rows read (the unit of memory)
     obs_columns: tuple[str, ...] = ()
     dropped_obs_columns: tuple[str, ...] = ()
+    #: obsm entries carried, for obs=["obsm/<key>"]: "obsm/<key> <row shape> <batch dtype>"
+    obsm: tuple[str, ...] = ()
     nbytes: int = 0  # bytes on disk
     seconds: float = 0.0
     notes: tuple[str, ...] = field(default=())
@@ -1362,6 +1364,9 @@ def _convert(
         n_blocks=n_blocks,
         obs_columns=obs_columns,
         dropped_obs_columns=dropped,
+        obsm=tuple(
+            f"obsm/{k} {tuple(v.shape[1:])} {batch_dtype(v.dtype)}" for k, v in obsm.items()
+        ),
         nbytes=nbytes,
         seconds=time.perf_counter() - t0,
         notes=tuple(notes),

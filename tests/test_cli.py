@@ -1490,7 +1490,7 @@ def test_convert_carries_dense_obsm_entries(tmp_path, capsys, source):
     """Dense obsm entries (spatial coordinates, a protein panel) are copied in the output's
     row order, so the loader serves them beside X (obs=["obsm/<key>"]); before, convert
     left every obsm entry out, and a converted .h5ad could not train with its coordinates.
-    Entries that cannot be carried are named with why, once."""
+    Entries that cannot be carried are named with why, once; those carried are listed."""
     rng = np.random.default_rng(0)
     stores = []
     for k, n_obs in enumerate((70, 50)):
@@ -1509,8 +1509,11 @@ def test_convert_carries_dense_obsm_entries(tmp_path, capsys, source):
     dst = tmp_path / "o.zarr"
     assert run("convert", *(tmp_path / f"in{k}.{source}" for k in (0, 1)), dst, "--shuffle") == 0
     out = capsys.readouterr().out
-    notes = [line for line in out.splitlines() if "obsm" in line]
+    notes = [line for line in out.splitlines() if "note:" in line and "obsm" in line]
     assert len(notes) == 1, out  # not also in "not copied"
+    # the summary names what was carried too (it said nothing of it), as inspect lists it
+    beside = 'beside X (obs=["obsm/<key>"]): obsm/patches (2, 3) int16, obsm/spatial (2,) float64'
+    assert f"\n  {beside}\n" in out, out
     for element, why in (
         ("obsm/meta", "not a dense numeric array in"),
         ("obsm/sparse", "not a dense numeric array in"),
