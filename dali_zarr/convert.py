@@ -42,6 +42,7 @@ from dali_zarr.data.elements import (
     indptr_as_int64,
     is_array,
     matrix_layout,
+    member_names,
     packing_attributes,
     pick_element,
     refuse_bad_indptr,
@@ -749,6 +750,18 @@ def _integers_kept(parts, merged) -> bool:
 OBSM_CARRY_BYTES = 2**30
 
 
+def _listed(root: Any, key: str) -> list[str]:
+    """The members of group ``key`` of an input's root (none where it is no group). zarr
+    parses every member's metadata to list a group, so one it cannot parse failed the
+    listing (and convert with a bare JSONDecodeError): a local store's folder is listed
+    then (`member_names`), and ``["?"]`` stands for a listing that cannot be read at all."""
+    try:  # for notes only: metadata it cannot parse is no reason to stop the convert
+        node = root.get(key)
+        return member_names(node) if node is not None and hasattr(node, "keys") else []
+    except Exception:
+        return ["?"]
+
+
 def _combined_obsm(inputs: Sequence[_Input]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The inputs' dense obsm entries, concatenated in input row order (the loader serves
     them beside X, ``obs=["obsm/<key>"]``: a convert that dropped spatial coordinates left
@@ -758,8 +771,7 @@ def _combined_obsm(inputs: Sequence[_Input]) -> tuple[dict[str, np.ndarray], dic
     each element with why."""
     keys: dict[str, None] = {}
     for inp in inputs:
-        node = inp.root.get("obsm") if inp.root is not None else None
-        keys.update(dict.fromkeys(node.keys() if hasattr(node, "keys") else ()))
+        keys.update(dict.fromkeys(_listed(inp.root, "obsm")))
     carried, notes = {}, {}
     for key in keys:
         element = f"obsm/{key}"
@@ -767,7 +779,11 @@ def _combined_obsm(inputs: Sequence[_Input]) -> tuple[dict[str, np.ndarray], dic
             continue  # it is this convert's X
         parts, why = [], ""
         for inp in inputs:
-            node = inp.root.get(element)
+            try:  # metadata zarr cannot parse: X does not need the entry, so a note only
+                node = inp.root.get(element)
+            except Exception as exc:
+                why = f"its metadata cannot be read in {inp.path}: {type(exc).__name__}"
+                break
             if node is None:
                 why = f"not in {inp.path}"
                 break
@@ -819,11 +835,7 @@ def _not_copied(inputs: Sequence[_Input], told: set[str]) -> str | None:
         if "raw" in root and "X" in root["raw"] and inp.element != "raw/X":
             left.add("raw")
         for key in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
-            try:  # a note only: metadata it cannot parse is no reason to stop the convert
-                node = root.get(key)
-                names = list(node.keys()) if node is not None and hasattr(node, "keys") else []
-            except Exception:
-                names = ["?"]
+            names = _listed(root, key)
             left |= {f"{key}/{n}" for n in names if f"{key}/{n}" != inp.element}
     left -= told
     if not left:

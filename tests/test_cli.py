@@ -1539,6 +1539,29 @@ def test_convert_carries_dense_obsm_entries(tmp_path, capsys, source):
             )
 
 
+def test_convert_notes_an_obsm_entry_whose_metadata_cannot_be_read(tmp_path, capsys):
+    """convert lists obsm to carry its entries; zarr parses every member's metadata to list
+    a group, so one unreadable .zarray (an entry X does not need) ended the convert with a
+    bare JSONDecodeError traceback, where before obsm was carried it converted. The entry
+    is now named in a note and the others are carried."""
+    src = tmp_path / "in.zarr"
+    a = ad.AnnData(X=np.arange(40, dtype=np.float32).reshape(20, 2))
+    a.obsm["spatial"] = np.random.default_rng(0).random((20, 2))
+    a.obsm["pca"] = np.ones((20, 3), dtype=np.float32)
+    with ad.settings.override(zarr_write_format=2):
+        a.write_zarr(src)
+    (src / ".zmetadata").unlink()  # zarr lists the group from each member's own file
+    (src / "obsm" / "pca" / ".zarray").write_text("{")
+    dst = tmp_path / "o.zarr"
+    assert run("convert", src, dst) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "note: obsm entries not carried: obsm/pca (its metadata cannot be read in " in out
+    assert "JSONDecodeError)" in out and "obsm/?" not in out, out
+    written = ad.read_zarr(dst)
+    assert list(written.obsm) == ["spatial"]
+    np.testing.assert_array_equal(written.obsm["spatial"], a.obsm["spatial"])
+
+
 def test_legacy_obs_table_is_refused_by_name(tmp_path, capsys):
     """anndata before 0.7 wrote obs and var as one compound table (categories in uns), which
     anndata.read_h5ad still reads; convert ended in a bare AttributeError ('numpy.ndarray'
