@@ -447,6 +447,28 @@ def test_inspect_and_bench_an_element(rich, capsys) -> None:
     assert "not an element whose rows are observations" in capsys.readouterr().err
 
 
+def test_a_mistyped_obsm_key_beside_an_unreadable_entry_is_named(tmp_path: Path) -> None:
+    """The refusal of a missing obsm entry lists the others; zarr lists a group by parsing
+    every member, so one unreadable .zarray made obs=["obsm/<typo>"] a bare JSONDecodeError.
+    The group is listed as inspect lists it (its folder), and the typo is named."""
+    path = tmp_path / "broken.zarr"
+    adata = make_adata(6)
+    adata.obsm["spatial"] = np.zeros((N_OBS, 2))
+    with ad.settings.override(zarr_write_format=2):
+        adata.write_zarr(path)
+    (path / ".zmetadata").unlink()  # zarr lists the group from each member's own file
+    (path / "obsm" / "X_pca" / ".zarray").write_text("{")
+    dataset = dz.open_dataset(path)
+    with pytest.raises(dz.DatasetError) as caught:
+        dz.Loader(dataset, sampler(), obs=["obsm/spatail"])
+    message = str(caught.value)
+    assert "broken.zarr/obsm/spatail: not in the store; its obsm entries: " in message
+    assert "X_pca" in message and "spatial" in message, message
+    loader = dz.Loader(dataset, sampler(), obs=["obsm/spatial"])  # the readable one rides
+    assert next(iter(loader))["obsm/spatial"].shape[1:] == (2,)
+    loader.close()
+
+
 def test_inspect_gives_the_dtype_an_obsm_entry_has_in_batches(tmp_path: Path, capsys) -> None:
     """inspect's "beside X" listing gave the stored dtype: float16 (batches hold float32)
     and a v2 big-endian '>f8' or '>i4' (batches hold native float64, int32)."""

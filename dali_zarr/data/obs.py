@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import stale_listing_hint, zarr_member
+from dali_zarr.data.elements import member_names, stale_listing_hint, zarr_member
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import refuse_stale_metadata
 
@@ -186,7 +186,9 @@ def read_obsm_entry(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     name = f"{where}/{column}"
     if node is None:
         obsm = zarr_member(root, "obsm", where=where)
-        held = sorted(obsm) if isinstance(obsm, zarr.Group) else []
+        # listed as inspect lists it: zarr parses every member, and one it cannot parse
+        # raised a bare JSONDecodeError for a mistyped key
+        held = member_names(obsm) if isinstance(obsm, zarr.Group) else []
         raise DatasetError(
             f"{name}: not in the store; its obsm entries: {', '.join(held) or 'none'}."
             + stale_listing_hint(root, column)  # added after zarr.consolidate_metadata
