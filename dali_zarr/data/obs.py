@@ -15,7 +15,7 @@ import zarr
 
 from dali_zarr.data.elements import member_names, stale_listing_hint, zarr_member
 from dali_zarr.errors import DatasetError
-from dali_zarr.io import refuse_stale_metadata
+from dali_zarr.io import read_whole, refuse_stale_metadata
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _read_1d(array: zarr.Array, *, where: str) -> np.ndarray:
             "(adata.obsm[key] = values) and load them beside X with obs=['obsm/<key>']."
         )
     refuse_stale_metadata(array, name=where)  # a column re-annotated after consolidation
-    return np.asarray(array[...])
+    return read_whole(array, name=where)
 
 
 # per-cell text (barcodes, ids) as categories would be one per row: the row ids serve better
@@ -204,7 +204,7 @@ def read_obsm_entry(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
     if node.ndim < 2:
         raise DatasetError(f"{name}: has shape {node.shape}; an obsm entry is at least 2-D.")
     refuse_stale_metadata(node, name=name)
-    values = np.asarray(node[...])
+    values = read_whole(node, name=name)
     if values.dtype.kind not in "biuf":
         raise DatasetError(
             f"{name}: dtype {values.dtype} cannot ride in a batch tensor; store it as numbers."

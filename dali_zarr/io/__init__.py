@@ -26,6 +26,7 @@ from .readers import (
     local_directory,
     metadata_file,
     open_reader,
+    read_whole,
     refuse_stale_metadata,
     refuse_unfinished,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "missing_codec_advice",
     "open_reader",
     "parse_layout",
+    "read_whole",
     "refuse_stale_metadata",
     "refuse_unfinished",
     "unknown_codec_id",

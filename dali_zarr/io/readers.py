@@ -1286,6 +1286,33 @@ def _refuse_zarr_misreads(array: Any, name: str, why_zarr: str, direct: str) -> 
         )
 
 
+def read_whole(array: Any, *, name: str) -> np.ndarray:
+    """``array`` read whole with zarr-python (obs columns, obsm entries beside X), a failed
+    read named: zarr's own error ("error during blosc decompression: -1") names no store,
+    array or chunk, so one bad chunk of an obs column stopped the Loader without a clue.
+    On failure the chunks along axis 0 are read one by one to name the first bad one."""
+    try:
+        return np.asarray(array[...])
+    except MemoryError:  # too large to hold, not a bad store
+        raise
+    except Exception as e:
+        error: Exception = e
+        where = f"shape {tuple(array.shape)}"
+        rows = int(array.chunks[0]) if array.ndim and array.chunks[0] else 0
+        for i, start in enumerate(range(0, array.shape[0] if rows else 0, rows)):
+            try:
+                array[start : start + rows]
+            except Exception as chunk_error:
+                error = chunk_error
+                stop = min(start + rows, array.shape[0])
+                where = f"rows [{start}, {stop}): chunk {i} along axis 0, {rows} rows each"
+                break
+        raise ChunkReadError(
+            f"{name}: zarr-python failed to read it ({where}; {type(error).__name__}: "
+            f"{error}). {_IO_ADVICE if _failed_fetching(error) else _ADVICE}"
+        ) from e
+
+
 def refuse_stale_metadata(array: Any, *, name: str) -> None:
     """:func:`_refuse_stale_metadata` for an array read whole at open (obs columns, a CSR's
     row offsets), where it is in a local store; and, since zarr-python reads such arrays,
