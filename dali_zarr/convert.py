@@ -55,6 +55,7 @@ from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
 from dali_zarr.io import (
     WRITER_MARKER,
     missing_codec_advice,
+    read_whole,
     refuse_stale_metadata,
     refuse_unfinished,
     unknown_codec_id,
@@ -767,8 +768,8 @@ def _combined_obsm(inputs: Sequence[_Input]) -> tuple[dict[str, np.ndarray], dic
     them beside X, ``obs=["obsm/<key>"]``: a convert that dropped spatial coordinates left
     no way to train with them), and the notes on entries left out: sparse or dataframe
     entries, entries not in every input or with other row shapes or dtypes that cannot
-    join, and entries over `OBSM_CARRY_BYTES` (held whole: convert them with --element),
-    each element with why."""
+    join, entries over `OBSM_CARRY_BYTES` (held whole: convert them with --element) and
+    entries whose metadata or chunks cannot be read (X does not need them), each with why."""
     keys: dict[str, None] = {}
     for inp in inputs:
         keys.update(dict.fromkeys(_listed(inp.root, "obsm")))
@@ -801,9 +802,16 @@ def _combined_obsm(inputs: Sequence[_Input]) -> tuple[dict[str, np.ndarray], dic
             if sum(p.nbytes for p in parts) + node.nbytes > OBSM_CARRY_BYTES:
                 why = f"over {OBSM_CARRY_BYTES / 2**30:.0f} GiB, held whole to copy it"
                 break
-            if isinstance(node, zarr.Array):
-                refuse_stale_metadata(node, name=f"{inp.path}/{element}")
-            parts.append(np.asarray(node[...]))
+            name = f"{inp.path}/{element}"
+            try:  # a bad chunk of an entry X does not need: a note, not zarr's bare error
+                if isinstance(node, zarr.Array):
+                    refuse_stale_metadata(node, name=name)
+                    parts.append(read_whole(node, name=name))
+                else:
+                    parts.append(np.asarray(node[...]))
+            except OSError as exc:  # ChunkReadError; h5py's "Can't read data"
+                why = f"cannot be read in {inp.path}: {str(exc).removeprefix(name + ': ')}"
+                break
         if not why:
             joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
             if changed_by_join(parts, joined):

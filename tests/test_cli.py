@@ -1562,6 +1562,28 @@ def test_convert_notes_an_obsm_entry_whose_metadata_cannot_be_read(tmp_path, cap
     np.testing.assert_array_equal(written.obsm["spatial"], a.obsm["spatial"])
 
 
+def test_convert_notes_an_obsm_entry_with_a_corrupted_chunk(tmp_path, capsys):
+    """Carrying obsm reads each entry whole: one corrupted chunk (of an entry X does not
+    need) ended the convert with blosc's bare RuntimeError traceback, where before obsm
+    was carried it converted. The entry is named in the note with the chunk; the others
+    are carried."""
+    src = tmp_path / "in.zarr"
+    a = ad.AnnData(X=np.arange(40, dtype=np.float32).reshape(20, 2))
+    a.obsm["spatial"] = np.random.default_rng(0).random((20, 2))
+    a.obsm["pca"] = np.ones((20, 3), dtype=np.float32)
+    with ad.settings.override(zarr_write_format=2):
+        a.write_zarr(src)
+    (src / "obsm" / "pca" / "0.0").write_bytes(b"garbage, not a blosc frame")
+    dst = tmp_path / "o.zarr"
+    assert run("convert", src, dst) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"obsm entries not carried: obsm/pca (cannot be read in {src}: zarr-python " in out
+    assert "chunk 0 along axis 0" in out, out
+    written = ad.read_zarr(dst)
+    assert list(written.obsm) == ["spatial"]
+    np.testing.assert_array_equal(written.obsm["spatial"], a.obsm["spatial"])
+
+
 def test_legacy_obs_table_is_refused_by_name(tmp_path, capsys):
     """anndata before 0.7 wrote obs and var as one compound table (categories in uns), which
     anndata.read_h5ad still reads; convert ended in a bare AttributeError ('numpy.ndarray'
