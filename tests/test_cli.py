@@ -1539,17 +1539,23 @@ def test_convert_carries_dense_obsm_entries(tmp_path, capsys, source):
             )
 
 
-def test_convert_notes_an_obsm_entry_whose_metadata_cannot_be_read(tmp_path, capsys):
-    """convert lists obsm to carry its entries; zarr parses every member's metadata to list
-    a group, so one unreadable .zarray (an entry X does not need) ended the convert with a
-    bare JSONDecodeError traceback, where before obsm was carried it converted. The entry
-    is now named in a note and the others are carried."""
+def _two_obsm_entries(tmp_path: Path) -> tuple[Path, ad.AnnData]:
+    """A zarr v2 AnnData store (one file per member's metadata) with obsm spatial and pca."""
     src = tmp_path / "in.zarr"
     a = ad.AnnData(X=np.arange(40, dtype=np.float32).reshape(20, 2))
     a.obsm["spatial"] = np.random.default_rng(0).random((20, 2))
     a.obsm["pca"] = np.ones((20, 3), dtype=np.float32)
     with ad.settings.override(zarr_write_format=2):
         a.write_zarr(src)
+    return src, a
+
+
+def test_convert_notes_an_obsm_entry_whose_metadata_cannot_be_read(tmp_path, capsys):
+    """convert lists obsm to carry its entries; zarr parses every member's metadata to list
+    a group, so one unreadable .zarray (an entry X does not need) ended the convert with a
+    bare JSONDecodeError traceback, where before obsm was carried it converted. The entry
+    is now named in a note and the others are carried."""
+    src, a = _two_obsm_entries(tmp_path)
     (src / ".zmetadata").unlink()  # zarr lists the group from each member's own file
     (src / "obsm" / "pca" / ".zarray").write_text("{")
     dst = tmp_path / "o.zarr"
@@ -1567,12 +1573,7 @@ def test_convert_notes_an_obsm_entry_with_a_corrupted_chunk(tmp_path, capsys):
     need) ended the convert with blosc's bare RuntimeError traceback, where before obsm
     was carried it converted. The entry is named in the note with the chunk; the others
     are carried."""
-    src = tmp_path / "in.zarr"
-    a = ad.AnnData(X=np.arange(40, dtype=np.float32).reshape(20, 2))
-    a.obsm["spatial"] = np.random.default_rng(0).random((20, 2))
-    a.obsm["pca"] = np.ones((20, 3), dtype=np.float32)
-    with ad.settings.override(zarr_write_format=2):
-        a.write_zarr(src)
+    src, a = _two_obsm_entries(tmp_path)
     (src / "obsm" / "pca" / "0.0").write_bytes(b"garbage, not a blosc frame")
     dst = tmp_path / "o.zarr"
     assert run("convert", src, dst) == 0, capsys.readouterr().err
