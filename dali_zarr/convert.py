@@ -50,7 +50,7 @@ from dali_zarr.data.elements import (
     shape_attribute,
     var_key,
 )
-from dali_zarr.data.obs import batch_dtype, changed_by_join
+from dali_zarr.data.obs import OBSM_PREFIX, changed_by_join, describe_beside_x
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
 from dali_zarr.io import (
     WRITER_MARKER,
@@ -772,10 +772,10 @@ def _combined_obsm(inputs: Sequence[_Input]) -> tuple[dict[str, np.ndarray], dic
     entries whose metadata or chunks cannot be read (X does not need them), each with why."""
     keys: dict[str, None] = {}
     for inp in inputs:
-        keys.update(dict.fromkeys(_listed(inp.root, "obsm")))
+        keys.update(dict.fromkeys(_listed(inp.root, OBSM_PREFIX.rstrip("/"))))
     carried, notes = {}, {}
     for key in keys:
-        element = f"obsm/{key}"
+        element = f"{OBSM_PREFIX}{key}"
         if any(inp.element == element for inp in inputs):
             continue  # it is this convert's X
         parts, why = [], ""
@@ -1385,7 +1385,7 @@ def _convert(
         obs_columns=obs_columns,
         dropped_obs_columns=dropped,
         obsm=tuple(
-            f"obsm/{k} {tuple(v.shape[1:])} {batch_dtype(v.dtype)}" for k, v in obsm.items()
+            describe_beside_x(f"{OBSM_PREFIX}{k}", v.shape, v.dtype) for k, v in obsm.items()
         ),
         nbytes=nbytes,
         seconds=time.perf_counter() - t0,

@@ -36,7 +36,7 @@ from dali_zarr.data.elements import (
     zarr_member,
 )
 from dali_zarr.data.features import FeatureSubset
-from dali_zarr.data.obs import batch_dtype
+from dali_zarr.data.obs import describe_beside_x, is_obsm
 from dali_zarr.data.subset import Subset
 from dali_zarr.errors import ConfigError, DatasetError
 from dali_zarr.io import DirectReader, open_reader, parse_layout
@@ -541,10 +541,10 @@ def _beside_x(root: zarr.Group, elements: Sequence[str]) -> Iterator[str]:
     """The loadable obsm entries that can ride beside X too (dense numeric arrays), each
     with its row shape and the dtype it has in batches, for obs=["obsm/<key>"]."""
     for element in elements:
-        if element.startswith("obsm/"):
+        if is_obsm(element):
             node = root[element]
             if isinstance(node, zarr.Array) and node.dtype.kind in "biuf":
-                yield f"{element} {tuple(node.shape[1:])} {batch_dtype(node.dtype)}"
+                yield describe_beside_x(element, node.shape, node.dtype)
 
 
 def _shape(shape: tuple[int, ...] | None) -> str:

@@ -47,10 +47,24 @@ def as_text(values: np.ndarray) -> tuple[str, ...]:
     )
 
 
-def _native(values: np.ndarray) -> np.ndarray:
-    """``values`` in this machine's byte order: DALI and torch take the bytes as native, so a
-    big-endian column (zarr v2 ``>f8``) would ride in batches as garbage."""
-    return values.astype(values.dtype.newbyteorder("="), copy=False)
+def batch_dtype(stored: np.dtype) -> np.dtype:
+    """The dtype a numeric obs column or obsm entry stored as ``stored`` has in batches:
+    native byte order (DALI and torch take the bytes as native, so a big-endian column,
+    zarr v2 ``>f8``, would ride as garbage), float16 widened to float32 (see `ObsColumn`).
+    Inspect and convert report it too: the stored ``float16`` or ``>f8`` is no tensor's."""
+    dtype = np.dtype(stored).newbyteorder("=")
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+def _batched(values: np.ndarray) -> np.ndarray:
+    """``values`` as :func:`batch_dtype` says (no copy where they already are)."""
+    return values.astype(batch_dtype(values.dtype), copy=False)
+
+
+def describe_beside_x(element: str, shape: Sequence[int], stored: np.dtype) -> str:
+    """How inspect and convert list an obsm entry that rides beside X:
+    ``"obsm/<key> <row shape> <batch dtype>"``."""
+    return f"{element} {tuple(shape[1:])} {batch_dtype(stored)}"
 
 
 def _member(node: zarr.Group | zarr.Array, key: str, *, where: str, encoding: str) -> np.ndarray:
@@ -122,7 +136,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
             )
         return ObsColumn(column, codes, categories)
     if encoding in ("nullable-integer", "nullable-boolean"):
-        values = _native(_member(node, "values", where=where, encoding=encoding))
+        values = _batched(_member(node, "values", where=where, encoding=encoding))
         mask = _member(node, "mask", where=where, encoding=encoding).astype(bool)
         if mask.any():
             kind = "booleans" if encoding == "nullable-boolean" else "integers"
@@ -139,10 +153,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
                 f"{where}: dtype {values.dtype} cannot ride in a batch tensor; "
                 f"store it as a categorical column{_TEXT_HINT}"
             )
-        values = _native(values)
-        if values.dtype == np.float16:  # see ObsColumn: no float16 column reaches the graph
-            values = values.astype(np.float32)
-        return ObsColumn(column, values)
+        return ObsColumn(column, _batched(values))
     raise DatasetError(
         f"{where}: encoding {encoding!r} cannot ride in a batch tensor "
         "(supported: categorical, numeric, nullable without missing values); "
@@ -154,14 +165,6 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
 OBSM_PREFIX = "obsm/"
 #: an obsm entry held in memory beyond this many bytes is warned of (it is held whole)
 OBSM_WARN_BYTES = 2**30
-
-
-def batch_dtype(stored: np.dtype) -> np.dtype:
-    """The dtype a numeric obs column or obsm entry stored as ``stored`` has in batches:
-    native byte order, float16 widened to float32 (see `ObsColumn`), for what inspect and
-    convert report (a listing of the stored ``float16`` or ``>f8`` promised another tensor)."""
-    dtype = np.dtype(stored).newbyteorder("=")
-    return np.dtype(np.float32) if dtype == np.float16 else dtype
 
 
 def is_obsm(column: str) -> bool:
@@ -203,15 +206,12 @@ def read_obsm_entry(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
         )
     if node.ndim < 2:
         raise DatasetError(f"{name}: has shape {node.shape}; an obsm entry is at least 2-D.")
-    refuse_stale_metadata(node, name=name)
-    values = read_whole(node, name=name)
-    if values.dtype.kind not in "biuf":
+    if node.dtype.kind not in "biuf":  # refused before it is read
         raise DatasetError(
-            f"{name}: dtype {values.dtype} cannot ride in a batch tensor; store it as numbers."
+            f"{name}: dtype {node.dtype} cannot ride in a batch tensor; store it as numbers."
         )
-    values = _native(values)
-    if values.dtype == np.float16:  # see ObsColumn: no float16 column reaches the graph
-        values = values.astype(np.float32)
+    refuse_stale_metadata(node, name=name)
+    values = _batched(read_whole(node, name=name))
     if values.nbytes > OBSM_WARN_BYTES:
         warnings.warn(
             f"{name}: is held whole in memory on every rank ({values.nbytes / 2**30:,.1f} "
