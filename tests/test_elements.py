@@ -469,22 +469,24 @@ def test_a_mistyped_obsm_key_beside_an_unreadable_entry_is_named(tmp_path: Path)
     loader.close()
 
 
-@pytest.mark.parametrize("column", ["obsm/spatial", "cell_type"])
+@pytest.mark.parametrize("column", ["obsm/spatial", "cell_type", "X/indptr"])
 def test_a_corrupted_chunk_of_what_rides_beside_x_is_named(tmp_path: Path, column: str) -> None:
-    """obsm entries and obs columns are read whole by zarr-python: a corrupted chunk
-    stopped the Loader with blosc's bare "RuntimeError: error during blosc decompression:
-    -1", naming no store, array or chunk. Now the array and the chunk are named."""
+    """obsm entries, obs columns and a CSR's row offsets are read whole by zarr-python: a
+    corrupted chunk stopped the Loader (or open_dataset) with blosc's bare "RuntimeError:
+    error during blosc decompression: -1", naming no store, array or chunk. Now the array
+    and the chunk are named."""
     path = tmp_path / "bad.zarr"
     adata = make_adata(7)
     adata.obsm["spatial"] = np.random.default_rng(0).random((N_OBS, 2))
     adata.write_zarr(path)
-    array = "obsm/spatial" if column.startswith("obsm/") else "obs/cell_type/codes"
+    array = {"obsm/spatial": "obsm/spatial", "cell_type": "obs/cell_type/codes"}.get(column, column)
     chunk = sorted(p for p in (path / array).iterdir() if not p.name.startswith("."))[0]
     chunk.write_bytes(b"garbage, not a blosc frame")
     with pytest.raises(dz.ChunkReadError) as caught:
-        dz.Loader(dz.open_dataset(path), sampler(), obs=[column])
+        obs = [] if column == "X/indptr" else [column]
+        dz.Loader(dz.open_dataset(path), sampler(), obs=obs)
     message = str(caught.value)
-    assert message.startswith(f"bad.zarr/{array}: zarr-python failed to read it (rows [0, ")
+    assert message.startswith(f"bad.zarr/{array}: zarr-python failed to read rows [0, ")
     assert "chunk 0 along axis 0" in message and "blosc" in message, message
     assert "restore this chunk from an intact copy" in message
 

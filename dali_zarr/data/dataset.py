@@ -63,6 +63,7 @@ from dali_zarr.io import (
     metadata_file,
     missing_codec_advice,
     open_reader,
+    read_whole,
     refuse_stale_metadata,
     refuse_unfinished,
     unknown_codec_id,
@@ -504,7 +505,7 @@ class CsrDataset(_StoreDataset):
                 "one offset per row, plus one); the store is inconsistent: re-write the matrix."
             )
         refuse_stale_metadata(array, name=where)
-        return indptr_as_int64(np.asarray(array[...]), where)
+        return indptr_as_int64(read_whole(array, name=where), where)
 
     def _check_indptr(self) -> None:
         indptr, name = self.indptr, self.name

@@ -1076,13 +1076,7 @@ class ZarrReader:
                 try:
                     data[i] = np.asarray(self.array[a:b])
                 except Exception as e:
-                    first, last = a // C, (b - 1) // C
-                    chunks = f"chunk {first}" if first == last else f"chunks {first} to {last}"
-                    raise ChunkReadError(
-                        f"{self.name}: zarr-python failed to read rows [{a}, {b}) ({chunks} along "
-                        f"axis 0, {C} rows each; {type(e).__name__}: {e}). "
-                        f"{_IO_ADVICE if _failed_fetching(e) else _ADVICE}"
-                    ) from e
+                    raise _zarr_read_failed(self.name, a, b, C, e) from e
 
             _run_parallel(self.executor, range(len(spans)), read)
             span_starts = np.array([s for s, _ in spans], dtype=np.int64)
@@ -1286,31 +1280,38 @@ def _refuse_zarr_misreads(array: Any, name: str, why_zarr: str, direct: str) -> 
         )
 
 
+def _zarr_read_failed(name: str, start: int, stop: int, rows: int, error: Exception):
+    """The ChunkReadError for zarr-python failing to read rows ``[start, stop)`` of array
+    ``name`` (chunks of ``rows`` rows on axis 0): zarr's own error ("error during blosc
+    decompression: -1") names no store, array or chunk."""
+    first, last = start // rows, (stop - 1) // rows
+    chunks = f"chunk {first}" if first == last else f"chunks {first} to {last}"
+    return ChunkReadError(
+        f"{name}: zarr-python failed to read rows [{start}, {stop}) ({chunks} along axis 0, "
+        f"{rows} rows each; {type(error).__name__}: {error}). "
+        f"{_IO_ADVICE if _failed_fetching(error) else _ADVICE}"
+    )
+
+
 def read_whole(array: Any, *, name: str) -> np.ndarray:
-    """``array`` read whole with zarr-python (obs columns, obsm entries beside X), a failed
-    read named: zarr's own error ("error during blosc decompression: -1") names no store,
-    array or chunk, so one bad chunk of an obs column stopped the Loader without a clue.
-    On failure the chunks along axis 0 are read one by one to name the first bad one."""
+    """``array`` read whole with zarr-python (obs columns, obsm entries beside X, a CSR's
+    row offsets), a failed read named (:func:`_zarr_read_failed`): one bad chunk of an obs
+    column stopped the Loader without a clue. On failure the chunks along axis 0 are read
+    one by one to name the first bad one."""
     try:
         return np.asarray(array[...])
     except MemoryError:  # too large to hold, not a bad store
         raise
     except Exception as e:
-        error: Exception = e
-        where = f"shape {tuple(array.shape)}"
+        n = int(array.shape[0]) if array.ndim else 0
         rows = int(array.chunks[0]) if array.ndim and array.chunks[0] else 0
-        for i, start in enumerate(range(0, array.shape[0] if rows else 0, rows)):
+        for start in range(0, n if rows else 0, rows):
             try:
                 array[start : start + rows]
             except Exception as chunk_error:
-                error = chunk_error
-                stop = min(start + rows, array.shape[0])
-                where = f"rows [{start}, {stop}): chunk {i} along axis 0, {rows} rows each"
-                break
-        raise ChunkReadError(
-            f"{name}: zarr-python failed to read it ({where}; {type(error).__name__}: "
-            f"{error}). {_IO_ADVICE if _failed_fetching(error) else _ADVICE}"
-        ) from e
+                stop = min(start + rows, n)
+                raise _zarr_read_failed(name, start, stop, rows, chunk_error) from e
+        raise _zarr_read_failed(name, 0, max(n, 1), max(n, rows, 1), e) from e
 
 
 def refuse_stale_metadata(array: Any, *, name: str) -> None:
