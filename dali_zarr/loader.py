@@ -44,7 +44,7 @@ from dali_zarr.planning.resume import (
     make_state,
     resume_point,
 )
-from dali_zarr.planning.samplers import SETTINGS_HINTS, DistributedSampler, compared_settings
+from dali_zarr.planning.samplers import SAME_SEED_HINT, DistributedSampler, compared_settings
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +158,11 @@ class Loader:
             f"Loader over {getattr(dataset, 'name', dataset)}",
             release=self._release_source,
             hints={
-                **{f"sampler {k}": hint for k, hint in SETTINGS_HINTS.items()},
-                # seed=None is refused by a sampler built before init_process_group
-                "sampler seed": "pass the same seed to ChunkSampler on every rank (not seed "
-                "+ rank; the ranks' shards come from one shared order), or build the "
-                "DistributedSampler after torch.distributed.init_process_group(...) with "
-                "seed=None on every rank to use rank 0's draw",
+                # only a sampler built before init_process_group is compared here, and it
+                # refuses seed=None: the drawn seed needs the group first
+                "sampler seed": f"{SAME_SEED_HINT}, or build the DistributedSampler after "
+                "torch.distributed.init_process_group(...) with seed=None on every rank to "
+                "use rank 0's draw",
                 "n_obs": "open the same store (or the same subset of it) on every rank; "
                 "the sampler shards one dataset among the ranks, it does not join "
                 "one store per rank",

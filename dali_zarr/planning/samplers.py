@@ -517,11 +517,13 @@ class DistributedSampler:
         return int(counts[self._rank])
 
 
+#: what to change where the ranks' seeds differ, before the alternative of a drawn seed
+SAME_SEED_HINT = (
+    "pass the same seed on every rank (not seed + rank; the ranks' shards come from one "
+    "shared order)"
+)
 #: what to change where the ranks' sampler settings differ
-SETTINGS_HINTS = {
-    "seed": "pass the same seed on every rank (not seed + rank; the ranks' shards "
-    "come from one shared order), or seed=None on every rank to use rank 0's draw",
-}
+SETTINGS_HINTS = {"seed": f"{SAME_SEED_HINT}, or seed=None on every rank to use rank 0's draw"}
 
 
 def compared_settings(settings: PlanSettings) -> dict[str, object]:
