@@ -13,10 +13,12 @@ import itertools
 import os
 import types
 import zlib
+from dataclasses import replace
 
 import numcodecs
 import numpy as np
 import pytest
+import zarr
 from zarr.codecs import BytesCodec
 
 from dali_zarr.errors import ChunkReadError
@@ -397,7 +399,7 @@ def test_short_read_names_the_chunk_where_the_file_ends(tmp_path, first_row):
     cut = int(plan.reads["file_offset"][plan.reads["chunk"] == 5][0]) + 3  # inside chunk 5
     with open(plan.files[0], "r+b") as f:
         f.truncate(cut)
-    with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*file shrank"):
+    with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*when its reads were planned"):
         execute_plan_cpu(plan, reader)
 
 
@@ -966,17 +968,74 @@ def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(
         f.truncate(cut)
     executor = GpuPlanExecutor(0, max_open_files=2)
     out = device.empty(plan.out_shape, plan.dtype)
-    # the real kvikio may raise or read short: either names the chunk where the file ends
+    # the file's size is compared with the planned one before any read
+    with pytest.raises(
+        ChunkReadError, match=r"array chunk \(5, 0\).*is \d+ bytes, \d+ when its reads were planned"
+    ):
+        executor.run(plan, reader, out)
+    # truncated between that look and the read: the real kvikio may raise or read short,
+    # either names the chunk where the file ends
+    plan = replace(plan, file_nbytes=np.array([cut], np.int64))
     with pytest.raises(
         ChunkReadError, match=r"array chunk \(5, 0\).*(kvikio read failed.*EOF|file shrank)"
     ):
         executor.run(plan, reader, out)
     if device.kind == "faked":
         # a read failing on an intact file (EIO) names the extent's first chunk, not its
-        # last (planned before the cut: planned after it, the changed file is indexed anew)
+        # last (planned before the cut, the file's size as read: planned after it, the
+        # changed file is indexed anew)
+        intact = replace(intact, file_nbytes=np.array([cut], np.int64))
         monkeypatch.setattr(cufile, "pread", lambda *a: types.SimpleNamespace(get=_eio))
         with pytest.raises(ChunkReadError, match=r"array chunk \(2, 0\).*kvikio read failed.*EIO"):
             executor.run(intact, reader, device.empty(intact.out_shape, intact.dtype))
+
+        def pread_at_once(self, buf, size, offset):  # kvikio 26.10 on a small extent
+            got = short_read(self, buf, size, offset).get()
+            if got < size:
+                raise RuntimeError("POSIX error on pread: EOF")
+            return types.SimpleNamespace(get=lambda: got)
+
+        # the H200 run of 2026-11-27: kvikio raised in pread itself, past the translation
+        monkeypatch.setattr(cufile, "pread", pread_at_once)
+        with pytest.raises(ChunkReadError, match=r"array chunk \(5, 0\).*kvikio read failed.*EOF"):
+            executor.run(plan, reader, out)
+    executor.close()
+
+
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_a_chunk_grown_since_planned_is_refused_before_its_cut_frame_is_decoded(
+    tmp_path, monkeypatch, kvikio_executor_device, reads
+):
+    """Unsharded chunk sizes are cached: values rewritten in place (zarr writes a new file of
+    another size) left a plan reading the grown file's first bytes, a zstd frame cut short.
+    nvCOMP decoded such frames to garbage without an error (the H200 run of 2026-11-27: a
+    collection's rewritten plate read NaNs); each read path now compares the file's size
+    with the planned one, and the plan made after ``forget_changed_chunks`` reads the new
+    values."""
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+
+    monkeypatch.setenv(READS_ENV, reads)
+    device = kvikio_executor_device
+    data = np.arange(40 * 16, dtype=np.float32).reshape(40, 16)
+    arr = write(tmp_path / "a.zarr", data, chunks=(10, 16), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="a")
+    whole = np.array([[0, 40]])
+    plan = plan_rows(reader, whole)
+    new = np.random.default_rng(0).standard_normal((10, 16)).astype(np.float32)
+    zarr.open_array(tmp_path / "a.zarr", mode="r+")[20:30] = new  # incompressible: grows
+    planned = int(plan.reads["nbytes"][plan.reads["chunk"] == 2][0])
+    assert os.path.getsize(tmp_path / "a.zarr" / "c" / "2" / "0") > planned
+    executor = GpuPlanExecutor(0, max_open_files=2)
+    assert executor.reads == reads
+    out = device.empty(plan.out_shape, plan.dtype)
+    grown = r"a: chunk 'c/2/0'.*its file is \d+ bytes, \d+ when its reads were planned"
+    with pytest.raises(ChunkReadError, match=grown):
+        executor.run(plan, reader, out)
+    with pytest.raises(ChunkReadError, match=grown):  # the host backend's reads
+        execute_plan_cpu(plan, reader)
+    assert reader.forget_changed_chunks()
+    executor.run(plan_rows(reader, whole), reader, out)
+    np.testing.assert_array_equal(device.host(out), np.r_[data[:20], new, data[30:]])
     executor.close()
 
 
@@ -1160,6 +1219,7 @@ def test_gpu_executor_checks_frames_first_and_caps_decode_calls(tmp_path, monkey
     assert [e[2] for e in log if e[0] == "decode"] == [3, 3, 3, 3, 3, 1]
 
     (tmp_path / "a.zarr" / "c" / "5").write_bytes(numcodecs.GZip().encode(data[:1024]))
+    assert reader.forget_changed_chunks()  # as the window reader does on a changed size
     log.clear()
     with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*not a zstd frame"):
         executor.run(plan_rows(reader, np.array([[0, data.size]])), reader, out)

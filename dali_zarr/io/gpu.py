@@ -187,6 +187,7 @@ class ReadPlan:
     slot_nbytes: int  # chunk-buffer stride (chunk_nbytes, rounded up to ALIGN unless "none")
     chunks: np.ndarray  # chunk indices held by the chunk buffer, in slot order
     files: tuple[str, ...]
+    file_nbytes: np.ndarray  # int64, each file's size when planned (read paths compare it)
     reads: np.ndarray  # READ_FIELDS, one per stored chunk, in slot order
     extents: np.ndarray  # EXTENT_FIELDS: the reads as file-contiguous runs, one I/O call each
     header_nbytes: int  # bytes at the start of each stored chunk the decoder skips (lz4: 4)
@@ -344,7 +345,7 @@ def _plan_stores(
     # where each chunk is stored: one lookup per store over its (sorted) chunks
     cuts = np.searchsorted(chunks, bases).tolist()
     files: list[str] = []
-    file, offset, nbytes = [], [], []
+    file, offset, nbytes, file_nbytes = [], [], [], []
     for i, reader in enumerate(readers):
         mine = chunks[cuts[i] : cuts[i + 1]]
         if len(mine):
@@ -352,6 +353,7 @@ def _plan_stores(
             file.append(np.where(loc.file >= 0, loc.file + len(files), -1))
             offset.append(loc.offset)
             nbytes.append(loc.nbytes)
+            file_nbytes.append(loc.file_nbytes)
             files += loc.files
     file = np.concatenate(file) if file else np.zeros(0, np.int32)
     slots = np.flatnonzero(file >= 0)
@@ -384,6 +386,7 @@ def _plan_stores(
         slot_nbytes=fmt.slot_nbytes,
         chunks=chunks.astype(np.int64),
         files=tuple(files),
+        file_nbytes=np.concatenate(file_nbytes) if file_nbytes else np.zeros(0, np.int64),
         reads=reads,
         extents=extents,
         header_nbytes=fmt.header_nbytes,
@@ -626,11 +629,14 @@ def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -
         try:
             fd = os.open(plan.files[f], os.O_RDONLY)
             try:
-                got = _pread_into(fd, target[dest : dest + nbytes], offset)
+                file_nbytes = os.fstat(fd).st_size
+                unchanged = file_nbytes == plan.file_nbytes[f]  # else refused below
+                got = _pread_into(fd, target[dest : dest + nbytes], offset) if unchanged else 0
             finally:
                 os.close(fd)
         except OSError as e:
             raise _extent_error(reader, plan, i, 0, f"reading failed ({e})") from e
+        _refuse_changed_file(plan, reader, i, file_nbytes)
         if got != nbytes:
             raise _extent_error(reader, plan, i, got, f"read {got} of {nbytes} bytes (file shrank)")
 
@@ -653,6 +659,28 @@ def _bytes_left(plan: ReadPlan, extent: int) -> int:
 def _extent_error(reader: DirectReader, plan: ReadPlan, extent: int, byte: int, why: str):
     """The reader's chunk error for a failed read, naming the chunk at ``byte`` of it."""
     return reader.chunk_error(_coords(reader, plan.chunk_at(extent, byte)), why)
+
+
+def _refuse_changed_file(plan: ReadPlan, reader: DirectReader, extent: int, size: int) -> None:
+    """Raise the chunk error for extent ``extent`` where its file is no longer ``size`` bytes
+    as planned: rewritten in place since (zarr writes new values as a new file of another
+    size). Read at the planned size, a grown zstd frame is cut short, and nvCOMP decoded such
+    a frame on the H200 (2026-11-27) to garbage without an error; the window reader plans
+    again on this error where chunk files changed (``forget_changed_chunks``)."""
+    e = plan.extents[extent]
+    planned = int(plan.file_nbytes[int(e["file"])])
+    if size != planned:
+        left = size - int(e["file_offset"])  # a shrunken file: name the chunk where it ends
+        at = left if 0 <= left < int(e["nbytes"]) else 0
+        why = f"its file is {size} bytes, {planned} when its reads were planned (rewritten since)"
+        raise _extent_error(reader, plan, extent, at, why)
+
+
+def _kvikio_read_failed(reader: DirectReader, plan: ReadPlan, extent: int, e: Exception):
+    """The chunk error for a kvikio read that raised (at end of file, where a shrunken file
+    ends, rather than reading short)."""
+    why = f"kvikio read failed ({e})"
+    return _extent_error(reader, plan, extent, _bytes_left(plan, extent), why)
 
 
 def execute_plan_cpu(
@@ -993,8 +1021,9 @@ class GpuPlanExecutor:
             self._pinned[key] = buf
         return buf[:nbytes]
 
-    def _cufile(self, path: str):
-        """An open kvikio file of ``path``, reused while the file is the one it opened.
+    def _cufile(self, path: str) -> tuple[Any, int]:
+        """An open kvikio file of ``path``, reused while the file is the one it opened, and
+        the file's size.
 
         zarr rewrites a chunk or shard by writing a new file and renaming it over the old
         one: a handle kept by path would go on reading the old file, at offsets the reader
@@ -1005,13 +1034,13 @@ class GpuPlanExecutor:
         held = self._files.get(path)
         if held is not None and held[0] == stamp:
             self._files.move_to_end(path)
-            return held[1]
+            return held[1], stamp[2]
         if held is not None:  # rewritten: a read of this plan may still use the old handle
             del self._files[path]
             self._replaced.append(held[1])
         f = self._kvikio.CuFile(path, "r")
         self._files[path] = (stamp, f)
-        return f
+        return f, stamp[2] if stamp else -1  # -1: created since the stat, so changed
 
     def _trim_files(self) -> None:
         """Close the least recently used files beyond the cap, and the handles of files
@@ -1144,30 +1173,39 @@ class GpuPlanExecutor:
             return
         pending = []
         handles: dict[int, Any] = {}  # one look at each file per plan
+        error = None
         try:
             for i, f, offset, size, dest in plan.extent_jobs():
                 file = handles.get(f)
                 if file is None:
                     try:
-                        file = handles[f] = self._cufile(plan.files[f])
+                        file, file_nbytes = self._cufile(plan.files[f])
                     except Exception as e:  # gone since planned (a chunk set to fill)
                         raise _extent_error(reader, plan, i, 0, f"opening failed ({e})") from e
-                pending.append((i, size, file.pread(target[dest : dest + size], size, offset)))
+                    _refuse_changed_file(plan, reader, i, file_nbytes)
+                    handles[f] = file
+                try:
+                    future = file.pread(target[dest : dest + size], size, offset)
+                except Exception as e:  # kvikio 26.10 reads a small extent at once, raising here
+                    error = _kvikio_read_failed(reader, plan, i, e)
+                    break
+                pending.append((i, size, future))
         finally:
             # every read must be over before we raise: kvikio's pool would otherwise go on
-            # writing into buffers the next plan reuses (or cupy hands to another owner)
-            error = None
+            # writing into buffers the next plan reuses (or cupy hands to another owner).
+            # An extent in flight comes before one that raised at once: it names the error.
+            failed_at_once, error = error, None
             for i, size, future in pending:
                 try:
                     got = future.get()
                 except Exception as e:  # kvikio raises at end of file rather than read short
-                    at = _bytes_left(plan, i)
-                    error = error or _extent_error(reader, plan, i, at, f"kvikio read failed ({e})")
+                    error = error or _kvikio_read_failed(reader, plan, i, e)
                     continue
                 if got != size and error is None:
                     error = _extent_error(
                         reader, plan, i, got, f"read {got} of {size} bytes (file shrank)"
                     )
+        error = error or failed_at_once
         if error is not None:
             raise error
         self._trim_files()
@@ -1187,7 +1225,8 @@ class GpuPlanExecutor:
 
     def _nvcomp_decode(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:
         """The plan's chunks (raw zstd frames / LZ4 blocks) in batched nvCOMP calls of up to
-        :data:`nvcomp_batched.CALL_NBYTES` decoded bytes each (one or two per window).
+        :data:`nvcomp_batched.CALL_NBYTES` decoded bytes each (one where a window's array
+        decodes to at most 512 MiB).
 
         By default through nvCOMP's C API (:mod:`nvcomp_batched`): the plan knows the decoded
         sizes, so nothing parses headers, and the call only enqueues work on our stream with

@@ -126,6 +126,10 @@ class ChunkLocations(NamedTuple):
     file: np.ndarray  # int32 index into ``files``; -1: not stored (reads as the fill value)
     offset: np.ndarray  # int64 byte offset in the file
     nbytes: np.ndarray  # int64 stored bytes
+    #: int64, one per file: its size as located. Read paths compare it with the file they
+    #: read, since a grown chunk file cut at its old size is a truncated frame that nvCOMP
+    #: does not promise to report
+    file_nbytes: np.ndarray
 
 
 @runtime_checkable
@@ -631,9 +635,11 @@ class DirectReader:
             stored = np.flatnonzero(nbytes >= 0)
             file[stored] = np.arange(len(stored), dtype=np.int32)
             nbytes[nbytes < 0] = 0
-            return ChunkLocations(tuple(self._chunk_files[chunks[stored]]), file, offset, nbytes)
+            files = tuple(self._chunk_files[chunks[stored]])
+            return ChunkLocations(files, file, offset, nbytes, nbytes[stored].copy())
         nbytes = np.zeros(len(chunks), dtype=np.int64)
         files: list[str] = []
+        sizes: list[int] = []
         per_shard = lay.shard.chunks_per_shard[0]
         order = np.argsort(chunks, kind="stable")
         shard_of = chunks[order] // per_shard
@@ -659,13 +665,14 @@ class DirectReader:
                 )
             file[at], offset[at], nbytes[at] = len(files), start, n_stored
             files.append(self._file(lay.key((shard, *zeros))))
-        return ChunkLocations(tuple(files), file, offset, nbytes)
+            sizes.append(size)
+        return ChunkLocations(tuple(files), file, offset, nbytes, np.array(sizes, np.int64))
 
     def _stat_chunks(self, chunks: np.ndarray) -> None:
         """Find the files of row chunks not seen yet and record their sizes (unsharded
         stores): a window's locations are then NumPy lookups, not a stat per chunk. A
-        chunk that changes size later fails its read (a short read or a bad frame), as a
-        changed shard does against its cached index."""
+        chunk that changes size later fails its read, which compares the file's size with
+        the one located (:attr:`ChunkLocations.file_nbytes`)."""
         zeros = (0,) * (len(self.shape) - 1)
         for c in np.unique(chunks).tolist():
             path = self._file(self.layout.key((c, *zeros)))
