@@ -60,9 +60,9 @@ case "$step" in
       python3 -c "import nvidia.dali as d, kvikio, nvidia.nvcomp as n; print('DALI', d.__version__, 'kvikio', kvikio.__version__, 'nvcomp', getattr(n, '__version__', '?'))"
       python3 -c "from dali_zarr.graph.gpu_pipeline import gpu_status; print(gpu_status()[1])"
       # only the modules with gpu tests: the others import CPU-test extras (jax, lightning);
-      # the gene-panel ones write their stores with anndata (staged by `extra`)
-      panels=$(python3 -c "import anndata" 2>/dev/null && echo tests/test_features.py)
-      [ -n "$panels" ] || echo "anndata missing: the gene-panel gpu tests (test_features.py) do not run"
+      # the gene-panel and element ones write their stores with anndata (staged by `extra`)
+      panels=$(python3 -c "import anndata" 2>/dev/null && echo tests/test_features.py tests/test_elements.py)
+      [ -n "$panels" ] || echo "anndata missing: the gpu tests of test_features.py and test_elements.py do not run"
       # 6 workers where pytest-xdist is installed (the image has it): device time is short
       workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 6")
       case " ${DZ_PYTEST_ARGS:-} " in *" -n "*) workers="" ;; esac
