@@ -734,11 +734,25 @@ def test_gpu_executor_capped_calls_and_a_bad_chunk(tmp_path, monkeypatch, nvcomp
     out = cupy.empty(data.size, dtype=np.float32)
     executor.run(plan_rows(reader, whole), reader, out)
     np.testing.assert_array_equal(cupy.asnumpy(out), data)
-    good = (tmp_path / "a.zarr" / "c" / "5").read_bytes()
-    (tmp_path / "a.zarr" / "c" / "5").write_bytes(numcodecs.GZip().encode(data[:1024]))
+    chunk5 = tmp_path / "a.zarr" / "c" / "5"
+    good = chunk5.read_bytes()
+    chunk5.write_bytes(numcodecs.GZip().encode(data[:1024]))
+    assert reader.forget_changed_chunks()  # as the window reader does on a changed size
     with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*not a zstd frame"):
         executor.run(plan_rows(reader, whole), reader, out)
-    (tmp_path / "a.zarr" / "c" / "5").write_bytes(good)
+    # frames without a content size: decoded on the host, a corrupted one named (nvCOMP
+    # read out of bounds on such a frame, 2026-11-27), and the device still works
+    chunk5.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 40)
+    assert reader.forget_changed_chunks()
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*zstd decoding failed"):
+        executor.run(plan_rows(reader, whole), reader, out)
+    chunk5.write_bytes(_streamed_zstd(data[5120:6144]))
+    assert reader.forget_changed_chunks()
+    out[...] = 0
+    executor.run(plan_rows(reader, whole), reader, out)
+    np.testing.assert_array_equal(cupy.asnumpy(out), data)
+    chunk5.write_bytes(good)
+    assert reader.forget_changed_chunks()
     out[...] = 0
     executor.run(plan_rows(reader, whole), reader, out)
     np.testing.assert_array_equal(cupy.asnumpy(out), data)
@@ -1224,6 +1238,45 @@ def test_gpu_executor_checks_frames_first_and_caps_decode_calls(tmp_path, monkey
     with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*not a zstd frame"):
         executor.run(plan_rows(reader, np.array([[0, data.size]])), reader, out)
     assert not [e for e in log if e[0] == "decode"]
+    executor.close()
+
+
+def _streamed_zstd(values: np.ndarray) -> bytes:
+    """``values`` as a zstd frame whose header records no content size (as a streaming
+    writer makes it; zarr and numcodecs always record it)."""
+    import zstandard
+
+    return zstandard.ZstdCompressor(write_content_size=False).compress(values.tobytes())
+
+
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_frames_without_a_content_size_are_decoded_on_the_host(tmp_path, monkeypatch, reads):
+    """nvCOMP cannot check a frame that records no content size against the chunk's size
+    (a corrupted one made it read out of bounds on the H200): the executor decodes such
+    frames on the host, where a frame of another size, or no frame at all, is named, and
+    gives nvCOMP the others."""
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log, reads)
+    data, reader, executor, _, out = _zstd_array_read_whole(tmp_path, 8 * 1024)
+    chunk5 = tmp_path / "a.zarr" / "c" / "5"
+    whole = np.array([[0, data.size]])
+    chunk5.write_bytes(_streamed_zstd(data[5120:6144]))
+    assert reader.forget_changed_chunks()
+    log.clear()
+    out[...] = np.nan
+    executor.run(plan_rows(reader, whole), reader, out)
+    np.testing.assert_array_equal(out, data)
+    assert [e[2] for e in log if e[0] == "decode"] == [7]  # nvCOMP: every chunk but c/5
+    for stored, why in [
+        (_streamed_zstd(data[5120:6000]), "expected to decompress 4096, got 3520"),
+        (b"\x28\xb5\x2f\xfd" + b"\x00" * 40, "zstd decoding failed"),  # the H200's crash
+    ]:
+        chunk5.write_bytes(stored)
+        assert reader.forget_changed_chunks()
+        with pytest.raises(ChunkReadError, match=rf"arr: chunk 'c/5'.*{why}"):
+            executor.run(plan_rows(reader, whole), reader, out)
+        with pytest.raises(ChunkReadError, match=rf"arr: chunk 'c/5'.*{why}"):
+            execute_plan_cpu(plan_rows(reader, whole), reader)  # the host backend alike
     executor.close()
 
 

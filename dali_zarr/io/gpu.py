@@ -56,7 +56,7 @@ from ..distributed import cpu_share
 from ..errors import ChunkReadError, ConfigError
 from ..planning.partition import run_offsets, split_at_chunks
 from . import nvcomp_batched
-from .codecs import DecodeError, frame_problems, head_index
+from .codecs import DecodeError, frame_problems, head_index, zstd_content_sizes
 from .layout import ArrayLayout
 from .readers import DirectReader, _file_stamp, _pread_into, _run_parallel, check_ranges
 
@@ -619,6 +619,18 @@ def check_frames(plan: ReadPlan, reader: DirectReader, heads: np.ndarray) -> Non
         raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
 
 
+def frames_without_size(plan: ReadPlan, heads: np.ndarray) -> np.ndarray:
+    """Indices into ``plan.reads`` of the zstd frames whose header records no content size
+    (streaming writers leave it out; zarr and numcodecs never do). The GPU executor decodes
+    them on the host, where numcodecs checks the size they decode to: nvCOMP cannot check
+    them against the chunk's size, and on the H200 (2026-11-27) a corrupted frame without
+    one made it read out of bounds (``cudaErrorIllegalAddress``, which ends every later use
+    of the device by the process)."""
+    if plan.kind != "zstd" or not len(plan.reads):
+        return np.zeros(0, np.int64)
+    return np.flatnonzero(zstd_content_sizes(heads)[1] < 0)
+
+
 def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -> None:
     """``os.preadv`` of every extent of ``plan`` into ``target`` (staging, or the chunk buffer
     when uncompressed) on the reader's thread pool. Each read opens its file (a window of an
@@ -1107,10 +1119,15 @@ class GpuPlanExecutor:
             if self.path_of(plan) == "device":
                 staging = self._device_buffer("staging", plan.staging_nbytes)
                 self._read_to_device(plan, reader, staging, decoded)
+                on_host, on_device = np.zeros(0, np.int64), np.arange(len(plan.reads))
                 if plan.has_frames:
-                    check_frames(plan, reader, self._frame_heads(plan, staging))
+                    heads = self._frame_heads(plan, staging)
+                    check_frames(plan, reader, heads)
+                    on_host = frames_without_size(plan, heads)
                 if plan.kind != "none":
-                    self._nvcomp_decode(plan, reader, staging, decoded)
+                    on_device = np.setdiff1d(on_device, on_host)
+                    self._nvcomp_decode(plan, reader, staging, decoded, on_device)
+                    self._decode_on_host(plan, reader, staging, decoded, on_host)
                 with self.stream:
                     for slot in plan.fill_slots:
                         off = slot * plan.slot_nbytes
@@ -1128,7 +1145,8 @@ class GpuPlanExecutor:
             self.stream.synchronize()
             decoder = self._batched.get(plan.kind)
             for i, why in decoder.check() if decoder is not None else ():
-                raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
+                chunk = plan.reads["chunk"][on_device[i]]
+                raise reader.chunk_error(_coords(reader, chunk), why)
         return out
 
     @contextlib.contextmanager
@@ -1223,7 +1241,31 @@ class GpuPlanExecutor:
         self.stream.synchronize()
         return host
 
-    def _nvcomp_decode(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:
+    def _decode_on_host(
+        self, plan: ReadPlan, reader: DirectReader, staging, decoded, reads: np.ndarray
+    ) -> None:
+        """Decode the stored chunks ``reads`` (indices into ``plan.reads``) on the host and
+        put them in their slots: frames that :func:`frames_without_size` keeps from nvCOMP.
+        Their bytes are copied back, decoded with numcodecs (which checks the decoded size)
+        and copied up one chunk at a time: few chunks, if any."""
+        if not len(reads):
+            return
+        decode = _cpu_decoder(plan, reader)
+        src_off, src_nbytes = plan.decode_sources()
+        n_out = plan.chunk_nbytes
+        for i in reads.tolist():
+            start, n = int(src_off[i]), int(src_nbytes[i])
+            stored = self.cp.asnumpy(staging[start : start + n], stream=self.stream)
+            self.stream.synchronize()
+            chunk = np.empty(n_out, np.uint8)
+            decode(plan.reads["chunk"][i], 0, n, 0, stored, chunk)
+            dst = int(plan.reads["decoded_offset"][i])
+            decoded[dst : dst + n_out].set(chunk, stream=self.stream)
+            self.stream.synchronize()  # ``chunk`` is pageable memory, freed on return
+
+    def _nvcomp_decode(
+        self, plan: ReadPlan, reader: DirectReader, staging, decoded, reads: np.ndarray
+    ) -> None:
         """The plan's chunks (raw zstd frames / LZ4 blocks) in batched nvCOMP calls of up to
         :data:`nvcomp_batched.CALL_NBYTES` decoded bytes each (one where a window's array
         decodes to at most 512 MiB).
@@ -1235,10 +1277,10 @@ class GpuPlanExecutor:
         the call, holding the GIL: on the H200 (2026-11-26) the loader was 2.3-2.7x slower
         with it.
         """
-        if not len(plan.reads):
+        if not len(reads):
             return
-        src_off, src_nbytes = plan.decode_sources()
-        dst_off = plan.reads["decoded_offset"]
+        src_off, src_nbytes = (a[reads] for a in plan.decode_sources())
+        dst_off = plan.reads["decoded_offset"][reads]
         if self._use_batched:
             decoder = self._batched.get(plan.kind)
             if decoder is None:
@@ -1259,7 +1301,7 @@ class GpuPlanExecutor:
                 raise ChunkReadError(
                     f"{plan.name}: nvCOMP {plan.kind} decoding of {len(srcs)} chunks failed ({e})"
                 ) from e
-        for chunk, res in zip(plan.reads["chunk"].tolist(), results, strict=True):
+        for chunk, res in zip(plan.reads["chunk"][reads].tolist(), results, strict=True):
             size = getattr(res, "buffer_size", n_out)
             if size != n_out:
                 raise reader.chunk_error(
