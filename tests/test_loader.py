@@ -20,7 +20,8 @@ from tests.stores import csr_reference, write_anndata
 
 
 def run_epoch(loader: dz.Loader, epoch: int = 0) -> dict[str, np.ndarray]:
-    """All batches of one epoch, concatenated per output (sparse X densified for comparison)."""
+    """All batches of one epoch, concatenated per output (sparse X densified for comparison;
+    the GPU path's batches copied to the host)."""
     loader.set_epoch(epoch)
     parts: dict[str, list[np.ndarray]] = {}
     sizes = []
@@ -29,7 +30,7 @@ def run_epoch(loader: dz.Loader, epoch: int = 0) -> dict[str, np.ndarray]:
         for name, value in batch.items():
             if value.layout == torch.sparse_csr:
                 value = value.to_dense()
-            parts.setdefault(name, []).append(value.numpy())
+            parts.setdefault(name, []).append(value.cpu().numpy())
     out = {name: np.concatenate(values) for name, values in parts.items()}
     out["sizes"] = np.array(sizes)
     return out
