@@ -19,15 +19,15 @@
 # cells), then `profile` (~40 s) and a second `bench` on the warm machine. The defaults
 # below are those sizes since then; benchmarks/results/h200-2026-11-26/README.md has the
 # exact commands of that session.
-# Next lever (decode is ~80 % of a window there): nvCOMP's rate against the store's inner
-# chunk size and against the chunks one nvCOMP call decodes (calls of at most 128 MiB: a
-# window's array, ~175 MB decoded, takes two there), 3 x 2 profiles in one call (untimed: with
-# DZ_CELLS=50000 the stores take half the writing):
-#   DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --call-mb 128,1024 --configs kvikio/c
-#   --read-threads 4,8" ... profile
-# Each profile prints the decode calls per window and the device memory per read_threads.
-# Then the table on the best size, every contender on that store:
-#   DZ_BENCH_ARGS="--inner-chunk 65536" ... bench
+# The decode sweep of 2026-11-27 (benchmarks/results/h200-2026-11-27/: 125 s), which made
+# the calls 512 MiB and found 16,384-element inner chunks 4-5x faster to decode than 262,144:
+#   DZ_CELLS=50000 DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --call-mb 128,1024
+#   --configs kvikio/c --read-threads 4,8" ... profile
+# Next: every contender on a store of small inner chunks:
+#   DZ_BENCH_ARGS="--inner-chunk 16384" ... bench
+# That session's device time (766 s): 5 staging calls and tests + demo (121 s), bench
+# (132 s), the sweep (125 s); a second machine (start ~60 s, staging) for tests + bench
+# without extra rows + a call-size profile (228 s).
 # `profile` also prints the store chunk bytes read and decoded per byte used: CSR rows straddle
 # store chunks, so it is ~1 + (store rows per chunk) / --chunk-size (the GPU path decodes whole
 # chunks; `dali-zarr inspect STORE` prints rows per chunk): ~1.3 at 256 rows on ~75-row
