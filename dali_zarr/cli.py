@@ -139,7 +139,12 @@ _ELEMENT_HELP = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dali_zarr.convert import CODECS, DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_ROWS
+    from dali_zarr.convert import (
+        CODECS,
+        DEFAULT_CHUNK_BYTES,
+        DEFAULT_CHUNK_ROWS,
+        DEFAULT_CSR_CHUNK_ELEMENTS,
+    )
 
     parser = _Parser(
         prog=PROG,
@@ -170,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_CHUNK_BYTES // DEFAULT_CHUNK_ROWS // 1024} KiB: chunks of at most "
         f"{DEFAULT_CHUNK_BYTES // 2**20} MiB decoded). Dense X / arrays: N rows x all other axes. "
         "CSR data/indices are 1-D, so a chunk holds round(nnz / n_obs * N) elements: N rows on "
-        "average (recorded in the 'dali_zarr' attribute)",
+        f"average (recorded in the 'dali_zarr' attribute); by default N keeps that at most "
+        f"{DEFAULT_CSR_CHUNK_ELEMENTS:,}, which the GPU path decodes faster",
     )
     c.add_argument(
         "--shard-size",
@@ -214,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         default=None,
         metavar="N",
-        help="with --shuffle: rows per shuffled piece (default: --chunk-rows). Every piece is "
+        help="with --shuffle: rows per shuffled piece (default: --chunk-rows, or if not given 256, "
+        "fewer for rows over 64 KiB, as for dense chunks). Every piece is "
         "one read of the input: pieces much smaller than the input's own chunks make the "
         "conversion slower (those chunks are decoded several times), larger pieces mix less",
     )

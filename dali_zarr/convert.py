@@ -73,6 +73,7 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_CHUNK_ROWS",
+    "DEFAULT_CSR_CHUNK_ELEMENTS",
     "DEFAULT_SHARD_BYTES",
     "ConvertResult",
     "convert",
@@ -86,6 +87,13 @@ DEFAULT_CHUNK_ROWS = 256
 #: DEFAULT_CHUNK_ROWS per chunk (a (time, 37, 721, 1440) float32 field's 256 rows are 39 GB,
 #: read, held and compressed at once: a kill by the OOM killer, without a word)
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+#: CSR: the most elements a default data/indices chunk holds (fewer rows than
+#: DEFAULT_CHUNK_ROWS where rows are long: 32 rows at 2,000 non-zeros a row). On the H200
+#: (2026-11-27) nvCOMP decoded a window of 65,536-element chunks in 20 ms where 262,144-element
+#: ones took 44, and the GPU loader gave 636k against 459k rows/s; the CPU path read such a
+#: store as fast or faster (benchmarks/results/cpu-2026-11-27b), and a sampler chunk a few
+#: times the store's rows per chunk, which bounds the rows decoded and not used, is finer.
+DEFAULT_CSR_CHUNK_ELEMENTS = 65_536
 DEFAULT_SHARD_BYTES = 256 * 2**20
 DEFAULT_BLOCK_BYTES = 64 * 2**20  # decoded X bytes read per block when block_rows is not given
 _UNSHARDED_WRITE_BYTES = 32 * 2**20  # write unsharded arrays in runs of whole chunks this big
@@ -939,7 +947,8 @@ def convert(
     """Convert ``sources`` (concatenated along rows) into a dali_zarr-friendly store at ``dest``.
 
     ``chunk_rows``: rows per chunk (default: :data:`DEFAULT_CHUNK_ROWS`, fewer where that
-    many rows would be over :data:`DEFAULT_CHUNK_BYTES` decoded, at least one). Dense ``X``
+    many rows would be over :data:`DEFAULT_CHUNK_BYTES` decoded, or, CSR, over
+    :data:`DEFAULT_CSR_CHUNK_ELEMENTS` elements on average; at least one). Dense ``X``
     and plain arrays are chunked ``chunk_rows``
     rows × every other axis whole. CSR ``data``/``indices`` are 1-D and a regular zarr grid
     cannot put chunk boundaries at row boundaries (rows have different lengths), so their
@@ -952,10 +961,10 @@ def convert(
     ``original_index`` always gives each output row's row number in the concatenated input.
     ``block_rows``: input rows read at once (default: about 64 MiB of decoded X); with
     ``shuffle`` it is rounded down to whole pieces of ``piece_rows`` rows, and up to one
-    piece where it is smaller (``piece_rows``: default ``chunk_rows``; only with
-    ``shuffle``). Each piece is one read of the input, so pieces much smaller than the
-    input's own chunks decode those chunks several times: larger pieces convert faster,
-    smaller pieces mix rows better.
+    piece where it is smaller (``piece_rows``: default ``chunk_rows``, or where that is not
+    given the rows rule without the CSR cap; only with ``shuffle``). Each piece is one
+    read of the input, so pieces much smaller than the input's own chunks decode those
+    chunks several times: larger pieces convert faster, smaller pieces mix rows better.
     ``progress(done, total)`` is called before the first block and after each block (it may
     raise to abort: nothing is left at ``dest``).
     """
@@ -1104,8 +1113,14 @@ def _plan(
         row_bytes = max(1, round(nnz / n_obs * (dtype.itemsize + index_dtype.itemsize)))
     else:
         row_bytes = max(1, math.prod(first.feature_shape) * dtype.itemsize)
+    default_rows = max(1, min(DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
+    # shuffled pieces keep the rows rule: each is a random read of the input, which 8x
+    # smaller CSR pieces would make 8x as many
+    piece_default = chunk_rows or default_rows
     if chunk_rows is None:
-        chunk_rows = max(1, min(DEFAULT_CHUNK_ROWS, DEFAULT_CHUNK_BYTES // row_bytes))
+        chunk_rows = default_rows
+        if nnz:  # CSR: rows of DEFAULT_CSR_CHUNK_ELEMENTS elements on average, at most
+            chunk_rows = max(1, min(chunk_rows, DEFAULT_CSR_CHUNK_ELEMENTS * n_obs // nnz))
     chunk_rows = min(chunk_rows, n_obs)
     if block_rows is None:
         block_rows = max(1, DEFAULT_BLOCK_BYTES // row_bytes)
@@ -1114,7 +1129,7 @@ def _plan(
     block_rows = min(int(block_rows), n_obs)
     shuffle_info = None
     if shuffle:
-        piece = min(int(piece_rows or chunk_rows), n_obs)
+        piece = min(int(piece_rows or piece_default), n_obs)
         shuffle_info = {
             "seed": seed,
             "piece_rows": piece,

@@ -122,6 +122,34 @@ def test_convert_h5ad_keeps_every_row_and_obs_value(tmp_path, h5ad_file):
     assert not os.path.exists(f"{dst}.partial")
 
 
+@pytest.mark.parametrize(("nnz_per_row", "rows"), [(4096, 16), (2000, 32), (100, 256)])
+def test_convert_csr_default_chunks_hold_at_most_65536_elements(tmp_path, nnz_per_row, rows):
+    """Without --chunk-rows a CSR chunk held 256 rows on average: 512,000 elements at 2,000
+    non-zeros a row, which nvCOMP decoded 2-4x slower per window on the H200 than chunks
+    of 65,536 (benchmarks/results/h200-2026-11-27). Long rows now get fewer rows a chunk;
+    short rows keep 256."""
+    from dali_zarr.convert import DEFAULT_CSR_CHUNK_ELEMENTS, convert
+
+    n_obs, n_vars = 600, 5000
+    rng = np.random.default_rng(0)
+    cols = np.stack([rng.choice(n_vars, nnz_per_row, replace=False) for _ in range(n_obs)])
+    x = sp.csr_matrix(
+        (np.ones(n_obs * nnz_per_row, np.float32), np.sort(cols, axis=1).ravel(),
+         np.arange(0, n_obs * nnz_per_row + 1, nnz_per_row)), shape=(n_obs, n_vars),
+    )  # fmt: skip
+    ad.AnnData(X=x).write_zarr(tmp_path / "in.zarr")
+    result = convert(tmp_path / "in.zarr", tmp_path / "out.zarr")
+    assert result.chunk_rows == rows
+    chunk = zarr.open_group(tmp_path / "out.zarr", mode="r")["X"]["data"].chunks[0]
+    assert chunk == rows * nnz_per_row
+    assert chunk <= DEFAULT_CSR_CHUNK_ELEMENTS or rows == 256  # short rows: 256 a chunk
+    np.testing.assert_array_equal(loader_rows(tmp_path / "out.zarr"), x.toarray())
+    # shuffled pieces (one random read of the input each) keep 256 rows
+    convert(tmp_path / "in.zarr", tmp_path / "shuffled.zarr", shuffle=True)
+    shuffled = zarr.open_group(tmp_path / "shuffled.zarr", mode="r").attrs["dali_zarr"]
+    assert shuffled["shuffle"]["piece_rows"] == 256 and shuffled["chunk_rows"] == rows
+
+
 def test_convert_dense_h5ad(tmp_path):
     src = tmp_path / "dense.h5ad"
     adata = write_h5ad(src, n_obs=300, n_features=24, dense=True)
