@@ -895,6 +895,55 @@ def test_values_rewritten_in_place_are_read_anew(tmp_path: Path, where: str, sha
     np.testing.assert_array_equal(got, new)
 
 
+@pytest.mark.parametrize("meanwhile", ["alone", "another window planned again"])
+@pytest.mark.parametrize("shards", [(100, 16), None], ids=["sharded", "unsharded"])
+def test_values_rewritten_between_a_windows_plan_and_its_read_are_read_anew(
+    tmp_path: Path, shards, meanwhile: str
+) -> None:
+    """The GPU path plans a window's reads, then reads: values rewritten in between (a
+    writer of the store, or another window's reads in flight on the other read threads) leave
+    the plan's files at other sizes, and the read refuses them. It planned again only where
+    ``forget_changed_chunks`` forgot a chunk: never for shards (their indexes are stamped as
+    planned), and not for chunks that another window, failing first, had forgotten and
+    located anew. The window failed as a "truncated or corrupted" chunk, while the CPU path
+    read the new values; it is now planned again wherever its files changed."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    path = tmp_path / "inplace.zarr"
+    z = zarr.create_array(
+        path, shape=(400, 16), chunks=(10, 16), shards=shards, dtype="float32",
+        compressors=zarr.codecs.ZstdCodec(),
+    )  # fmt: skip
+    z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16)  # compressible
+    new = np.random.default_rng(0).standard_normal((400, 16)).astype(np.float32)
+
+    class WriterBetween(HostBackend):
+        """Rewrites the values once, after the first plan was made and before it runs."""
+
+        written = False
+
+        def run_plan(self, plan, reader, out) -> None:
+            if not self.written:
+                self.written = True
+                zarr.open_array(path, mode="r+")[...] = new  # incompressible: other sizes
+                if meanwhile != "alone":  # what a window failing first on its thread does
+                    reader.forget_changed_chunks()
+                    reader.chunk_locations(np.arange(40))
+            super().run_plan(plan, reader, out)
+
+    loader = dz.Loader(
+        dz.open_dataset(path), sampler(), return_index=True, num_threads=1, device="gpu",
+        gpu_backend=WriterBetween(),
+    )  # fmt: skip
+    got = np.zeros_like(new)
+    try:
+        for batch in loader:
+            got[batch["index"].cpu().numpy()] = batch["X"].cpu().numpy()
+    finally:
+        loader.close()
+    np.testing.assert_array_equal(got, new)
+
+
 @pytest.mark.parametrize("where", WHERE)
 def test_a_collection_of_like_stores_reads_values_rewritten_in_place_and_names_a_bad_chunk(
     tmp_path: Path, where: str

@@ -26,7 +26,7 @@ import numpy as np
 from dali_zarr.data.dataset import CsrDataset, Dataset, DenseDataset, StoreRun
 from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.graph.source import Output, window_arrays, window_dtype
-from dali_zarr.io.gpu import Pieces, round_up, window_plans
+from dali_zarr.io.gpu import Pieces, files_changed, round_up, window_plans
 from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
 
 Slots = list[tuple[str, tuple, np.dtype, int]]  # (name, shape, dtype, byte offset)
@@ -341,8 +341,11 @@ class DeviceWindowReader:
         self, array_items: list[tuple[Any, np.ndarray, Pieces | None]], out: Any
     ) -> None:
         """One array's share of :meth:`_read_runs`. A byte plan that fails is planned and run
-        again once where chunk files changed since their sizes were cached (values rewritten
-        in place: ``DirectReader.forget_changed_chunks``); otherwise its error stands."""
+        again once where chunk or shard files changed since planned (values rewritten in
+        place, before the window or while it was read: the cached chunk sizes are forgotten
+        by ``DirectReader.forget_changed_chunks``, and each plan's files are looked at, as
+        a shard's index or a chunk another window located anew leaves nothing to forget);
+        otherwise its error stands."""
         plans, unplannable = window_plans(array_items, out_rows=out.shape[0])
         for i in unplannable:
             self.backend.upload_rows(*array_items[i], out)
@@ -350,7 +353,8 @@ class DeviceWindowReader:
             for plan, reader in plans:
                 self.backend.run_into(plan, reader, out)
         except ChunkReadError:
-            if not any([reader.forget_changed_chunks() for _, reader in plans]):
+            forgot = [reader.forget_changed_chunks() for _, reader in plans]  # each store's
+            if not any(forgot) and not any(files_changed(plan) for plan, _ in plans):
                 raise
             plans, _ = window_plans(array_items, out_rows=out.shape[0])
             for plan, reader in plans:

@@ -67,6 +67,7 @@ __all__ = [
     "NotPlannable",
     "ReadPlan",
     "execute_plan_cpu",
+    "files_changed",
     "gpu_codec_kind",
     "place_plan",
     "plan_problem",
@@ -686,6 +687,21 @@ def _refuse_changed_file(plan: ReadPlan, reader: DirectReader, extent: int, size
         at = left if 0 <= left < int(e["nbytes"]) else 0
         why = f"its file is {size} bytes, {planned} when its reads were planned (rewritten since)"
         raise _extent_error(reader, plan, extent, at, why)
+
+
+def files_changed(plan: ReadPlan) -> bool:
+    """Whether a file ``plan`` reads is no longer the size it had when planned, or is gone:
+    rewritten since (zarr writes new values as a new file of another size, and deletes a
+    chunk or shard set to the fill value). Its reads refuse such a file
+    (:func:`_refuse_changed_file`); the window reader then plans again. Asked of the files
+    themselves, one stat each, after a failed read only: a shard's index is stamped as it
+    is planned, and another window may have forgotten and located a changed chunk anew
+    before this plan ran (``DirectReader.forget_changed_chunks`` then finds nothing)."""
+    for path, planned in zip(plan.files, plan.file_nbytes.tolist(), strict=True):
+        stamp = _file_stamp(path)
+        if (stamp[2] if stamp else -1) != planned:
+            return True
+    return False
 
 
 def _kvikio_read_failed(reader: DirectReader, plan: ReadPlan, extent: int, e: Exception):
