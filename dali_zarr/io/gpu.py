@@ -18,10 +18,11 @@ Two executors run the same plan:
   read into device memory, all in flight at once — kvikio ``CuFile.pread`` (GPUDirect
   Storage where the system has it, kvikio's compat mode otherwise), or ``os.preadv`` into
   pinned memory and one copy (:func:`read_method`); each stored chunk's header checked on
-  the host (:func:`check_frames`); nvCOMP batched decode calls of up to 128 MiB of the
-  array's chunks in the window; chunks nvCOMP cannot decode are decoded on the CPU into
-  pinned memory and copied once; then one launch of ``cuda_kernels.copy_segments`` assembles
-  the rows.
+  the host (:func:`check_frames`); nvCOMP batched decode calls of up to 512 MiB
+  (``nvcomp_batched.CALL_NBYTES``) of the array's chunks in the window (zstd frames that
+  record no content size are decoded on the host: :func:`frames_without_size`); arrays
+  nvCOMP cannot decode are decoded on the CPU into pinned memory and copied once; then one
+  launch of ``cuda_kernels.copy_segments`` assembles the rows.
 
 Per-array decode path (:func:`gpu_codec_kind`): ``"none"`` (only the ``bytes`` codec, native
 byte order: disk → GPU with no decode), ``"zstd"`` (zarr v3's default; nvCOMP zstd), ``"lz4"``
