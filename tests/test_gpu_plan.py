@@ -27,7 +27,9 @@ from dali_zarr.io.codecs import (
     FRAME_HEAD_NBYTES,
     _zstd_content_size,
     frame_problems,
+    zstd_block_walk_limit,
     zstd_content_sizes,
+    zstd_frame_ends,
 )
 from dali_zarr.io.gpu import (
     GPU_KINDS,
@@ -1277,6 +1279,79 @@ def test_frames_without_a_content_size_are_decoded_on_the_host(tmp_path, monkeyp
             executor.run(plan_rows(reader, whole), reader, out)
         with pytest.raises(ChunkReadError, match=rf"arr: chunk 'c/5'.*{why}"):
             execute_plan_cpu(plan_rows(reader, whole), reader)  # the host backend alike
+    executor.close()
+
+
+def _zstd_frames() -> list[tuple[int, bytes]]:
+    """``(decoded bytes, frame)``: numcodecs' frames with and without a checksum, of raw,
+    RLE and compressed blocks, one block or several, and a streaming writer's."""
+    import zstandard
+
+    rng = np.random.default_rng(0)
+    out = []
+    for n in (1_000, 300_000):
+        for data in (np.zeros(n, np.uint8), rng.integers(0, 255, n, np.uint8)):
+            out.append((n, numcodecs.Zstd().encode(data)))
+            out.append((n, numcodecs.Zstd(checksum=True).encode(data)))
+            out.append((n, zstandard.ZstdCompressor(write_content_size=False).compress(data)))
+    return out
+
+
+def _frame_end(frame: bytes, nbytes: int, max_blocks: int) -> int:
+    """:func:`zstd_frame_ends` of ``frame`` stored in its first ``nbytes`` bytes."""
+    buf = np.frombuffer(frame, np.uint8)
+    head = np.frombuffer(frame[:FRAME_HEAD_NBYTES].ljust(FRAME_HEAD_NBYTES, b"\0"), np.uint8)
+    return int(zstd_frame_ends(buf.__getitem__, [0], [nbytes], head[None], max_blocks)[0])
+
+
+def test_zstd_frame_ends_walks_every_block_and_finds_a_cut_frame():
+    """A frame's header records what it decodes to, not what it is stored in: the block
+    headers say where it ends, at the stored size for a whole frame and past it for one
+    cut short anywhere (in a block, a block header or its checksum)."""
+    for n, frame in _zstd_frames():
+        limit = zstd_block_walk_limit(n)
+        assert _frame_end(frame, len(frame), limit) == len(frame)
+        for cut in {len(frame) - 1, len(frame) - 3, len(frame) - 4, len(frame) // 2, 12}:
+            end = _frame_end(frame, cut, limit)
+            assert end == -1 or end > cut, (n, len(frame), cut, end)
+        if n > 200_000:  # several blocks: not walked to the end within one
+            assert _frame_end(frame, len(frame), 1) == -2
+
+
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_a_truncated_zstd_chunk_is_named_before_nvcomp_gets_it(tmp_path, monkeypatch, reads):
+    """A chunk file cut short (an interrupted copy) is planned at the size it has, so the
+    size check of rewrites does not see it, and its frame header is intact: nvCOMP decoded
+    such a frame to garbage without an error on the H200 (2026-11-27). Its block headers
+    now show it ends past its stored bytes, and the chunk is named before any decode; a
+    frame of too many blocks to walk is decoded on the host (numcodecs checks it)."""
+    import zstandard
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log, reads)
+    data, reader, executor, _, out = _zstd_array_read_whole(tmp_path, 8 * 1024)
+    chunk5 = tmp_path / "a.zarr" / "c" / "5"
+    whole = np.array([[0, data.size]])
+    values = np.random.default_rng(1).standard_normal(1024).astype(np.float32)
+    frame = numcodecs.Zstd().encode(values)  # incompressible: ~4 KiB stored
+    chunk5.write_bytes(frame[:-100])  # cut short, its header intact
+    assert reader.forget_changed_chunks()
+    log.clear()
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*zstd frame cut short"):
+        executor.run(plan_rows(reader, whole), reader, out)
+    assert not [e for e in log if e[0] == "decode"]  # nothing reached nvCOMP
+    # one block per 64 bytes: more than a 4 KiB chunk's walk reads
+    writer = zstandard.ZstdCompressor().compressobj(size=4096)
+    values = data[5120:6144].tobytes()
+    blocks = [writer.compress(values[i : i + 64]) + writer.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
+              for i in range(0, 4096, 64)]  # fmt: skip
+    chunk5.write_bytes(b"".join(blocks) + writer.flush())
+    assert reader.forget_changed_chunks()
+    log.clear()
+    out[...] = np.nan
+    executor.run(plan_rows(reader, whole), reader, out)
+    np.testing.assert_array_equal(out, data)
+    assert [e[2] for e in log if e[0] == "decode"] == [7]  # nvCOMP: every chunk but c/5
     executor.close()
 
 

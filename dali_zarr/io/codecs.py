@@ -145,6 +145,54 @@ def zstd_content_sizes(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nd
     return is_frame, np.where(size > 0, value, -1), pos + size
 
 
+#: decoded bytes a zstd block holds at most (RFC 8878 §3.1.1.2.4)
+_ZSTD_BLOCK_MAX = 128 << 10
+
+
+def zstd_block_walk_limit(chunk_nbytes: int) -> int:
+    """Block headers :func:`zstd_frame_ends` reads per frame before it gives up on one: four
+    times the blocks an encoder that fills them writes for ``chunk_nbytes`` decoded (a
+    frame of more, small, blocks is left to a decoder that checks it)."""
+    return 4 * -(-chunk_nbytes // _ZSTD_BLOCK_MAX) + 4
+
+
+def zstd_frame_ends(
+    gather, starts: np.ndarray, nbytes: np.ndarray, heads: np.ndarray, max_blocks: int
+) -> np.ndarray:
+    """Where each zstd frame ends by its block headers (RFC 8878 §3.1.1.2), in bytes from its
+    start, for frames stored at ``starts`` (``nbytes`` stored bytes each, ``heads`` their
+    first bytes, headers already checked by :func:`frame_problems`) of a buffer that
+    ``gather(positions)`` reads (3 bytes a frame per block: a few round trips per window).
+
+    -1 where the stored bytes end before the frame does (a truncated chunk), or a block
+    header is of the reserved type; -2 where the frame holds more than ``max_blocks``
+    blocks (not walked to its end). A frame's header says how many bytes it decodes to but
+    not how many it is stored in: nvCOMP's batched zstd decoder decoded a frame cut short
+    to garbage without an error (H200, 2026-11-27), so the GPU executor checks this first.
+    """
+    heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)
+    starts = np.asarray(starts, dtype=np.int64)
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    checksum = np.where(heads[:, 4] & _ZSTD_CHECKSUM_FLAG, 4, 0).astype(np.int64)
+    pos = zstd_content_sizes(heads)[2].astype(np.int64)  # the first block header
+    end = np.full(len(starts), -1, dtype=np.int64)
+    active = np.flatnonzero(pos + 3 <= nbytes)
+    for _ in range(max_blocks):
+        if not len(active):
+            return end
+        at = starts[active, None] + pos[active, None] + np.arange(3)
+        b = np.asarray(gather(at.reshape(-1)), dtype=np.int64).reshape(-1, 3)
+        header = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16
+        kind = (header >> 1) & 3  # 0 raw, 1 RLE (one byte stored), 2 compressed, 3 reserved
+        pos[active] += 3 + np.where(kind == 1, 1, header >> 3)
+        last = (header & 1 == 1) & (kind != 3)
+        end[active[last]] = pos[active[last]] + checksum[active[last]]
+        going = ~last & (kind != 3)
+        active = active[going & (pos[active] + 3 <= nbytes[active])]
+    end[active] = -2
+    return end
+
+
 def _zstd_header(head: bytes) -> tuple[bool, int, int]:
     """:func:`zstd_content_sizes` for one frame in plain Python: the reader path checks
     every chunk it decodes, and the NumPy version costs ~30x as much for one frame (a test

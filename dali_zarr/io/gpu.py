@@ -57,7 +57,14 @@ from ..distributed import cpu_share
 from ..errors import ChunkReadError, ConfigError
 from ..planning.partition import run_offsets, split_at_chunks
 from . import nvcomp_batched
-from .codecs import DecodeError, frame_problems, head_index, zstd_content_sizes
+from .codecs import (
+    DecodeError,
+    frame_problems,
+    head_index,
+    zstd_block_walk_limit,
+    zstd_content_sizes,
+    zstd_frame_ends,
+)
 from .layout import ArrayLayout
 from .readers import DirectReader, _file_stamp, _pread_into, _run_parallel, check_ranges
 
@@ -633,6 +640,27 @@ def frames_without_size(plan: ReadPlan, heads: np.ndarray) -> np.ndarray:
     return np.flatnonzero(zstd_content_sizes(heads)[1] < 0)
 
 
+def check_frame_ends(plan: ReadPlan, reader: DirectReader, heads: np.ndarray, gather) -> np.ndarray:
+    """Raise the reader's chunk error for the first zstd frame of ``plan`` whose blocks do
+    not end within its stored bytes (a truncated chunk: :func:`~dali_zarr.io.codecs.
+    zstd_frame_ends`, reading staging through ``gather``), and return the indices into
+    ``plan.reads`` of the frames of too many blocks to walk: the GPU executor decodes
+    those on the host, as it does :func:`frames_without_size`."""
+    if plan.kind != "zstd" or not len(plan.reads):
+        return np.zeros(0, np.int64)
+    nbytes = plan.reads["nbytes"]
+    ends = zstd_frame_ends(
+        gather, plan.reads["staging_offset"], nbytes, heads,
+        zstd_block_walk_limit(plan.chunk_nbytes),
+    )  # fmt: skip
+    cut = np.flatnonzero((ends == -1) | (ends > nbytes))
+    if len(cut):
+        i = int(cut[0])
+        why = f"zstd frame cut short: its {int(nbytes[i])} stored bytes end inside it (truncated)"
+        raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
+    return np.flatnonzero(ends == -2)
+
+
 def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -> None:
     """``os.preadv`` of every extent of ``plan`` into ``target`` (staging, or the chunk buffer
     when uncompressed) on the reader's thread pool. Each read opens its file (a window of an
@@ -1140,7 +1168,8 @@ class GpuPlanExecutor:
                 if plan.has_frames:
                     heads = self._frame_heads(plan, staging)
                     check_frames(plan, reader, heads)
-                    on_host = frames_without_size(plan, heads)
+                    unwalked = check_frame_ends(plan, reader, heads, self._staging_bytes(staging))
+                    on_host = np.union1d(frames_without_size(plan, heads), unwalked)
                 if plan.kind != "none":
                     on_device = np.setdiff1d(on_device, on_host)
                     self._nvcomp_decode(plan, reader, staging, decoded, on_device)
@@ -1244,6 +1273,22 @@ class GpuPlanExecutor:
         if error is not None:
             raise error
         self._trim_files()
+
+    def _staging_bytes(self, staging):
+        """``gather(positions)``: those bytes of the staging buffer on the host (the reads
+        have completed): from the pinned buffer the reads went through, or gathered on the
+        device and copied back."""
+        if self.reads == "pinned":
+            return self._pinned["staging"].__getitem__
+
+        def gather(positions: np.ndarray) -> np.ndarray:
+            with self.stream:
+                picked = staging[self.cp.asarray(positions)]
+            host = self.cp.asnumpy(picked, stream=self.stream)
+            self.stream.synchronize()
+            return host
+
+        return gather
 
     def _frame_heads(self, plan: ReadPlan, staging) -> np.ndarray:
         """The first bytes of every stored chunk, on the host (:func:`check_frames`): from
