@@ -742,6 +742,12 @@ def test_gpu_executor_capped_calls_and_a_bad_chunk(tmp_path, monkeypatch, nvcomp
     assert reader.forget_changed_chunks()  # as the window reader does on a changed size
     with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*not a zstd frame"):
         executor.run(plan_rows(reader, whole), reader, out)
+    # cut short, its header intact: nvCOMP decoded such a frame to NaNs (2026-11-27)
+    noise = np.random.default_rng(1).random(1024, np.float32)  # incompressible
+    chunk5.write_bytes(numcodecs.Zstd().encode(noise)[:-9])
+    assert reader.forget_changed_chunks()
+    with pytest.raises(ChunkReadError, match=r"arr: chunk 'c/5'.*zstd frame cut short"):
+        executor.run(plan_rows(reader, whole), reader, out)
     # frames without a content size: decoded on the host, a corrupted one named (nvCOMP
     # read out of bounds on such a frame, 2026-11-27), and the device still works
     chunk5.write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 40)
