@@ -1024,6 +1024,37 @@ def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(
     executor.close()
 
 
+def test_a_chunk_forgotten_by_another_thread_while_located_is_not_read_as_fill(tmp_path):
+    """The GPU path's read threads share each array's reader. One window's failed read
+    forgets the chunks that changed (``forget_changed_chunks``) while another window's plan
+    locates its chunks: between the stat of its unseen chunks and its look at the cache,
+    a chunk it had cached was forgotten, and the plan read that stored chunk as the fill
+    value, without an error. A plan now uses the sizes it found, not the cache again."""
+    data = np.arange(40 * 16, dtype=np.float32).reshape(40, 16) + 1  # no fill values
+    arr = write(tmp_path / "a.zarr", data, chunks=(10, 16), compressors=compressors("zstd", 3))
+    reader = open_reader(arr, name="a")
+    plan_rows(reader, np.array([[0, 10]]))  # chunk 0's size cached
+    new = np.random.default_rng(0).standard_normal((10, 16)).astype(np.float32)
+    zarr.open_array(tmp_path / "a.zarr", mode="r+")[0:10] = new  # chunk 0: another size
+    stat_chunks = reader._stat_chunks
+
+    def other_thread_forgets_meanwhile(chunks):
+        found = stat_chunks(chunks)
+        reader.forget_changed_chunks()  # another window's failed read, on another thread
+        return found
+
+    reader._stat_chunks = other_thread_forgets_meanwhile
+    plan = plan_rows(reader, np.array([[0, 20]]))  # chunk 0 cached, chunk 1 not yet
+    assert plan.fill_slots == ()
+    # planned with chunk 0's old size (the cache as it was): the read refuses it, and the
+    # window reader plans again (files_changed), as for any chunk rewritten before a read
+    with pytest.raises(ChunkReadError, match=r"a: chunk 'c/0/0'.*when its reads were planned"):
+        execute_plan_cpu(plan, reader)
+    reader._stat_chunks = stat_chunks
+    got = execute_plan_cpu(plan_rows(reader, np.array([[0, 20]])), reader)
+    np.testing.assert_array_equal(got.reshape(20, 16), np.r_[new, data[10:20]])
+
+
 @pytest.mark.parametrize("reads", ["kvikio", "pinned"])
 def test_a_chunk_grown_since_planned_is_refused_before_its_cut_frame_is_decoded(
     tmp_path, monkeypatch, kvikio_executor_device, reads

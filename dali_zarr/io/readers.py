@@ -630,8 +630,13 @@ class DirectReader:
         file = np.full(len(chunks), -1, dtype=np.int32)
         offset = np.zeros(len(chunks), dtype=np.int64)
         if lay.shard is None:  # a file per chunk: its size is its stored bytes
-            self._stat_chunks(chunks[self._chunk_nbytes[chunks] < 0])
+            # the cache as it is now, and the sizes found for the chunks it lacks: another
+            # read thread's forget_changed_chunks may clear entries meanwhile, and a chunk
+            # read from the cache again then would be "not stored" (read as the fill value)
             nbytes = self._chunk_nbytes[chunks]
+            unseen = np.flatnonzero(nbytes < 0)
+            if len(unseen):
+                nbytes[unseen] = self._stat_chunks(chunks[unseen])
             stored = np.flatnonzero(nbytes >= 0)
             file[stored] = np.arange(len(stored), dtype=np.int32)
             nbytes[nbytes < 0] = 0
@@ -668,13 +673,16 @@ class DirectReader:
             sizes.append(size)
         return ChunkLocations(tuple(files), file, offset, nbytes, np.array(sizes, np.int64))
 
-    def _stat_chunks(self, chunks: np.ndarray) -> None:
+    def _stat_chunks(self, chunks: np.ndarray) -> np.ndarray:
         """Find the files of row chunks not seen yet and record their sizes (unsharded
         stores): a window's locations are then NumPy lookups, not a stat per chunk. A
         chunk that changes size later fails its read, which compares the file's size with
-        the one located (:attr:`ChunkLocations.file_nbytes`)."""
+        the one located (:attr:`ChunkLocations.file_nbytes`). Returns each chunk's size
+        (-1: not stored)."""
         zeros = (0,) * (len(self.shape) - 1)
-        for c in np.unique(chunks).tolist():
+        unique, where = np.unique(chunks, return_inverse=True)
+        sizes = np.full(len(unique), -1, dtype=np.int64)
+        for i, c in enumerate(unique.tolist()):
             path = self._file(self.layout.key((c, *zeros)))
             try:
                 size = stored_size(path)
@@ -685,7 +693,8 @@ class DirectReader:
             if size is None:
                 continue  # reads as the fill value; looked for again next time
             self._chunk_files[c] = path
-            self._chunk_nbytes[c] = size
+            self._chunk_nbytes[c] = sizes[i] = size
+        return sizes[where.reshape(-1)]
 
     def forget_changed_chunks(self) -> bool:
         """Stat again the chunk files whose sizes :meth:`chunk_locations` has cached
@@ -700,8 +709,7 @@ class DirectReader:
         known = np.flatnonzero(self._chunk_nbytes >= 0)
         now = [(_file_stamp(self._chunk_files[c]) or (0, 0, -1))[2] for c in known.tolist()]
         changed = known[np.asarray(now, dtype=np.int64) != self._chunk_nbytes[known]]
-        self._chunk_nbytes[changed] = -1
-        self._chunk_files[changed] = None
+        self._chunk_nbytes[changed] = -1  # their paths stay: a plan may be reading them
         return bool(len(changed))
 
     def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
