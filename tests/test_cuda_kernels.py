@@ -36,6 +36,7 @@ GROUPS = [
     "bfloat16",
     "float16",
     "copy_segments",
+    "zstd_frame_ends",
     "remap_columns",
     "keep_panel_rows",
     "cuda_backend",
@@ -374,6 +375,40 @@ def _worker() -> dict:
         for launch in LAUNCHES:
             check("copy_segments", f"trial{trial} launch{launch}", segments, launch, src,
                   seg.astype(np.int64), out_dtype)  # fmt: skip
+    # -- zstd frame ends (the GPU read path's check for chunks cut short) -------------------
+    import numcodecs
+    import zstandard
+
+    from dali_zarr.io.codecs import FRAME_HEAD_NBYTES, zstd_frame_ends, zstd_walk_from
+
+    def frame_ends(launch, staging, starts, nbytes):
+        heads = np.stack([staging[a : a + FRAME_HEAD_NBYTES] for a in starts.tolist()])
+        first, checksum = zstd_walk_from(heads)
+        want = zstd_frame_ends(staging.__getitem__, starts, nbytes, heads, 1 << 20)
+        ends = np.zeros(len(starts), np.int64)
+        eq(run(K.zstd_frame_ends, launch, ends, staging, starts, nbytes, first, checksum)[0], want)
+        return want
+
+    values = [rng.standard_normal(40_000).astype(np.float32),  # raw blocks (48 at level 3)
+              rng.poisson(1, 40_000).astype(np.float32), np.zeros(40_000, np.float32)]  # fmt: skip
+    frames = [numcodecs.Zstd(level=lv, checksum=ck).encode(v)
+              for v in values for lv in (1, 3) for ck in (False, True)]  # fmt: skip
+    frames += [zstandard.ZstdCompressor(level=3).compress(v.tobytes()) for v in values]
+    frames += [zstandard.ZstdCompressor(write_content_size=False).compress(values[1].tobytes())]
+    stored = [*frames, frames[0][:-100], frames[5][:1000], b"\x28\xb5\x2f\xfd" + b"\xff" * 40]
+    staging = np.frombuffer(b"".join(bytes(f) + bytes(64) for f in stored), np.uint8)
+    starts = np.cumsum([0] + [len(f) + 64 for f in stored[:-1]]).astype(np.int64)
+    nbytes = np.array([len(f) for f in stored], np.int64)
+
+    def frame_cases(launch):
+        got = frame_ends(launch, staging, starts, nbytes)
+        eq(got[: len(frames)], nbytes[: len(frames)])  # whole frames end where stored
+        cut = got[len(frames) : len(frames) + 2]  # no last block in, or one ending past
+        assert ((cut == -1) | (cut > nbytes[len(frames) : len(frames) + 2])).all(), cut
+        assert got[-1] == -1, got[-1]  # a reserved block type
+
+    for launch in LAUNCHES:
+        check("zstd_frame_ends", f"launch{launch}", frame_cases, launch)
     # -- per-run panel maps (collections of panels keeping different columns) --------------
     for ti, idt in enumerate((np.int32, np.int64, np.uint32)):
         widths = np.array([7, 12, 7, 5], np.int64)  # four maps (the panel keeps 4 columns)
@@ -608,6 +643,7 @@ PTX_CASES = [
     ("copy_segments", ["i8", "i4", "i8", "i8", "i8"], [1] * 5),  # widened as placed
     ("copy_segments", ["i8", "u4", "i8", "i8", "i8"], [1] * 5),
     ("copy_segments", ["f4", "f2", "i8", "i8", "i8"], [1] * 5),
+    ("zstd_frame_ends", ["i8", "u1", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "i4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "u4", "i8", "i8", "i8", "i8"], [1] * 6),
     ("remap_run_columns", ["i8", "i8", "i8", "i8", "i8", "i8"], [1] * 6),

@@ -265,6 +265,39 @@ def copy_segments(out, src, seg_src, seg_dst, seg_len):
             out[b + k] = src[a + k]
 
 
+def zstd_frame_ends(ends, staging, starts, nbytes, first_block, checksum):
+    """Where each zstd frame ends by its block headers, in bytes from its start (twin of
+    ``dali_zarr.io.codecs.zstd_frame_ends``, which walks on the host).
+
+    One thread a frame follows its 3-byte block headers from ``first_block`` (raw blocks
+    store their size, RLE blocks one byte, compressed blocks their size) to the last block,
+    then adds ``checksum`` (0 or 4 bytes); -1 where the stored ``nbytes`` end first or a
+    block is of the reserved type. The GPU executor checks these ends against the stored
+    sizes before nvCOMP decodes anything: one launch and one copy back a window, where the
+    host walk took a round trip per block.
+    """
+    for f in range(cuda.grid(1), starts.shape[0], cuda.gridsize(1)):
+        base = starts[f]
+        n = nbytes[f]
+        pos = first_block[f]
+        end = -1
+        while pos + 3 <= n:
+            at = base + pos
+            header = (
+                numba.int64(staging[at])
+                | (numba.int64(staging[at + 1]) << 8)
+                | (numba.int64(staging[at + 2]) << 16)
+            )
+            kind = (header >> 1) & 3
+            if kind == 3:  # reserved: not a block
+                break
+            pos += 3 + (1 if kind == 1 else header >> 3)
+            if header & 1:  # the last block
+                end = pos + checksum[f]
+                break
+        ends[f] = end
+
+
 def remap_run_columns(bad, indices, run_bounds, run_maps, run_widths, maps):
     """Each run's column ids through its own panel map, in place (a collection of gene
     panels that keep different stored columns; twin of ``kernels._remap_run_columns``).

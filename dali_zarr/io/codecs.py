@@ -150,10 +150,20 @@ _ZSTD_BLOCK_MAX = 128 << 10
 
 
 def zstd_block_walk_limit(chunk_nbytes: int) -> int:
-    """Block headers :func:`zstd_frame_ends` reads per frame before it gives up on one: four
-    times the blocks an encoder that fills them writes for ``chunk_nbytes`` decoded (a
-    frame of more, small, blocks is left to a decoder that checks it)."""
-    return 4 * -(-chunk_nbytes // _ZSTD_BLOCK_MAX) + 4
+    """Block headers the host walk (:func:`zstd_frame_ends`) reads per frame before it gives
+    up on one: blocks of 4 KiB decoded on average, where an encoder that fills them writes
+    128 KiB (libzstd 1.5.7 split a 1 MiB frame of random floats into 48 blocks at level 3;
+    a frame of more, smaller, blocks is left to a decoder that checks it)."""
+    return chunk_nbytes // 4096 + 4
+
+
+def zstd_walk_from(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(first block header, checksum bytes)`` of each zstd frame whose first bytes are a
+    row of ``heads``: where a walk of its blocks starts, and the 4 bytes a frame with a
+    content checksum holds after its last block (int64 each)."""
+    heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)
+    checksum = np.where(heads[:, 4] & _ZSTD_CHECKSUM_FLAG, 4, 0).astype(np.int64)
+    return zstd_content_sizes(heads)[2].astype(np.int64), checksum
 
 
 def zstd_frame_ends(
@@ -170,11 +180,9 @@ def zstd_frame_ends(
     not how many it is stored in: nvCOMP's batched zstd decoder decoded a frame cut short
     to garbage without an error (H200, 2026-11-27), so the GPU executor checks this first.
     """
-    heads = np.asarray(heads, dtype=np.uint8).reshape(-1, FRAME_HEAD_NBYTES)
     starts = np.asarray(starts, dtype=np.int64)
     nbytes = np.asarray(nbytes, dtype=np.int64)
-    checksum = np.where(heads[:, 4] & _ZSTD_CHECKSUM_FLAG, 4, 0).astype(np.int64)
-    pos = zstd_content_sizes(heads)[2].astype(np.int64)  # the first block header
+    pos, checksum = zstd_walk_from(heads)
     end = np.full(len(starts), -1, dtype=np.int64)
     active = np.flatnonzero(pos + 3 <= nbytes)
     for _ in range(max_blocks):

@@ -64,6 +64,7 @@ from .codecs import (
     zstd_block_walk_limit,
     zstd_content_sizes,
     zstd_frame_ends,
+    zstd_walk_from,
 )
 from .layout import ArrayLayout
 from .readers import DirectReader, _file_stamp, _pread_into, _run_parallel, check_ranges
@@ -640,19 +641,14 @@ def frames_without_size(plan: ReadPlan, heads: np.ndarray) -> np.ndarray:
     return np.flatnonzero(zstd_content_sizes(heads)[1] < 0)
 
 
-def check_frame_ends(plan: ReadPlan, reader: DirectReader, heads: np.ndarray, gather) -> np.ndarray:
+def check_frame_ends(plan: ReadPlan, reader: DirectReader, ends: np.ndarray) -> np.ndarray:
     """Raise the reader's chunk error for the first zstd frame of ``plan`` whose blocks do
-    not end within its stored bytes (a truncated chunk: :func:`~dali_zarr.io.codecs.
-    zstd_frame_ends`, reading staging through ``gather``), and return the indices into
-    ``plan.reads`` of the frames of too many blocks to walk: the GPU executor decodes
-    those on the host, as it does :func:`frames_without_size`."""
-    if plan.kind != "zstd" or not len(plan.reads):
-        return np.zeros(0, np.int64)
+    not end within its stored bytes (a truncated chunk; ``ends`` per read, from
+    :func:`~dali_zarr.io.codecs.zstd_frame_ends` or its device twin), and return the
+    indices into ``plan.reads`` of the frames of too many blocks to walk (-2, host walk
+    only): the GPU executor decodes those on the host, as it does
+    :func:`frames_without_size`."""
     nbytes = plan.reads["nbytes"]
-    ends = zstd_frame_ends(
-        gather, plan.reads["staging_offset"], nbytes, heads,
-        zstd_block_walk_limit(plan.chunk_nbytes),
-    )  # fmt: skip
     cut = np.flatnonzero((ends == -1) | (ends > nbytes))
     if len(cut):
         i = int(cut[0])
@@ -1168,8 +1164,10 @@ class GpuPlanExecutor:
                 if plan.has_frames:
                     heads = self._frame_heads(plan, staging)
                     check_frames(plan, reader, heads)
-                    unwalked = check_frame_ends(plan, reader, heads, self._staging_bytes(staging))
-                    on_host = np.union1d(frames_without_size(plan, heads), unwalked)
+                    on_host = frames_without_size(plan, heads)
+                    if plan.kind == "zstd":
+                        ends = self._frame_ends(plan, staging, heads)
+                        on_host = np.union1d(on_host, check_frame_ends(plan, reader, ends))
                 if plan.kind != "none":
                     on_device = np.setdiff1d(on_device, on_host)
                     self._nvcomp_decode(plan, reader, staging, decoded, on_device)
@@ -1274,21 +1272,30 @@ class GpuPlanExecutor:
             raise error
         self._trim_files()
 
-    def _staging_bytes(self, staging):
-        """``gather(positions)``: those bytes of the staging buffer on the host (the reads
-        have completed): from the pinned buffer the reads went through, or gathered on the
-        device and copied back."""
+    def _frame_ends(self, plan: ReadPlan, staging, heads: np.ndarray) -> np.ndarray:
+        """Where each zstd frame of ``plan`` ends by its block headers (the reads have
+        completed): walked on the host in the pinned buffer the reads went through (frames
+        of more blocks than :func:`~dali_zarr.io.codecs.zstd_block_walk_limit` give -2), or
+        by ``cuda_kernels.zstd_frame_ends`` in device memory, one launch and 8 bytes a frame
+        copied back."""
+        starts, nbytes = plan.reads["staging_offset"], plan.reads["nbytes"]
         if self.reads == "pinned":
-            return self._pinned["staging"].__getitem__
+            limit = zstd_block_walk_limit(plan.chunk_nbytes)
+            return zstd_frame_ends(
+                self._pinned["staging"].__getitem__, starts, nbytes, heads, limit
+            )
+        from dali_zarr.graph import cuda_kernels
 
-        def gather(positions: np.ndarray) -> np.ndarray:
-            with self.stream:
-                picked = staging[self.cp.asarray(positions)]
-            host = self.cp.asnumpy(picked, stream=self.stream)
-            self.stream.synchronize()
-            return host
-
-        return gather
+        first_block, checksum = zstd_walk_from(heads)
+        with self.stream:
+            args = [self.cp.asarray(np.ascontiguousarray(a, np.int64))
+                    for a in (starts, nbytes, first_block, checksum)]  # fmt: skip
+            ends = self.cp.empty(len(starts), dtype=np.int64)
+        blocks = max(1, min(-(-len(starts) // 128), 1 << 16))
+        launch(cuda_kernels.zstd_frame_ends, blocks, 128, self.stream, ends, staging, *args)
+        host = self.cp.asnumpy(ends, stream=self.stream)
+        self.stream.synchronize()
+        return host
 
     def _frame_heads(self, plan: ReadPlan, staging) -> np.ndarray:
         """The first bytes of every stored chunk, on the host (:func:`check_frames`): from
