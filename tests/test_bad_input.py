@@ -862,6 +862,18 @@ def test_a_store_rewritten_in_the_middle_of_an_epoch_is_refused(tmp_path: Path, 
     assert 0 < served < 2_000, served  # a few windows read ahead of the rewrite, not the epoch
 
 
+def _compressible_store(tmp_path: Path, shards) -> Path:
+    """400 x 16 float32 counting up, zstd, chunks of 10 rows (sharded by ``shards`` or not):
+    values that compress well, so that random values rewritten in place change the sizes."""
+    path = tmp_path / "inplace.zarr"
+    z = zarr.create_array(
+        path, shape=(400, 16), chunks=(10, 16), shards=shards, dtype="float32",
+        compressors=zarr.codecs.ZstdCodec(),
+    )  # fmt: skip
+    z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16)
+    return path
+
+
 @pytest.mark.parametrize("shards", [(100, 16), None], ids=["sharded", "unsharded"])
 @pytest.mark.parametrize("where", WHERE)
 def test_values_rewritten_in_place_are_read_anew(tmp_path: Path, where: str, shards) -> None:
@@ -872,12 +884,7 @@ def test_values_rewritten_in_place_are_read_anew(tmp_path: Path, where: str, sha
     byte plans (which cache each chunk file's size rather than stat it every window) failed
     the window as a corrupted or missing chunk; a plan that fails with chunk files changed
     since their sizes were taken is planned again, once."""
-    path = tmp_path / "inplace.zarr"
-    z = zarr.create_array(
-        path, shape=(400, 16), chunks=(10, 16), shards=shards, dtype="float32",
-        compressors=zarr.codecs.ZstdCodec(),
-    )  # fmt: skip
-    z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16)  # compressible
+    path = _compressible_store(tmp_path, shards)
     loader = dz.Loader(
         dz.open_dataset(path), sampler(), return_index=True, num_threads=1, **_device(where)
     )
@@ -909,12 +916,7 @@ def test_values_rewritten_between_a_windows_plan_and_its_read_are_read_anew(
     read the new values; it is now planned again wherever its files changed."""
     from dali_zarr.graph.window_backends import HostBackend
 
-    path = tmp_path / "inplace.zarr"
-    z = zarr.create_array(
-        path, shape=(400, 16), chunks=(10, 16), shards=shards, dtype="float32",
-        compressors=zarr.codecs.ZstdCodec(),
-    )  # fmt: skip
-    z[...] = np.arange(400 * 16, dtype=np.float32).reshape(400, 16)  # compressible
+    path = _compressible_store(tmp_path, shards)
     new = np.random.default_rng(0).standard_normal((400, 16)).astype(np.float32)
 
     class WriterBetween(HostBackend):
