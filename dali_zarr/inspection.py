@@ -131,6 +131,10 @@ class StoreReport:
     beside: tuple[str, ...]
     suggestion: Suggestion
     converted: dict[str, Any] | None  # the ``dali_zarr`` attribute `convert` wrote, if any
+    #: a CSR store whose chunks the GPU path decodes slowly: why ("": none), and the command
+    #: that rewrites it
+    gpu_note: str = ""
+    gpu_rewrite: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -534,7 +538,33 @@ def inspect_store(
         beside=beside,
         suggestion=dataset_suggestion(ds, batch_size=batch_size),
         converted=dict(converted) if isinstance(converted, dict) else None,
+        **(_large_csr_chunks_note(path, arrays) if ds.layout == "csr" else {}),
     )
+
+
+def _large_csr_chunks_note(path: str, arrays: Sequence[ArrayInfo]) -> dict[str, str]:
+    """Advice for a CSR store whose ``data`` the GPU path decodes (zstd, lz4) in chunks of
+    over twice ``convert``'s default: nvCOMP works on a window's chunks side by side, so
+    fewer, larger chunks decode slower (measured on an H200, 2026-11-27)."""
+    from dali_zarr.convert import DEFAULT_CSR_CHUNK_ELEMENTS
+
+    data = next((a for a in arrays if a.name.endswith("/data")), None)
+    if (
+        data is None
+        or data.path != "gpu-decode"
+        or data.chunks[0] <= 2 * DEFAULT_CSR_CHUNK_ELEMENTS
+    ):
+        return {}
+    stem = os.path.splitext(path.rstrip("/"))[0]
+    return {
+        "gpu_note": (
+            f"{data.name} is stored in chunks of {data.chunks[0]:,} elements; the GPU path "
+            f"decodes smaller ones faster (an H200 decoded a window of 65,536-element chunks "
+            f"in 19.5 ms, of 262,144-element ones in 43.7 ms). This writes chunks of at most "
+            f"{DEFAULT_CSR_CHUNK_ELEMENTS:,} elements:"
+        ),
+        "gpu_rewrite": shlex.join(["dali-zarr", "convert", path, f"{stem}_rechunked.zarr"]),
+    }
 
 
 def _beside_x(root: zarr.Group, elements: Sequence[str]) -> Iterator[str]:
@@ -605,6 +635,10 @@ def format_report(report: StoreReport) -> str:
             "  (gpu-decode: what device='gpu' decodes with nvCOMP; device='cpu' reads the same"
             " arrays by the direct path)"
         )
+    if r.gpu_note:
+        lines.append(textwrap.fill(f"note: {r.gpu_note}", width=96, initial_indent="  ",
+                                   subsequent_indent="    "))  # fmt: skip
+        lines.append(f"    {r.gpu_rewrite}")  # on a line of its own: it pastes as printed
     if r.kind == "anndata":
         lines.append("")
         lines.append("  loadable elements (element=...): " + ", ".join(r.elements))

@@ -693,6 +693,29 @@ def test_inspect_v3_sharded_zstd(sc_store, capsys):
     assert "gpu-decode" in text and "suggested: chunk_size=" in text and "rule:" in text
 
 
+@pytest.mark.parametrize(("chunk_elements", "codec"), [(262_144, "zstd"), (262_144, "blosc"),
+                                                      (65_536, "zstd")])  # fmt: skip
+def test_inspect_advises_smaller_csr_chunks_for_the_gpu(tmp_path, capsys, chunk_elements, codec):
+    """A CSR store whose data the GPU path decodes in chunks over twice convert's default
+    gets the measured reason and the command that rewrites it; others get nothing."""
+    from dali_zarr import synthetic
+
+    path = synthetic.make_single_cell(
+        tmp_path / "c.zarr", n_obs=2_000, n_features=2_000, density=0.1, codec=codec,
+        chunk_elements=chunk_elements, shard_chunks=None,
+    )  # fmt: skip
+    report = inspect_json(path, capsys)
+    assert run("inspect", path) == 0
+    text = capsys.readouterr().out
+    if chunk_elements > 131_072 and codec == "zstd":
+        assert report["gpu_note"].startswith("X/data is stored in chunks of 262,144 elements")
+        assert "note: X/data is stored in chunks of 262,144" in text
+        command = f"dali-zarr convert {path} {tmp_path / 'c_rechunked.zarr'}"
+        assert report["gpu_rewrite"] == command and f"\n    {command}\n" in text
+    else:  # small chunks, or decoded on the CPU whatever the device (blosc)
+        assert report["gpu_note"] == report["gpu_rewrite"] == "" and "note: X/data" not in text
+
+
 def test_inspect_of_rows_too_wide_for_a_window_of_a_batch_says_so_once(tmp_path, capsys):
     """Rows so wide that 1 GiB holds no batch: the suggested line said "a window is 0 rows,
     ~0.0 MiB decoded" beside the warning that the window of 256 rows holds no batch."""
