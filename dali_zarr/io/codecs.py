@@ -167,12 +167,14 @@ def zstd_walk_from(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def zstd_frame_ends(
-    gather, starts: np.ndarray, nbytes: np.ndarray, heads: np.ndarray, max_blocks: int
-) -> np.ndarray:
+    staging: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, heads: np.ndarray,
+    max_blocks: int,
+) -> np.ndarray:  # fmt: skip
     """Where each zstd frame ends by its block headers (RFC 8878 §3.1.1.2), in bytes from its
-    start, for frames stored at ``starts`` (``nbytes`` stored bytes each, ``heads`` their
-    first bytes, headers already checked by :func:`frame_problems`) of a buffer that
-    ``gather(positions)`` reads (3 bytes a frame per block: a few round trips per window).
+    start, for frames stored at ``starts`` of the host buffer ``staging`` (``nbytes`` stored
+    bytes each, ``heads`` their first bytes, headers already checked by
+    :func:`frame_problems`): NumPy over every frame, one step a block. Device memory is
+    walked by its twin ``cuda_kernels.zstd_frame_ends``, one thread a frame.
 
     -1 where the stored bytes end before the frame does (a truncated chunk), or a block
     header is of the reserved type; -2 where the frame holds more than ``max_blocks``
@@ -189,7 +191,7 @@ def zstd_frame_ends(
         if not len(active):
             return end
         at = starts[active, None] + pos[active, None] + np.arange(3)
-        b = np.asarray(gather(at.reshape(-1)), dtype=np.int64).reshape(-1, 3)
+        b = staging[at].astype(np.int64)
         header = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16
         kind = (header >> 1) & 3  # 0 raw, 1 RLE (one byte stored), 2 compressed, 3 reserved
         pos[active] += 3 + np.where(kind == 1, 1, header >> 3)

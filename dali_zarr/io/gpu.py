@@ -629,15 +629,13 @@ def check_frames(plan: ReadPlan, reader: DirectReader, heads: np.ndarray) -> Non
         raise reader.chunk_error(_coords(reader, plan.reads["chunk"][i]), why)
 
 
-def frames_without_size(plan: ReadPlan, heads: np.ndarray) -> np.ndarray:
-    """Indices into ``plan.reads`` of the zstd frames whose header records no content size
+def frames_without_size(heads: np.ndarray) -> np.ndarray:
+    """Indices (into a zstd plan's reads) of the frames whose header records no content size
     (streaming writers leave it out; zarr and numcodecs never do). The GPU executor decodes
     them on the host, where numcodecs checks the size they decode to: nvCOMP cannot check
     them against the chunk's size, and on the H200 (2026-11-27) a corrupted frame without
     one made it read out of bounds (``cudaErrorIllegalAddress``, which ends every later use
     of the device by the process)."""
-    if plan.kind != "zstd" or not len(plan.reads):
-        return np.zeros(0, np.int64)
     return np.flatnonzero(zstd_content_sizes(heads)[1] < 0)
 
 
@@ -1164,10 +1162,10 @@ class GpuPlanExecutor:
                 if plan.has_frames:
                     heads = self._frame_heads(plan, staging)
                     check_frames(plan, reader, heads)
-                    on_host = frames_without_size(plan, heads)
-                    if plan.kind == "zstd":
+                    if plan.kind == "zstd":  # what nvCOMP cannot be trusted with
                         ends = self._frame_ends(plan, staging, heads)
-                        on_host = np.union1d(on_host, check_frame_ends(plan, reader, ends))
+                        unwalked = check_frame_ends(plan, reader, ends)
+                        on_host = np.union1d(frames_without_size(heads), unwalked)
                 if plan.kind != "none":
                     on_device = np.setdiff1d(on_device, on_host)
                     self._nvcomp_decode(plan, reader, staging, decoded, on_device)
@@ -1281,9 +1279,7 @@ class GpuPlanExecutor:
         starts, nbytes = plan.reads["staging_offset"], plan.reads["nbytes"]
         if self.reads == "pinned":
             limit = zstd_block_walk_limit(plan.chunk_nbytes)
-            return zstd_frame_ends(
-                self._pinned["staging"].__getitem__, starts, nbytes, heads, limit
-            )
+            return zstd_frame_ends(self._pinned["staging"], starts, nbytes, heads, limit)
         from dali_zarr.graph import cuda_kernels
 
         first_block, checksum = zstd_walk_from(heads)
@@ -1314,23 +1310,21 @@ class GpuPlanExecutor:
         self, plan: ReadPlan, reader: DirectReader, staging, decoded, reads: np.ndarray
     ) -> None:
         """Decode the stored chunks ``reads`` (indices into ``plan.reads``) on the host and
-        put them in their slots: frames that :func:`frames_without_size` keeps from nvCOMP.
-        Their bytes are copied back, decoded with numcodecs (which checks the decoded size)
-        and copied up one chunk at a time: few chunks, if any."""
+        put them in their slots: frames kept from nvCOMP (:func:`frames_without_size`, or
+        too many blocks for the host walk). Each one's stored bytes (with any header, as
+        :func:`decode_plan_cpu` gives them to the same decoder) are copied back, decoded
+        with numcodecs (which checks the decoded size) and copied up: few chunks, if any."""
         if not len(reads):
             return
         decode = _cpu_decoder(plan, reader)
-        src_off, src_nbytes = plan.decode_sources()
-        n_out = plan.chunk_nbytes
-        for i in reads.tolist():
-            start, n = int(src_off[i]), int(src_nbytes[i])
+        jobs = plan.reads[["chunk", "staging_offset", "nbytes", "decoded_offset"]][reads]
+        chunk = np.empty(plan.chunk_nbytes, np.uint8)
+        for c, start, n, dst in jobs.tolist():
             stored = self.cp.asnumpy(staging[start : start + n], stream=self.stream)
             self.stream.synchronize()
-            chunk = np.empty(n_out, np.uint8)
-            decode(plan.reads["chunk"][i], 0, n, 0, stored, chunk)
-            dst = int(plan.reads["decoded_offset"][i])
-            decoded[dst : dst + n_out].set(chunk, stream=self.stream)
-            self.stream.synchronize()  # ``chunk`` is pageable memory, freed on return
+            decode(c, 0, n, 0, stored, chunk)
+            decoded[dst : dst + len(chunk)].set(chunk, stream=self.stream)
+            self.stream.synchronize()  # ``chunk`` is pageable memory, written again next
 
     def _nvcomp_decode(
         self, plan: ReadPlan, reader: DirectReader, staging, decoded, reads: np.ndarray
