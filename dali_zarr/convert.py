@@ -54,6 +54,7 @@ from dali_zarr.data.obs import OBSM_PREFIX, changed_by_join, describe_beside_x
 from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
 from dali_zarr.io import (
     WRITER_MARKER,
+    first_failing_chunk,
     missing_codec_advice,
     read_whole,
     refuse_stale_metadata,
@@ -247,14 +248,11 @@ class _Input:
                 raise missing from exc
             what = "rows" if part == "x" else "elements"
             where, cause = f"{what} [{start}, {stop})", exc
-            chunk = int((getattr(array, "chunks", None) or (0,))[0])
-            for c in range(start // chunk, (stop - 1) // chunk + 1) if chunk else ():
-                try:  # find the chunk that fails (read again one chunk at a time)
-                    array[max(start, c * chunk) : min(stop, (c + 1) * chunk)]
-                except Exception as one:
-                    where = f"chunk {c} along axis 0 ({what} [{c * chunk}, {(c + 1) * chunk}))"
-                    cause = one
-                    break
+            found = first_failing_chunk(array, start, stop)  # read again chunk by chunk
+            if found is not None:
+                c, cause = found
+                chunk = int(array.chunks[0])
+                where = f"chunk {c} along axis 0 ({what} [{c * chunk}, {(c + 1) * chunk}))"
             raise ChunkReadError(
                 f"{name}: reading {where} failed ({type(cause).__name__}: {cause}). It is "
                 "corrupted or truncated: restore it from an intact copy, or re-write the input."

@@ -592,6 +592,22 @@ def test_fallback_wraps_zarr_errors(tmp_path):
         reader.read_rows(np.array([[1100, 1200]]))
 
 
+def test_read_whole_names_the_first_bad_chunk_of_many(tmp_path):
+    """An array read whole (obs columns, obsm entries, row offsets) that fails is read
+    again chunk by chunk (``first_failing_chunk``, which convert uses too): the error names
+    the bad chunk's rows, not the whole array's."""
+    from dali_zarr.io import first_failing_chunk, read_whole
+
+    data = _compressible(4096)
+    arr = write(tmp_path / "a.zarr", data, chunks=(1024,), compressors=ZstdCodec())
+    assert first_failing_chunk(arr, 0, 4096) is None
+    _garble_middle(tmp_path / "a.zarr/c/2")
+    assert first_failing_chunk(arr, 0, 2048) is None  # rows before the bad chunk
+    assert first_failing_chunk(arr, 1500, 4096)[0] == 2
+    with pytest.raises(ChunkReadError, match=r"a\.zarr/X.*rows \[2048, 3072\) \(chunk 2 along"):
+        read_whole(arr, name="a.zarr/X")
+
+
 def test_a_remote_store_that_stops_answering_is_not_called_corrupted(tmp_path):
     # a remote store whose server went away mid-epoch was "truncated or corrupted: re-write
     # the array", advice that would have a user re-write a healthy dataset

@@ -1308,6 +1308,19 @@ def _zarr_read_failed(name: str, start: int, stop: int, rows: int, error: Except
     )
 
 
+def first_failing_chunk(array: Any, start: int, stop: int) -> tuple[int, Exception] | None:
+    """The first chunk along axis 0 of ``array`` (a zarr or h5py array) within rows
+    ``[start, stop)`` whose read fails, with its error, or None: after a read of many
+    chunks failed, to name the bad one (zarr's and h5py's errors name none)."""
+    rows = int((getattr(array, "chunks", None) or (0,))[0]) if array.ndim else 0
+    for c in range(start // rows, (stop - 1) // rows + 1) if rows and stop > start else ():
+        try:
+            array[max(start, c * rows) : min(stop, (c + 1) * rows)]
+        except Exception as e:
+            return c, e
+    return None
+
+
 def read_whole(array: Any, *, name: str) -> np.ndarray:
     """``array`` read whole with zarr-python (obs columns, obsm entries beside X, a CSR's
     row offsets), a failed read named (:func:`_zarr_read_failed`): one bad chunk of an obs
@@ -1320,12 +1333,11 @@ def read_whole(array: Any, *, name: str) -> np.ndarray:
     except Exception as e:
         n = int(array.shape[0]) if array.ndim else 0
         rows = int(array.chunks[0]) if array.ndim and array.chunks[0] else 0
-        for start in range(0, n if rows else 0, rows):
-            try:
-                array[start : start + rows]
-            except Exception as chunk_error:
-                stop = min(start + rows, n)
-                raise _zarr_read_failed(name, start, stop, rows, chunk_error) from e
+        found = first_failing_chunk(array, 0, n)
+        if found is not None:
+            c, chunk_error = found
+            stop = min((c + 1) * rows, n)
+            raise _zarr_read_failed(name, c * rows, stop, rows, chunk_error) from e
         raise _zarr_read_failed(name, 0, max(n, 1), max(n, rows, 1), e) from e
 
 
