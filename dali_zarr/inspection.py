@@ -551,7 +551,8 @@ def _large_csr_chunks_note(path: str, arrays: Sequence[ArrayInfo]) -> dict[str, 
     data = next((a for a in arrays if a.name.endswith("/data")), None)
     if (
         data is None
-        or data.path != "gpu-decode"
+        or data.path != "gpu-decode"  # decoded on the CPU whatever the device
+        or not any(c.split("(")[0] in ("zstd", "lz4") for c in data.codecs)  # read as stored
         or data.chunks[0] <= 2 * DEFAULT_CSR_CHUNK_ELEMENTS
     ):
         return {}

@@ -693,8 +693,10 @@ def test_inspect_v3_sharded_zstd(sc_store, capsys):
     assert "gpu-decode" in text and "suggested: chunk_size=" in text and "rule:" in text
 
 
-@pytest.mark.parametrize(("chunk_elements", "codec"), [(262_144, "zstd"), (262_144, "blosc"),
-                                                      (65_536, "zstd")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("chunk_elements", "codec"),
+    [(262_144, "zstd"), (262_144, "blosc"), (262_144, "none"), (65_536, "zstd")],
+)
 def test_inspect_advises_smaller_csr_chunks_for_the_gpu(tmp_path, capsys, chunk_elements, codec):
     """A CSR store whose data the GPU path decodes in chunks over twice convert's default
     gets the measured reason and the command that rewrites it; others get nothing."""
@@ -712,7 +714,7 @@ def test_inspect_advises_smaller_csr_chunks_for_the_gpu(tmp_path, capsys, chunk_
         assert "note: X/data is stored in chunks of 262,144" in text
         command = f"dali-zarr convert {path} {tmp_path / 'c_rechunked.zarr'}"
         assert report["gpu_rewrite"] == command and f"\n    {command}\n" in text
-    else:  # small chunks, or decoded on the CPU whatever the device (blosc)
+    else:  # small chunks, decoded on the CPU whatever the device (blosc), or not at all
         assert report["gpu_note"] == report["gpu_rewrite"] == "" and "note: X/data" not in text
 
 
