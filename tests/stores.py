@@ -71,6 +71,24 @@ def write(path, data, *, fmt=3, chunks, shards=None, compressors=None, **kw) -> 
         return zarr.open_array(str(path), mode="r")
 
 
+def same_size_shards(directory: Path) -> tuple[Path, np.ndarray, Path, np.ndarray]:
+    """Two versions of a one-shard array (40 x 4 float32, uncompressed, chunks of 10 rows)
+    whose shard files are the same size, 548 bytes, with chunks at other offsets: version 1
+    leaves chunk 0 at the fill value (not stored), version 2 chunk 2, so chunk 1 sits where
+    version 2 holds chunk 0, and chunk 2 where it holds chunk 1. A read planned on one
+    version and made on the other gets those rows wrong without any error.
+    Returns each version's array path and values (``v1.zarr``, ``v2.zarr`` in ``directory``)."""
+    out = []
+    for version, fill_chunk in ((1, 0), (2, 2)):
+        data = np.arange(40 * 4, dtype=np.float32).reshape(40, 4) + 1000 * version
+        data[fill_chunk * 10 : fill_chunk * 10 + 10] = 0
+        write(directory / f"v{version}.zarr", data, chunks=(10, 4), shards=(40, 4))
+        out += [directory / f"v{version}.zarr", data]
+    shard = [path / "c" / "0" / "0" for path in out[::2]]
+    assert shard[0].stat().st_size == shard[1].stat().st_size  # the premise of its tests
+    return out[0], out[1], out[2], out[3]
+
+
 def random_ranges(rng, n: int, chunk: int, k: int = 40) -> np.ndarray:
     """Unsorted, overlapping, empty and edge ``[start, stop)`` ranges over ``n`` rows."""
     starts = rng.integers(0, n + 1, k)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import types
 import zlib
 from dataclasses import replace
@@ -37,6 +38,7 @@ from dali_zarr.io.gpu import (
     StoreReaders,
     copy_segments_cpu,
     execute_plan_cpu,
+    files_changed,
     gpu_codec_kind,
     place_plan,
     plan_rows,
@@ -45,6 +47,7 @@ from dali_zarr.io.gpu import (
     window_plans,
 )
 from dali_zarr.io.nvcomp_batched import call_slices
+from dali_zarr.io.readers import FILE_STAMP, stamp_of
 from dali_zarr.planning.partition import run_offsets
 from tests.stores import (
     compressors,
@@ -52,6 +55,7 @@ from tests.stores import (
     make_data,
     needs_cuda,
     random_ranges,
+    same_size_shards,
     write,
     write_layout,
 )
@@ -857,6 +861,9 @@ def _fake_cuda_modules(monkeypatch, log, reads: str):
             log.append(("pages", buf.ctypes.data % 4096, offset % 4096))
             return types.SimpleNamespace(get=lambda: got)
 
+        def fileno(self):
+            return self.fd
+
         def close(self):
             os.close(self.fd)
 
@@ -1021,7 +1028,7 @@ def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(
         executor.run(plan, reader, out)
     # truncated between that look and the read: the real kvikio may raise or read short,
     # either names the chunk where the file ends
-    plan = replace(plan, file_nbytes=np.array([cut], np.int64))
+    plan = replace(plan, file_stamp=_stamps_now(plan))
     with pytest.raises(
         ChunkReadError, match=r"array chunk \(5, 0\).*(kvikio read failed.*EOF|file shrank)"
     ):
@@ -1030,7 +1037,7 @@ def test_a_kvikio_read_that_raises_at_end_of_file_names_the_chunk_there(
         # a read failing on an intact file (EIO) names the extent's first chunk, not its
         # last (planned before the cut, the file's size as read: planned after it, the
         # changed file is indexed anew)
-        intact = replace(intact, file_nbytes=np.array([cut], np.int64))
+        intact = replace(intact, file_stamp=_stamps_now(intact))
         monkeypatch.setattr(cufile, "pread", lambda *a: types.SimpleNamespace(get=_eio))
         with pytest.raises(ChunkReadError, match=r"array chunk \(2, 0\).*kvikio read failed.*EIO"):
             executor.run(intact, reader, device.empty(intact.out_shape, intact.dtype))
@@ -1116,6 +1123,11 @@ def test_a_chunk_grown_since_planned_is_refused_before_its_cut_frame_is_decoded(
     executor.close()
 
 
+def _stamps_now(plan):
+    """``plan``'s files as they are now: a plan made after a change, which its reads take."""
+    return np.array([stamp_of(os.stat(path)) for path in plan.files], FILE_STAMP)
+
+
 def _eio():
     raise OSError(5, "EIO")
 
@@ -1169,6 +1181,66 @@ def test_a_shard_rewritten_under_the_executor_is_read_from_the_new_file(
     np.testing.assert_array_equal(execute_plan_cpu(plan, reader), want)
     executor.run(plan, reader, out)
     np.testing.assert_array_equal(device.host(out), want)
+    executor.close()
+
+
+@pytest.mark.parametrize(
+    ("reads", "when"),
+    [("kvikio", "before the read"), ("pinned", "before the read"), ("kvikio", "as it is opened")],
+)
+def test_a_shard_rewritten_at_the_same_size_since_planned_is_refused_then_planned_anew(
+    tmp_path, monkeypatch, kvikio_executor_device, reads, when
+):
+    """A byte plan carried each file's size only. A shard rewritten since it was planned, at
+    the same size, holds its chunks at other offsets: the plan read rows 10-29 as other
+    chunks' values without an error. And a kvikio handle took its file's size from a stat
+    of the path before the open, so a file renamed over the path in between passed as the
+    planned one. Each read now compares the file it opened (inode, modification time, size)
+    with the planned one, and the window reader plans again where files changed."""
+    import kvikio  # the stand-in where kvikio_executor_device installed one
+
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+
+    monkeypatch.setenv(READS_ENV, reads)
+    device = kvikio_executor_device
+    v1, _, v2, want = same_size_shards(tmp_path)
+    shard = v1 / "c" / "0" / "0"
+    reader = open_reader(zarr.open_array(v1, mode="r"), name="s")
+    rows = np.array([[10, 40]])
+    plan = plan_rows(reader, rows)
+
+    def rewrite() -> None:  # what zarr does: a new file renamed over the shard
+        shutil.copyfile(v2 / "c" / "0" / "0", tmp_path / "next")
+        os.replace(tmp_path / "next", shard)
+
+    open_file = kvikio.CuFile
+
+    def rewritten_as_opened(path, mode):  # how the executor opens files
+        rewrite()
+        return open_file(path, mode)
+
+    if when == "as it is opened":
+        monkeypatch.setattr(kvikio, "CuFile", rewritten_as_opened)
+    else:
+        rewrite()
+    executor = GpuPlanExecutor(0)
+    assert executor.reads == reads
+    out = device.empty(plan.out_shape, plan.dtype)
+    same = (
+        r"s: inner chunk \(1, 0\).*its file was replaced or rewritten since its reads were "
+        r"planned \(the same 548 bytes"
+    )
+    with pytest.raises(ChunkReadError, match=same):
+        executor.run(plan, reader, out)
+    if when == "before the read":
+        with pytest.raises(ChunkReadError, match=same):  # the host backend's reads
+            execute_plan_cpu(plan, reader)
+    assert files_changed(plan)  # so the window reader plans again
+    monkeypatch.setattr(kvikio, "CuFile", open_file)
+    plan = plan_rows(reader, rows)
+    assert not files_changed(plan)
+    executor.run(plan, reader, out)
+    np.testing.assert_array_equal(device.host(out), want[10:40])
     executor.close()
 
 

@@ -7,7 +7,9 @@ compared with plain numpy slicing of the source data.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import os
+import shutil
 import struct
 import threading
 import warnings
@@ -35,7 +37,14 @@ from dali_zarr.errors import ChunkReadError, DatasetError
 from dali_zarr.io import DirectReader, ZarrReader, open_reader, parse_layout
 from dali_zarr.io import codecs as codecs_mod
 from dali_zarr.io import readers as readers_mod
-from tests.stores import compressors, make_data, random_ranges, write, write_layout
+from tests.stores import (
+    compressors,
+    make_data,
+    random_ranges,
+    same_size_shards,
+    write,
+    write_layout,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # zarr's numcodecs-in-v3 notes
 
@@ -944,6 +953,42 @@ def test_shard_index_points_past_end(tmp_path):
         plan_rows(reader, np.array([[1024 + 512, 1024 + 600]]))
     with pytest.raises(ChunkReadError, match=r"inner chunk \(2,\).*shard file is"):
         reader.read_rows(np.array([[1024 + 512, 1024 + 600]]))
+
+
+@pytest.mark.parametrize("rewrites", [1, 4])
+def test_a_shard_rewritten_after_its_index_was_read_is_read_at_its_new_offsets(tmp_path, rewrites):
+    """A window reads its shards' indexes, then their chunks. A shard rewritten in between
+    (a writer of the store: zarr renames a new file over the old) was read at the old
+    offsets: at the same size no read came up short, and rows 10-29 came back as other
+    chunks' values without an error. Each read now compares the file it opened with the
+    one indexed, and reads the index again; a shard that keeps changing is named."""
+    v1, _, v2, want = same_size_shards(tmp_path)
+    shard = v1 / "c" / "0" / "0"
+    reader = open_reader(zarr.open_array(v1, mode="r"), name="s")
+    load_shards, load_index = reader._load_shards, reader._load_shard_index
+    versions = itertools.cycle([v2, v1])
+
+    def rewrite() -> None:  # what zarr does: a new file renamed over the shard
+        shutil.copyfile(next(versions) / "c" / "0" / "0", tmp_path / "next")
+        os.replace(tmp_path / "next", shard)
+
+    def load_then_rewrite(shards) -> None:
+        load_shards(shards)
+        rewrite()
+
+    def load_index_then_rewrite(key) -> None:  # a writer faster than the reads
+        load_index(key)
+        rewrite()
+
+    reader._load_shards = load_then_rewrite
+    if rewrites == 1:
+        np.testing.assert_array_equal(reader.read_rows(np.array([[10, 40]])), want[10:40])
+    else:
+        reader._load_shard_index = load_index_then_rewrite
+        with pytest.raises(
+            ChunkReadError, match=r"s: inner chunk \(1, 0\).*rewritten 4 times while this chunk"
+        ):
+            reader.read_rows(np.array([[10, 20]]))
 
 
 def test_truncated_shard(tmp_path):

@@ -342,7 +342,7 @@ class DeviceWindowReader:
     ) -> None:
         """One array's share of :meth:`_read_runs`. A byte plan that fails is planned and run
         again once where chunk or shard files changed since planned (values rewritten in
-        place, before the window or while it was read: the cached chunk sizes are forgotten
+        place, before the window or while it was read: the cached chunk stamps are forgotten
         by ``DirectReader.forget_changed_chunks``, and each plan's files are looked at, as
         a shard's index or a chunk another window located anew leaves nothing to forget);
         otherwise its error stands."""

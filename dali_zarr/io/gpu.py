@@ -67,7 +67,15 @@ from .codecs import (
     zstd_walk_from,
 )
 from .layout import ArrayLayout
-from .readers import DirectReader, _file_stamp, _pread_into, _run_parallel, check_ranges
+from .readers import (
+    FILE_STAMP,
+    DirectReader,
+    _file_stamp,
+    _pread_into,
+    _run_parallel,
+    check_ranges,
+    stamp_of,
+)
 
 __all__ = [
     "GPU_KINDS",
@@ -197,7 +205,7 @@ class ReadPlan:
     slot_nbytes: int  # chunk-buffer stride (chunk_nbytes, rounded up to ALIGN unless "none")
     chunks: np.ndarray  # chunk indices held by the chunk buffer, in slot order
     files: tuple[str, ...]
-    file_nbytes: np.ndarray  # int64, each file's size when planned (read paths compare it)
+    file_stamp: np.ndarray  # FILE_STAMP, each file as planned (read paths compare it)
     reads: np.ndarray  # READ_FIELDS, one per stored chunk, in slot order
     extents: np.ndarray  # EXTENT_FIELDS: the reads as file-contiguous runs, one I/O call each
     header_nbytes: int  # bytes at the start of each stored chunk the decoder skips (lz4: 4)
@@ -355,7 +363,7 @@ def _plan_stores(
     # where each chunk is stored: one lookup per store over its (sorted) chunks
     cuts = np.searchsorted(chunks, bases).tolist()
     files: list[str] = []
-    file, offset, nbytes, file_nbytes = [], [], [], []
+    file, offset, nbytes, file_stamp = [], [], [], []
     for i, reader in enumerate(readers):
         mine = chunks[cuts[i] : cuts[i + 1]]
         if len(mine):
@@ -363,7 +371,7 @@ def _plan_stores(
             file.append(np.where(loc.file >= 0, loc.file + len(files), -1))
             offset.append(loc.offset)
             nbytes.append(loc.nbytes)
-            file_nbytes.append(loc.file_nbytes)
+            file_stamp.append(loc.file_stamp)
             files += loc.files
     file = np.concatenate(file) if file else np.zeros(0, np.int32)
     slots = np.flatnonzero(file >= 0)
@@ -396,7 +404,7 @@ def _plan_stores(
         slot_nbytes=fmt.slot_nbytes,
         chunks=chunks.astype(np.int64),
         files=tuple(files),
-        file_nbytes=np.concatenate(file_nbytes) if file_nbytes else np.zeros(0, np.int64),
+        file_stamp=np.concatenate(file_stamp) if file_stamp else np.zeros(0, FILE_STAMP),
         reads=reads,
         extents=extents,
         header_nbytes=fmt.header_nbytes,
@@ -665,14 +673,14 @@ def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -
         try:
             fd = os.open(plan.files[f], os.O_RDONLY)
             try:
-                file_nbytes = os.fstat(fd).st_size
-                unchanged = file_nbytes == plan.file_nbytes[f]  # else refused below
+                stamp = stamp_of(os.fstat(fd))
+                unchanged = stamp == plan.file_stamp[f].item()  # else refused below
                 got = _pread_into(fd, target[dest : dest + nbytes], offset) if unchanged else 0
             finally:
                 os.close(fd)
         except OSError as e:
             raise _extent_error(reader, plan, i, 0, f"reading failed ({e})") from e
-        _refuse_changed_file(plan, reader, i, file_nbytes)
+        _refuse_changed_file(plan, reader, i, stamp)
         if got != nbytes:
             raise _extent_error(reader, plan, i, got, f"read {got} of {nbytes} bytes (file shrank)")
 
@@ -697,34 +705,43 @@ def _extent_error(reader: DirectReader, plan: ReadPlan, extent: int, byte: int, 
     return reader.chunk_error(_coords(reader, plan.chunk_at(extent, byte)), why)
 
 
-def _refuse_changed_file(plan: ReadPlan, reader: DirectReader, extent: int, size: int) -> None:
-    """Raise the chunk error for extent ``extent`` where its file is no longer ``size`` bytes
-    as planned: rewritten in place since (zarr writes new values as a new file of another
-    size). Read at the planned size, a grown zstd frame is cut short, and nvCOMP decoded such
-    a frame on the H200 (2026-11-27) to garbage without an error; the window reader plans
-    again on this error where chunk files changed (``forget_changed_chunks``)."""
+def _refuse_changed_file(
+    plan: ReadPlan, reader: DirectReader, extent: int, stamp: tuple[int, ...]
+) -> None:
+    """Raise the chunk error for extent ``extent`` where its file (``stamp``, of the file as
+    opened) is no longer the one planned: rewritten since (zarr writes new values as a new
+    file). Read at the planned size, a grown zstd frame is cut short, and nvCOMP decoded
+    such a frame on the H200 (2026-11-27) to garbage without an error; a shard rewritten at
+    the same size holds its chunks at other offsets. The window reader plans again on this
+    error where files changed (:func:`files_changed`)."""
     e = plan.extents[extent]
-    planned = int(plan.file_nbytes[int(e["file"])])
-    if size != planned:
+    planned = plan.file_stamp[int(e["file"])].item()
+    if stamp == planned:
+        return
+    size, was = stamp[2], planned[2]
+    if size != was:
         left = size - int(e["file_offset"])  # a shrunken file: name the chunk where it ends
         at = left if 0 <= left < int(e["nbytes"]) else 0
-        why = f"its file is {size} bytes, {planned} when its reads were planned (rewritten since)"
-        raise _extent_error(reader, plan, extent, at, why)
+        why = f"its file is {size} bytes, {was} when its reads were planned (rewritten since)"
+    else:
+        at = 0
+        why = (
+            f"its file was replaced or rewritten since its reads were planned (the same {size}"
+            " bytes, another inode or modification time)"
+        )
+    raise _extent_error(reader, plan, extent, at, why)
 
 
 def files_changed(plan: ReadPlan) -> bool:
-    """Whether a file ``plan`` reads is no longer the size it had when planned, or is gone:
-    rewritten since (zarr writes new values as a new file of another size, and deletes a
-    chunk or shard set to the fill value). Its reads refuse such a file
+    """Whether a file ``plan`` reads is no longer the one planned (its inode, modification
+    time or size), or is gone: rewritten since (zarr writes new values as a new file, and
+    deletes a chunk or shard set to the fill value). Its reads refuse such a file
     (:func:`_refuse_changed_file`); the window reader then plans again. Asked of the files
     themselves, one stat each, after a failed read only: a shard's index is stamped as it
     is planned, and another window may have forgotten and located a changed chunk anew
     before this plan ran (``DirectReader.forget_changed_chunks`` then finds nothing)."""
-    for path, planned in zip(plan.files, plan.file_nbytes.tolist(), strict=True):
-        stamp = _file_stamp(path)
-        if (stamp[2] if stamp else -1) != planned:
-            return True
-    return False
+    planned = plan.file_stamp.tolist()
+    return any(_file_stamp(path) != tuple(p) for path, p in zip(plan.files, planned, strict=True))
 
 
 def _kvikio_read_failed(reader: DirectReader, plan: ReadPlan, extent: int, e: Exception):
@@ -1072,26 +1089,32 @@ class GpuPlanExecutor:
             self._pinned[key] = buf
         return buf[:nbytes]
 
-    def _cufile(self, path: str) -> tuple[Any, int]:
-        """An open kvikio file of ``path``, reused while the file is the one it opened, and
-        the file's size.
+    def _cufile(self, path: str) -> tuple[Any, tuple[int, ...]]:
+        """An open kvikio file of ``path``, reused while the file at ``path`` is the one it
+        opened, and the :data:`FILE_STAMP` of the file it reads.
 
         zarr rewrites a chunk or shard by writing a new file and renaming it over the old
         one: a handle kept by path would go on reading the old file, at offsets the reader
         planned from the new shard index (the CPU path opens each file per read, and the
-        reader re-reads an index whose file changed). So the file's (inode, mtime, size)
-        is compared with the handle's, one stat per file and plan."""
-        stamp = _file_stamp(path)
+        reader re-reads an index whose file changed). So the path's stamp is compared with
+        the handle's, one stat per file and plan. A new handle is stamped through its own
+        descriptor: a stat of the path before the open would describe the old file where a
+        new one was renamed over it in between."""
         held = self._files.get(path)
-        if held is not None and held[0] == stamp:
+        if held is not None and held[0] == _file_stamp(path):
             self._files.move_to_end(path)
-            return held[1], stamp[2]
+            return held[1], held[0]
         if held is not None:  # rewritten: a read of this plan may still use the old handle
             del self._files[path]
             self._replaced.append(held[1])
         f = self._kvikio.CuFile(path, "r")
+        try:
+            stamp = stamp_of(os.fstat(f.fileno()))
+        except BaseException:
+            f.close()
+            raise
         self._files[path] = (stamp, f)
-        return f, stamp[2] if stamp else -1  # -1: created since the stat, so changed
+        return f, stamp
 
     def _trim_files(self) -> None:
         """Close the least recently used files beyond the cap, and the handles of files
@@ -1239,10 +1262,10 @@ class GpuPlanExecutor:
                 file = handles.get(f)
                 if file is None:
                     try:
-                        file, file_nbytes = self._cufile(plan.files[f])
+                        file, stamp = self._cufile(plan.files[f])
                     except Exception as e:  # gone since planned (a chunk set to fill)
                         raise _extent_error(reader, plan, i, 0, f"opening failed ({e})") from e
-                    _refuse_changed_file(plan, reader, i, file_nbytes)
+                    _refuse_changed_file(plan, reader, i, stamp)
                     handles[f] = file
                 try:
                     future = file.pread(target[dest : dest + size], size, offset)

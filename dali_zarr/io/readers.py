@@ -72,6 +72,7 @@ from .codecs import ChunkDecoder, DecodeError, verify_crc32c
 from .layout import ArrayLayout, error_chain, missing_codec, parse_layout, zarr_misreads
 
 __all__ = [
+    "FILE_STAMP",
     "ArrayReader",
     "ChunkLocations",
     "DirectReader",
@@ -81,6 +82,8 @@ __all__ = [
 ]
 
 _EMPTY = 2**64 - 1  # shard index entry (offset, nbytes) of an inner chunk that is not stored
+#: how often a read reads a shard's index again when the shard keeps changing under it
+_SHARD_REREADS = 3
 _ADVICE = (
     "The store may be truncated or corrupted: re-write the array, or restore this chunk "
     "from an intact copy of the dataset."
@@ -126,10 +129,11 @@ class ChunkLocations(NamedTuple):
     file: np.ndarray  # int32 index into ``files``; -1: not stored (reads as the fill value)
     offset: np.ndarray  # int64 byte offset in the file
     nbytes: np.ndarray  # int64 stored bytes
-    #: int64, one per file: its size as located. Read paths compare it with the file they
-    #: read, since a grown chunk file cut at its old size is a truncated frame that nvCOMP
-    #: does not promise to report
-    file_nbytes: np.ndarray
+    #: :data:`FILE_STAMP`, one per file: the file as located. Read paths compare it with the
+    #: file they read: a grown chunk file cut at its old size is a truncated frame that
+    #: nvCOMP does not promise to report, and a shard rewritten at the same size holds its
+    #: chunks at other offsets
+    file_stamp: np.ndarray
 
 
 @runtime_checkable
@@ -332,15 +336,15 @@ def open_stored(path: str) -> int | None:
     return fd
 
 
-def stored_size(path: str) -> int | None:
-    """The size of a chunk file, or None where none is stored; refused as :func:`open_stored`
-    refuses, without opening it."""
+def stored_stamp(path: str) -> tuple[int, int, int] | None:
+    """The :data:`FILE_STAMP` of a chunk file, or None where none is stored; refused as
+    :func:`open_stored` refuses, without opening it."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return _refuse_odd(path, None)
     _refuse_odd(path, st.st_mode)
-    return st.st_size
+    return stamp_of(st)
 
 
 def _refuse_odd(path: str, mode: int | None) -> None:
@@ -436,10 +440,13 @@ class DirectReader:
         self._other_coords = list(product(*(range(g) for g in grid[1:])))
         # shard -> (index, file size, the file's (inode, mtime, size) when it was read)
         self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int, tuple[int, ...]]] = {}
-        # unsharded: each row chunk's file and stored size once seen (-1: not seen, or not
-        # stored yet; a missing chunk is looked for again, as a missing shard is)
+        # unsharded: each row chunk's file and stamp once seen (its nbytes -1: not seen, or
+        # not stored yet; a missing chunk is looked for again, as a missing shard is). One
+        # record a chunk, so that a plan copies a chunk's stamp whole while another read
+        # thread forgets or finds it
         self._chunk_files = np.full(grid[0], None, dtype=object)
-        self._chunk_nbytes = np.full(grid[0], -1, dtype=np.int64)
+        self._chunk_stamp = np.zeros(grid[0], dtype=FILE_STAMP)
+        self._chunk_stamp["nbytes"] = -1
         self.chunks_read = 0  # pieces (chunks / inner chunks) read so far, over all calls
         self.chunks_prefix_decoded = 0  # of those, decoded only up to the last row needed
         self._count_lock = threading.Lock()
@@ -633,18 +640,18 @@ class DirectReader:
             # the cache as it is now, and the sizes found for the chunks it lacks: another
             # read thread's forget_changed_chunks may clear entries meanwhile, and a chunk
             # read from the cache again then would be "not stored" (read as the fill value)
-            nbytes = self._chunk_nbytes[chunks]
-            unseen = np.flatnonzero(nbytes < 0)
+            stamps = self._chunk_stamp[chunks]
+            unseen = np.flatnonzero(stamps["nbytes"] < 0)
             if len(unseen):
-                nbytes[unseen] = self._stat_chunks(chunks[unseen])
-            stored = np.flatnonzero(nbytes >= 0)
+                stamps[unseen] = self._stat_chunks(chunks[unseen])
+            stored = np.flatnonzero(stamps["nbytes"] >= 0)
             file[stored] = np.arange(len(stored), dtype=np.int32)
-            nbytes[nbytes < 0] = 0
+            nbytes = np.maximum(stamps["nbytes"], 0)
             files = tuple(self._chunk_files[chunks[stored]])
-            return ChunkLocations(files, file, offset, nbytes, nbytes[stored].copy())
+            return ChunkLocations(files, file, offset, nbytes, stamps[stored])
         nbytes = np.zeros(len(chunks), dtype=np.int64)
         files: list[str] = []
-        sizes: list[int] = []
+        stamps: list[tuple[int, int, int]] = []
         per_shard = lay.shard.chunks_per_shard[0]
         order = np.argsort(chunks, kind="stable")
         shard_of = chunks[order] // per_shard
@@ -655,7 +662,7 @@ class DirectReader:
             cached = self._shard_index.get((shard, *zeros))
             if cached is None:
                 continue  # missing shard: every chunk in it reads as the fill value
-            index, size, _ = cached
+            index, size, stamp = cached
             at = order[bounds[k] : bounds[k + 1]]
             # index is (*chunks_per_shard, 2); trailing inner coordinates are all 0
             entries = index.reshape(per_shard, -1, 2)[chunks[at] % per_shard, 0]
@@ -670,46 +677,50 @@ class DirectReader:
                 )
             file[at], offset[at], nbytes[at] = len(files), start, n_stored
             files.append(self._file(lay.key((shard, *zeros))))
-            sizes.append(size)
-        return ChunkLocations(tuple(files), file, offset, nbytes, np.array(sizes, np.int64))
+            stamps.append(stamp)
+        return ChunkLocations(tuple(files), file, offset, nbytes, np.array(stamps, FILE_STAMP))
 
     def _stat_chunks(self, chunks: np.ndarray) -> np.ndarray:
-        """Find the files of row chunks not seen yet and record their sizes (unsharded
+        """Find the files of row chunks not seen yet and record their stamps (unsharded
         stores): a window's locations are then NumPy lookups, not a stat per chunk. A
-        chunk that changes size later fails its read, which compares the file's size with
-        the one located (:attr:`ChunkLocations.file_nbytes`). Returns each chunk's size
-        (-1: not stored)."""
+        chunk rewritten later fails its read, which compares the file with the one located
+        (:attr:`ChunkLocations.file_stamp`). Returns each chunk's :data:`FILE_STAMP` (nbytes
+        -1: not stored)."""
         zeros = (0,) * (len(self.shape) - 1)
         unique, where = np.unique(chunks, return_inverse=True)
-        sizes = np.full(len(unique), -1, dtype=np.int64)
+        stamps = np.zeros(len(unique), dtype=FILE_STAMP)
+        stamps["nbytes"] = -1
         for i, c in enumerate(unique.tolist()):
             path = self._file(self.layout.key((c, *zeros)))
             try:
-                size = stored_size(path)
+                stamp = stored_stamp(path)
             except DecodeError as e:
                 raise self._error((c, *zeros), str(e)) from e
             except OSError as e:
                 raise self._error((c, *zeros), f"stat failed ({e})") from e
-            if size is None:
+            if stamp is None:
                 continue  # reads as the fill value; looked for again next time
             self._chunk_files[c] = path
-            self._chunk_nbytes[c] = sizes[i] = size
-        return sizes[where.reshape(-1)]
+            self._chunk_stamp[c] = stamps[i] = stamp
+        return stamps[where.reshape(-1)]
 
     def forget_changed_chunks(self) -> bool:
-        """Stat again the chunk files whose sizes :meth:`chunk_locations` has cached
-        (unsharded arrays) and forget those whose size changed or that are gone: zarr writes
-        new values as a new file of another size, and deletes a chunk set to the fill value,
-        without touching the array's metadata. Called after a planned read failed (one stat
-        per cached chunk, never on the hot path), so that a new plan reads the chunks as
-        they are now; True where any had changed. Shard files are re-stamped every window
+        """Stat again the chunk files whose stamps :meth:`chunk_locations` has cached
+        (unsharded arrays) and forget those that changed or are gone: zarr writes new values
+        as a new file, and deletes a chunk set to the fill value, without touching the
+        array's metadata. Called after a planned read failed (one stat per cached chunk,
+        never on the hot path), so that a new plan reads the chunks as they are now; True
+        where any had changed. Shard files are re-stamped every window
         (:meth:`_load_shards`): nothing to do for them."""
         if self.layout.shard is not None:
             return False
-        known = np.flatnonzero(self._chunk_nbytes >= 0)
-        now = [(_file_stamp(self._chunk_files[c]) or (0, 0, -1))[2] for c in known.tolist()]
-        changed = known[np.asarray(now, dtype=np.int64) != self._chunk_nbytes[known]]
-        self._chunk_nbytes[changed] = -1  # their paths stay: a plan may be reading them
+        known = np.flatnonzero(self._chunk_stamp["nbytes"] >= 0)
+        now = np.array(
+            [_file_stamp(self._chunk_files[c]) or (0, 0, -1) for c in known.tolist()],
+            dtype=FILE_STAMP,
+        )
+        changed = known[now != self._chunk_stamp[known]]
+        self._chunk_stamp["nbytes"][changed] = -1  # their paths stay: a plan may be reading
         return bool(len(changed))
 
     def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
@@ -799,46 +810,69 @@ class DirectReader:
             raise DecodeError(f"read {got} of {size} bytes (file shrank while reading)")
         return buf
 
-    def _inner_location(self, coords: tuple[int, ...]) -> tuple[str, int, int] | None:
-        """``(shard file, offset, nbytes)`` of an inner chunk from its (loaded) shard index;
-        None when it or its shard is not stored. Raises DecodeError for an entry past the end
-        of the shard."""
-        shard_layout = self.layout.shard
-        assert shard_layout is not None
-        cps = shard_layout.chunks_per_shard
-        shard = tuple(c // k for c, k in zip(coords, cps, strict=True))
+    def _inner_location(
+        self, coords: tuple[int, ...]
+    ) -> tuple[str, int, int, tuple[int, ...]] | None:
+        """``(shard file, offset, nbytes, the shard's stamp)`` of an inner chunk from its
+        (loaded) shard index; None when it or its shard is not stored. Raises DecodeError for
+        an entry past the end of the shard."""
+        shard = self._shard_of(coords)
         cached = self._shard_index.get(shard)
         if cached is None:
             return None  # missing shard (see _load_shard_indexes)
-        index, size, _ = cached
+        index, size, stamp = cached
+        cps = self.layout.shard.chunks_per_shard  # type: ignore[union-attr]
         inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
         offset, nbytes = (int(v) for v in index[inner])
         if offset == _EMPTY and nbytes == _EMPTY:
             return None
         if offset + nbytes > size:
             raise DecodeError(_past_end(offset, nbytes, size))
-        return self._file(self.layout.key(shard)), offset, nbytes
+        return self._file(self.layout.key(shard)), offset, nbytes, stamp
+
+    def _shard_of(self, coords: tuple[int, ...]) -> tuple[int, ...]:
+        shard_layout = self.layout.shard
+        assert shard_layout is not None
+        return tuple(c // k for c, k in zip(coords, shard_layout.chunks_per_shard, strict=True))
 
     def _read_inner(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
-        location = self._inner_location(piece.coords)
-        if location is None:
-            return None
-        path, offset, nbytes = location
-        if into_dst:
-            if nbytes != self._decoder.nbytes:
-                raise DecodeError(f"inner chunk is {nbytes} bytes, expected {self._decoder.nbytes}")
-            buf = piece.dst.reshape(-1).view(np.uint8)
-            result: np.ndarray = piece.dst
-        else:
-            buf = result = _scratch(nbytes)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            got = _pread_into(fd, buf, offset)
-        finally:
-            os.close(fd)
-        if got != nbytes:
-            raise DecodeError(f"read {got} of {nbytes} bytes (shard file shrank while reading)")
-        return result
+        """Read an inner chunk's stored bytes at the offsets its shard's index gives. A shard
+        rewritten since its index was read (this window's look at the file, then another
+        writer) holds its chunks at other offsets: the file opened is compared with the
+        index's stamp, and its index read again (at most :data:`_SHARD_REREADS` times)."""
+        for _ in range(_SHARD_REREADS + 1):
+            location = self._inner_location(piece.coords)
+            if location is None:
+                return None
+            path, offset, nbytes, stamp = location
+            if into_dst:
+                if nbytes != self._decoder.nbytes:
+                    want = self._decoder.nbytes
+                    raise DecodeError(f"inner chunk is {nbytes} bytes, expected {want}")
+                buf = piece.dst.reshape(-1).view(np.uint8)
+                result: np.ndarray = piece.dst
+            else:
+                buf = result = _scratch(nbytes)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:  # deleted since (zarr's shard of fill values only)
+                self._load_shard_index(self._shard_of(piece.coords))
+                continue
+            try:
+                same = stamp_of(os.fstat(fd)) == stamp
+                got = _pread_into(fd, buf, offset) if same else 0
+            finally:
+                os.close(fd)
+            if not same:
+                self._load_shard_index(self._shard_of(piece.coords))
+                continue
+            if got != nbytes:
+                raise DecodeError(f"read {got} of {nbytes} bytes (shard file shrank while reading)")
+            return result
+        raise DecodeError(
+            f"the shard file was rewritten {_SHARD_REREADS + 1} times while this chunk was "
+            "read (another process is writing the array): let it finish first"
+        )
 
     def _load_shard_indexes(self, chunks: Iterable[Sequence[int]]) -> None:
         """Read (in parallel) and cache the indexes of the shards holding ``chunks``."""
@@ -882,8 +916,8 @@ class DirectReader:
             self._shard_index.pop(shard, None)
             return
         try:
-            st = os.fstat(fd)
-            size, stamp = st.st_size, (st.st_ino, st.st_mtime_ns, st.st_size)
+            stamp = stamp_of(os.fstat(fd))
+            size = stamp[2]
             want = sl.index_nbytes
             if size < want:
                 raise fail(f"file is {size} bytes, shorter than its {want}-byte shard index")
@@ -904,13 +938,25 @@ class DirectReader:
         self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), size, stamp)
 
 
+#: A file as it was seen: what tells a rewritten one. zarr writes a chunk or shard as a new
+#: file renamed over the old (another inode); a rewrite in place has another modification
+#: time; most rewrites change the size too, but a shard's can keep it with its chunks at
+#: other offsets
+FILE_STAMP = np.dtype([("inode", "u8"), ("mtime_ns", "i8"), ("nbytes", "i8")])
+
+
+def stamp_of(st: os.stat_result) -> tuple[int, int, int]:
+    """A :data:`FILE_STAMP` from a stat (of a path, or of an open file's descriptor)."""
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
 def _file_stamp(path: str) -> tuple[int, ...]:
-    """(inode, mtime, size) of a file, () where there is none: what tells a rewritten file."""
+    """:func:`stamp_of` the file at ``path``, () where there is none."""
     try:
         st = os.stat(path)
     except OSError:
         return ()
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
+    return stamp_of(st)
 
 
 #: The files that make a folder a Zarr node (v3; v2 array; v2 group), in that order.
@@ -1055,7 +1101,7 @@ class ZarrReader:
             key = layout.key((coords[0], *coords[1]))
             path = os.path.join(self._directory, key)  # type: ignore[arg-type]
             try:
-                stored_size(path)
+                stored_stamp(path)
             except DecodeError as e:
                 raise ChunkReadError(
                     f"{self.name}: stored object {key!r} ({path}): {e}. {_ADVICE}"
