@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,8 @@ import zarr
 
 import dali_zarr as dz
 from dali_zarr import synthetic
-from tests.stores import needs_cuda
+from dali_zarr.io import DirectReader
+from tests.stores import needs_cuda, same_size_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -944,6 +946,40 @@ def test_values_rewritten_between_a_windows_plan_and_its_read_are_read_anew(
     finally:
         loader.close()
     np.testing.assert_array_equal(got, new)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_shard_rewritten_at_the_same_size_under_a_window_is_read_anew(
+    tmp_path: Path, monkeypatch, where: str
+) -> None:
+    """A window reads its shards' indexes (the GPU path: plans its reads from them), then the
+    chunks. A shard rewritten in between at the same size, its chunks at other offsets, was
+    read at the old ones on both paths: rows of other chunks, with no error, since only the
+    size was compared. The file read is now compared by inode, modification time and size,
+    and the window reads the new values."""
+    v1, _, v2, want = same_size_shards(tmp_path)
+    load_shards = DirectReader._load_shards
+    rewrites: list[Path] = []
+
+    def load_then_rewrite(self, shards) -> None:
+        load_shards(self, shards)
+        if not rewrites:  # a writer of the store, once: a new file renamed over the shard
+            rewrites.append(v1 / "c" / "0" / "0")
+            shutil.copyfile(v2 / "c" / "0" / "0", tmp_path / "next")
+            os.replace(tmp_path / "next", rewrites[0])
+
+    monkeypatch.setattr(DirectReader, "_load_shards", load_then_rewrite)
+    loader = dz.Loader(
+        dz.open_dataset(v1), sampler(), return_index=True, num_threads=1, **_device(where)
+    )
+    got = np.full_like(want, np.nan)
+    try:
+        for batch in loader:
+            got[batch["index"].cpu().numpy()] = batch["X"].cpu().numpy()
+    finally:
+        loader.close()
+    assert rewrites
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("where", WHERE)

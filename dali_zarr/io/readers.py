@@ -810,17 +810,10 @@ class DirectReader:
             raise DecodeError(f"read {got} of {size} bytes (file shrank while reading)")
         return buf
 
-    def _inner_location(
-        self, coords: tuple[int, ...]
-    ) -> tuple[str, int, int, tuple[int, ...]] | None:
-        """``(shard file, offset, nbytes, the shard's stamp)`` of an inner chunk from its
-        (loaded) shard index; None when it or its shard is not stored. Raises DecodeError for
-        an entry past the end of the shard."""
-        shard = self._shard_of(coords)
-        cached = self._shard_index.get(shard)
-        if cached is None:
-            return None  # missing shard (see _load_shard_indexes)
-        index, size, stamp = cached
+    def _inner_location(self, coords: tuple[int, ...], index: np.ndarray, size: int):
+        """``(offset, nbytes)`` of an inner chunk in its shard's ``index`` (the shard file
+        ``size`` bytes); None where the index holds none. Raises DecodeError for an entry
+        past the end of the shard."""
         cps = self.layout.shard.chunks_per_shard  # type: ignore[union-attr]
         inner = tuple(c % k for c, k in zip(coords, cps, strict=True))
         offset, nbytes = (int(v) for v in index[inner])
@@ -828,7 +821,7 @@ class DirectReader:
             return None
         if offset + nbytes > size:
             raise DecodeError(_past_end(offset, nbytes, size))
-        return self._file(self.layout.key(shard)), offset, nbytes, stamp
+        return offset, nbytes
 
     def _shard_of(self, coords: tuple[int, ...]) -> tuple[int, ...]:
         shard_layout = self.layout.shard
@@ -836,15 +829,26 @@ class DirectReader:
         return tuple(c // k for c, k in zip(coords, shard_layout.chunks_per_shard, strict=True))
 
     def _read_inner(self, piece: _Piece, into_dst: bool) -> np.ndarray | None:
-        """Read an inner chunk's stored bytes at the offsets its shard's index gives. A shard
-        rewritten since its index was read (this window's look at the file, then another
-        writer) holds its chunks at other offsets: the file opened is compared with the
-        index's stamp, and its index read again (at most :data:`_SHARD_REREADS` times)."""
+        """Read an inner chunk's stored bytes at the offsets its shard's index gives (None:
+        not stored, the fill value). A shard rewritten since its index was read (this
+        window's look at the file, then another writer) holds its chunks at other offsets,
+        or stores a chunk the index left out: the file is compared with the index's stamp
+        (the one opened; a stat where the index stores no such chunk), and the index read
+        again, at most :data:`_SHARD_REREADS` times."""
+        shard = self._shard_of(piece.coords)
+        path = self._file(self.layout.key(shard))
         for _ in range(_SHARD_REREADS + 1):
-            location = self._inner_location(piece.coords)
+            cached = self._shard_index.get(shard)
+            if cached is None:
+                return None  # missing shard (see _load_shard_indexes)
+            index, size, stamp = cached
+            location = self._inner_location(piece.coords, index, size)
             if location is None:
-                return None
-            path, offset, nbytes, stamp = location
+                if _file_stamp(path) == stamp:
+                    return None
+                self._load_shard_index(shard)
+                continue
+            offset, nbytes = location
             if into_dst:
                 if nbytes != self._decoder.nbytes:
                     want = self._decoder.nbytes
@@ -856,7 +860,7 @@ class DirectReader:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:  # deleted since (zarr's shard of fill values only)
-                self._load_shard_index(self._shard_of(piece.coords))
+                self._load_shard_index(shard)
                 continue
             try:
                 same = stamp_of(os.fstat(fd)) == stamp
@@ -864,7 +868,7 @@ class DirectReader:
             finally:
                 os.close(fd)
             if not same:
-                self._load_shard_index(self._shard_of(piece.coords))
+                self._load_shard_index(shard)
                 continue
             if got != nbytes:
                 raise DecodeError(f"read {got} of {nbytes} bytes (shard file shrank while reading)")
