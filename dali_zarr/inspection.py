@@ -131,8 +131,8 @@ class StoreReport:
     beside: tuple[str, ...]
     suggestion: Suggestion
     converted: dict[str, Any] | None  # the ``dali_zarr`` attribute `convert` wrote, if any
-    #: a CSR store whose chunks the GPU path decodes slowly: why ("": none), and the command
-    #: that rewrites it
+    #: a store the GPU path decodes on the CPU or, CSR, in slow large chunks: why ("": none),
+    #: and the command that rewrites it
     gpu_note: str = ""
     gpu_rewrite: str = ""
 
@@ -538,34 +538,53 @@ def inspect_store(
         beside=beside,
         suggestion=dataset_suggestion(ds, batch_size=batch_size),
         converted=dict(converted) if isinstance(converted, dict) else None,
-        **(_large_csr_chunks_note(path, arrays) if ds.layout == "csr" else {}),
+        **_gpu_note(path, arrays, layout=ds.layout, element=element),
     )
 
 
-def _large_csr_chunks_note(path: str, arrays: Sequence[ArrayInfo]) -> dict[str, str]:
-    """Advice for a CSR store whose ``data`` the GPU path decodes (zstd, lz4) in chunks of
-    over twice ``convert``'s default: nvCOMP works on a window's chunks side by side, so
-    fewer, larger chunks decode slower (measured on an H200, 2026-11-27)."""
+def _gpu_note(
+    path: str, arrays: Sequence[ArrayInfo], *, layout: str, element: str | None
+) -> dict[str, str]:
+    """Advice for a store the GPU path reads slower than it could, with the ``convert``
+    command that rewrites it (``element`` as the user gave it). Arrays it decodes on the CPU
+    (blosc, which anndata writes by default, gzip, filters, ...) come first: their chunks
+    are decoded on the host and copied, the work the device decode takes off the CPU. Then
+    CSR ``data`` decoded on the device (zstd, lz4) in chunks of over twice ``convert``'s
+    default: nvCOMP works on a window's chunks side by side, so fewer, larger chunks decode
+    slower (measured on an H200, 2026-11-27)."""
     from dali_zarr.convert import DEFAULT_CSR_CHUNK_ELEMENTS
 
+    on_cpu = [a for a in arrays if a.path == "cpu-decode"]
     data = next((a for a in arrays if a.name.endswith("/data")), None)
-    if (
-        data is None
-        or data.path != "gpu-decode"  # decoded on the CPU whatever the device
-        or not any(c.split("(")[0] in ("zstd", "lz4") for c in data.codecs)  # read as stored
-        or data.chunks[0] <= 2 * DEFAULT_CSR_CHUNK_ELEMENTS
+    if on_cpu:
+        names = " and ".join(a.name for a in on_cpu)
+        reasons = sorted({a.why.split(": read directly")[0] for a in on_cpu})
+        note = (
+            f'with device="gpu", {names} {"is" if len(on_cpu) == 1 else "are"} decoded on the '
+            f"CPU ({'; '.join(reasons)}) and copied to the device. This rewrites the store "
+            "in zstd, which nvCOMP decodes on the GPU:"
+        )
+        suffix = "_zstd"
+    elif (
+        layout == "csr"
+        and data is not None
+        and data.path == "gpu-decode"
+        and any(c.split("(")[0] in ("zstd", "lz4") for c in data.codecs)  # not read as stored
+        and data.chunks[0] > 2 * DEFAULT_CSR_CHUNK_ELEMENTS
     ):
-        return {}
-    stem = os.path.splitext(path.rstrip("/"))[0]
-    return {
-        "gpu_note": (
+        note = (
             f"{data.name} is stored in chunks of {data.chunks[0]:,} elements; the GPU path "
             f"decodes smaller ones faster (an H200 decoded a window of 65,536-element chunks "
             f"in 19.5 ms, of 262,144-element ones in 43.7 ms). This writes chunks of at most "
             f"{DEFAULT_CSR_CHUNK_ELEMENTS:,} elements:"
-        ),
-        "gpu_rewrite": shlex.join(["dali-zarr", "convert", path, f"{stem}_rechunked.zarr"]),
-    }
+        )
+        suffix = "_rechunked"
+    else:
+        return {}
+    stem = os.path.splitext(path.rstrip("/"))[0]
+    chosen = ["--element", element] if element else []
+    command = ["dali-zarr", "convert", *chosen, path, f"{stem}{suffix}.zarr"]
+    return {"gpu_note": note, "gpu_rewrite": shlex.join(command)}
 
 
 def _beside_x(root: zarr.Group, elements: Sequence[str]) -> Iterator[str]:

@@ -667,8 +667,8 @@ def test_parse_size():
 # ---------------------------------------------------------------------------- inspect
 
 
-def inspect_json(path: Path, capsys) -> dict:
-    assert run("inspect", path, "--json") == 0
+def inspect_json(path: Path, capsys, *options: str) -> dict:
+    assert run("inspect", *options, path, "--json") == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -714,8 +714,49 @@ def test_inspect_advises_smaller_csr_chunks_for_the_gpu(tmp_path, capsys, chunk_
         assert "note: X/data is stored in chunks of 262,144" in text
         command = f"dali-zarr convert {path} {tmp_path / 'c_rechunked.zarr'}"
         assert report["gpu_rewrite"] == command and f"\n    {command}\n" in text
-    else:  # small chunks, decoded on the CPU whatever the device (blosc), or not at all
+    elif codec == "blosc":  # decoded on the CPU whatever the device: that note instead
+        assert report["gpu_note"].startswith('with device="gpu", X/data and X/indices are')
+        assert report["gpu_rewrite"] == f"dali-zarr convert {path} {tmp_path / 'c_zstd.zarr'}"
+    else:  # small chunks, or not decoded at all
         assert report["gpu_note"] == report["gpu_rewrite"] == "" and "note: X/data" not in text
+
+
+@pytest.mark.parametrize("store", ["anndata default", "gzip array of a group"])
+def test_inspect_names_what_the_gpu_path_decodes_on_the_cpu_and_its_rewrite_works(
+    tmp_path, capsys, store
+):
+    """anndata writes X with blosc by default, which nvCOMP cannot decode: on the GPU path
+    every window of such a store is decoded on the host and copied, and inspect only said
+    "decoded on the CPU". It now says so for the GPU and prints the convert command
+    (with the element the user chose); the store that command writes draws no note."""
+    if store == "anndata default":
+        x = sp.random(600, 300, density=0.1, format="csr", dtype=np.float32, random_state=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # anndata's note on zarr v2 as its default
+            ad.AnnData(X=x).write_zarr(tmp_path / "cells.zarr")
+        path, element = tmp_path / "cells.zarr", None
+        names, why = "X/data and X/indices are", "codecs blosc"
+    else:
+        root = zarr.open_group(tmp_path / "cube.zarr", mode="w")
+        root.create_array(
+            "t2m", shape=(50, 8, 8), chunks=(5, 8, 8), dtype="float32",
+            compressors=zarr.codecs.GzipCodec(),
+        )[...] = np.arange(50 * 64, dtype=np.float32).reshape(50, 8, 8)  # fmt: skip
+        path, element = tmp_path / "cube.zarr", "t2m"
+        names, why = "t2m is", "codecs gzip"
+    chosen = ["--element", element] if element else []
+    report = inspect_json(path, capsys, *chosen)
+    note = report["gpu_note"]
+    assert note.startswith(f'with device="gpu", {names} decoded on the CPU ({why})'), note
+    out = tmp_path / f"{path.stem}_zstd.zarr"
+    assert report["gpu_rewrite"] == shlex.join(
+        ["dali-zarr", "convert", *chosen, str(path), str(out)]
+    )
+    assert run(*shlex.split(report["gpu_rewrite"])[1:]) == 0
+    capsys.readouterr()
+    again = inspect_json(out, capsys)
+    assert {a["path"] for a in again["arrays"]} <= {"gpu-decode", "read whole at open"}
+    assert again["gpu_note"] == again["gpu_rewrite"] == ""
 
 
 def test_inspect_of_rows_too_wide_for_a_window_of_a_batch_says_so_once(tmp_path, capsys):

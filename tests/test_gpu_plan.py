@@ -497,6 +497,8 @@ def test_described_path_is_the_path_taken(monkeypatch, kind, kvikio, gds, nvcomp
     assert on_device == (kind in ("none", "zstd", "lz4") and (kind == "none" or nvcomp))
     assert ("→ device" in line) == on_device, line
     assert ("host read and decode" in line) == (not on_device), line
+    # the way out where the codec is the reason (not where nvCOMP is missing)
+    assert ("dali-zarr convert" in line) == (kind == "host"), line
     method = read_method(support)
     assert method == ("kvikio" if kvikio and not reads else "pinned")
     if on_device:

@@ -954,8 +954,14 @@ def read_method(support: GpuSupport) -> str:
 def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
     """One line for ``read_paths()``: how an array's windows reach the GPU."""
     if not decodes_on_device(plan_kind, nvcomp=support.nvcomp):
-        why = (reason or plan_kind) if plan_kind not in GPU_KINDS else "nvCOMP unavailable"
-        return f"gpu: host read and decode ({why}) into pinned memory, one copy to the device"
+        if plan_kind in GPU_KINDS:
+            why = "nvCOMP unavailable"
+            return f"gpu: host read and decode ({why}) into pinned memory, one copy to the device"
+        return (
+            f"gpu: host read and decode ({reason or plan_kind}) into pinned memory, one copy to "
+            "the device (`dali-zarr inspect STORE` prints the `dali-zarr convert` command that "
+            "rewrites it in zstd, decoded on the device)"
+        )
     if read_method(support) == "pinned":
         io = "pread into pinned memory, one copy"
         if not support.kvikio:
