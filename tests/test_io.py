@@ -991,6 +991,35 @@ def test_a_shard_rewritten_after_its_index_was_read_is_read_at_its_new_offsets(t
             reader.read_rows(np.array([[10, 20]]))
 
 
+def test_a_shard_index_dropped_by_another_read_thread_as_a_window_looks_reads_as_fill(
+    tmp_path, monkeypatch
+):
+    """A window looks at each cached shard index's file (a stat) before reading; another
+    read thread may drop that index meanwhile, having found the shard deleted (zarr deletes a
+    shard rewritten to all fill values), as its re-reads of a changed shard now do. The look
+    took the index by key after the stat and raised a bare KeyError (no array, no file); the
+    shard now reads as the fill value, as a deleted shard does."""
+    v1, want, _, _ = same_size_shards(tmp_path)
+    shard = v1 / "c" / "0" / "0"
+    reader = open_reader(zarr.open_array(v1, mode="r"), name="s")
+    rows = np.array([[10, 40]])
+    np.testing.assert_array_equal(reader.read_rows(rows), want[10:40])  # its index cached
+    stat = readers_mod._file_stamp
+
+    def stat_as_another_thread_drops_the_index(path: str) -> tuple[int, ...]:
+        now = stat(path)
+        if path == str(shard):
+            monkeypatch.setattr(readers_mod, "_file_stamp", stat)
+            os.remove(shard)  # the writer: all fill values now
+            other = threading.Thread(target=reader._load_shard_index, args=((0, 0),))
+            other.start()
+            other.join()
+        return now
+
+    monkeypatch.setattr(readers_mod, "_file_stamp", stat_as_another_thread_drops_the_index)
+    np.testing.assert_array_equal(reader.read_rows(rows), np.zeros((30, 4), np.float32))
+
+
 def test_truncated_shard(tmp_path):
     arr, _, shard = _sharded(tmp_path)
     _truncate(shard, keep=0.5)

@@ -890,14 +890,16 @@ class DirectReader:
         cached index whose shard file changed since (rewritten in place: zarr rewrites a
         whole shard, with new offsets) is read again: one stat a shard and window, where
         the old offsets would cut the new file's chunks at the wrong bytes."""
-        wanted = set(shards)
-        todo = sorted(
-            shard
-            for shard in wanted
-            if shard not in self._shard_index
-            or _file_stamp(self._file(self.layout.key(shard))) != self._shard_index[shard][2]
-        )
+        todo = sorted(shard for shard in set(shards) if self._shard_changed(shard))
         _run_parallel(self.executor, todo, self._load_shard_index)
+
+    def _shard_changed(self, shard: tuple[int, ...]) -> bool:
+        """Whether ``shard``'s index is not cached, or its file is no longer the one it was
+        read from. The cached entry is taken once: another read thread drops it where it
+        finds the shard deleted (:meth:`_load_shard_index`, also called by a read of a
+        shard rewritten since its index was read), and may do so during the stat."""
+        cached = self._shard_index.get(shard)
+        return cached is None or _file_stamp(self._file(self.layout.key(shard))) != cached[2]
 
     def _load_shard_index(self, shard: tuple[int, ...]) -> None:
         sl = self.layout.shard
