@@ -1246,6 +1246,58 @@ def test_a_shard_rewritten_at_the_same_size_since_planned_is_refused_then_planne
     executor.close()
 
 
+def test_a_shard_renamed_over_between_kvikios_two_opens_is_not_read_at_planned_offsets(
+    tmp_path, monkeypatch
+):
+    """kvikio's CuFile opens its path twice: ``fileno()`` is the first descriptor, and with
+    GDS its reads go through the second (O_DIRECT, registered with cuFile). The executor
+    stamped a new handle through ``fileno()`` only, so a shard renamed over the path between
+    the two opens passed as the planned file while its reads came from the new one: rows
+    10-29 were other chunks' values, without an error. A handle whose path no longer holds
+    the file it stamped is opened again; the plan's reads are then refused, and a plan made
+    anew reads the new values."""
+    from dali_zarr.io.gpu import READS_ENV, GpuPlanExecutor
+
+    _fake_cuda_modules(monkeypatch, [], "kvikio")
+    monkeypatch.setenv(READS_ENV, "kvikio")
+    import kvikio  # the stand-in
+
+    v1, _, v2, want = same_size_shards(tmp_path)
+    shard = v1 / "c" / "0" / "0"
+    reader = open_reader(zarr.open_array(v1, mode="r"), name="s")
+    rows = np.array([[10, 40]])
+    plan = plan_rows(reader, rows)
+    opened: list[str] = []
+
+    class TwoDescriptors(kvikio.CuFile):  # as kvikio's: fileno() is not the one read
+        def __init__(self, path, mode):
+            super().__init__(path, mode)
+            if not opened:  # a writer renames a new shard over the path, once
+                shutil.copyfile(v2 / "c" / "0" / "0", tmp_path / "next")
+                os.replace(tmp_path / "next", shard)
+            opened.append(path)
+            self.direct = os.open(path, os.O_RDONLY)
+
+        def pread(self, buf, size, offset):
+            got = os.preadv(self.direct, [buf], offset)
+            return types.SimpleNamespace(get=lambda: got)
+
+        def close(self):
+            os.close(self.direct)
+            super().close()
+
+    monkeypatch.setattr(kvikio, "CuFile", TwoDescriptors)
+    executor = GpuPlanExecutor(0)
+    out = _Cuda("faked").empty(plan.out_shape, plan.dtype)
+    with pytest.raises(ChunkReadError, match=r"s: inner chunk \(1, 0\).*replaced or rewritten"):
+        executor.run(plan, reader, out)
+    assert files_changed(plan)  # so the window reader plans again
+    plan = plan_rows(reader, rows)
+    executor.run(plan, reader, out)
+    np.testing.assert_array_equal(np.asarray(out), want[10:40])
+    executor.close()
+
+
 def test_a_closed_executor_refuses_a_plan_and_opens_no_file(
     tmp_path, monkeypatch, kvikio_executor_device
 ) -> None:

@@ -982,6 +982,8 @@ def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
 
 
 _KVIKIO_POOL_LOCK = threading.Lock()
+#: how often a kvikio file is opened again where its path was renamed over between the opens
+_CUFILE_OPENS = 3
 
 
 #: the soft limit of open files :func:`room_for_open_files` asks for (at most the hard one)
@@ -1105,7 +1107,8 @@ class GpuPlanExecutor:
         reader re-reads an index whose file changed). So the path's stamp is compared with
         the handle's, one stat per file and plan. A new handle is stamped through its own
         descriptor: a stat of the path before the open would describe the old file where a
-        new one was renamed over it in between."""
+        new one was renamed over it in between. kvikio opens the path twice, so the path is
+        looked at once more after the opens (at most :data:`_CUFILE_OPENS` tries)."""
         held = self._files.get(path)
         if held is not None and held[0] == _file_stamp(path):
             self._files.move_to_end(path)
@@ -1113,14 +1116,22 @@ class GpuPlanExecutor:
         if held is not None:  # rewritten: a read of this plan may still use the old handle
             del self._files[path]
             self._replaced.append(held[1])
-        f = self._kvikio.CuFile(path, "r")
-        try:
-            stamp = stamp_of(os.fstat(f.fileno()))
-        except BaseException:
-            f.close()
-            raise
-        self._files[path] = (stamp, f)
-        return f, stamp
+        for _ in range(_CUFILE_OPENS):
+            f = self._kvikio.CuFile(path, "r")
+            try:
+                stamp = stamp_of(os.fstat(f.fileno()))
+                # kvikio opens the path twice and reads with GDS through the second, O_DIRECT
+                # descriptor, which fileno() does not give: the path still holding the file
+                # stamped (kept open, so its inode is not reused) shows both opened that one
+                same = _file_stamp(path) == stamp
+            except BaseException:
+                f.close()
+                raise
+            if same:
+                self._files[path] = (stamp, f)
+                return f, stamp
+            f.close()  # renamed over between its opens: open it again
+        raise OSError(f"the file was replaced {_CUFILE_OPENS} times as it was opened")
 
     def _trim_files(self) -> None:
         """Close the least recently used files beyond the cap, and the handles of files
