@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -77,7 +78,12 @@ def same_size_shards(directory: Path) -> tuple[Path, np.ndarray, Path, np.ndarra
     leaves chunk 0 at the fill value (not stored), version 2 chunk 2, so chunk 1 sits where
     version 2 holds chunk 0, and chunk 2 where it holds chunk 1. A read planned on one
     version and made on the other gets those rows wrong without any error.
-    Returns each version's array path and values (``v1.zarr``, ``v2.zarr`` in ``directory``)."""
+    Returns each version's array path and values (``v1.zarr``, ``v2.zarr`` in ``directory``).
+
+    Each shard's modification time is set a minute back: a test that renames copies over
+    version 1's shard twice can give the second copy its inode number back (ext4 reuses a
+    freed one at once), and with timestamps of a clock tick (before Linux 6.13) a copy made
+    within the tick of zarr's write would then look like the file planned."""
     out = []
     for version, fill_chunk in ((1, 0), (2, 2)):
         data = np.arange(40 * 4, dtype=np.float32).reshape(40, 4) + 1000 * version
@@ -86,6 +92,9 @@ def same_size_shards(directory: Path) -> tuple[Path, np.ndarray, Path, np.ndarra
         out += [directory / f"v{version}.zarr", data]
     shard = [path / "c" / "0" / "0" for path in out[::2]]
     assert shard[0].stat().st_size == shard[1].stat().st_size  # the premise of its tests
+    for file in shard:
+        back = file.stat().st_mtime_ns - 60 * 10**9
+        os.utime(file, ns=(back, back))
     return out[0], out[1], out[2], out[3]
 
 
