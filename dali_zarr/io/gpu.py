@@ -69,6 +69,7 @@ from .codecs import (
 from .layout import ArrayLayout
 from .readers import (
     FILE_STAMP,
+    WRITING,
     DirectReader,
     _file_stamp,
     _pread_into,
@@ -469,10 +470,10 @@ class StoreReaders:
         self.shape = self.readers[0].shape  # chunk coordinates have this many axes
         self.executor = self.readers[0].executor
 
-    def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
+    def chunk_error(self, coords: tuple[int, ...], problem: str, *advice: str) -> ChunkReadError:
         i = int(np.searchsorted(self.bases, coords[0], side="right")) - 1
         local = (int(coords[0] - self.bases[i]), *coords[1:])
-        return self.readers[i].chunk_error(local, problem)
+        return self.readers[i].chunk_error(local, problem, *advice)
 
     def forget_changed_chunks(self) -> bool:
         """Every store's :meth:`DirectReader.forget_changed_chunks` (each asked, none
@@ -700,9 +701,11 @@ def _bytes_left(plan: ReadPlan, extent: int) -> int:
     return left if left < int(e["nbytes"]) else 0
 
 
-def _extent_error(reader: DirectReader, plan: ReadPlan, extent: int, byte: int, why: str):
+def _extent_error(
+    reader: DirectReader, plan: ReadPlan, extent: int, byte: int, why: str, *advice: str
+):
     """The reader's chunk error for a failed read, naming the chunk at ``byte`` of it."""
-    return reader.chunk_error(_coords(reader, plan.chunk_at(extent, byte)), why)
+    return reader.chunk_error(_coords(reader, plan.chunk_at(extent, byte)), why, *advice)
 
 
 def _refuse_changed_file(
@@ -729,7 +732,7 @@ def _refuse_changed_file(
             f"its file was replaced or rewritten since its reads were planned (the same {size}"
             " bytes, another inode or modification time)"
         )
-    raise _extent_error(reader, plan, extent, at, why)
+    raise _extent_error(reader, plan, extent, at, why, WRITING)
 
 
 def files_changed(plan: ReadPlan) -> bool:

@@ -73,6 +73,7 @@ from .layout import ArrayLayout, error_chain, missing_codec, parse_layout, zarr_
 
 __all__ = [
     "FILE_STAMP",
+    "WRITING",
     "ArrayReader",
     "ChunkLocations",
     "DirectReader",
@@ -87,6 +88,11 @@ _SHARD_REREADS = 3
 _ADVICE = (
     "The store may be truncated or corrupted: re-write the array, or restore this chunk "
     "from an intact copy of the dataset."
+)
+#: for a file that changed between the look that located a chunk and its read: not damage
+WRITING = (
+    "Another process is writing the array (its files changed while it was read): read it "
+    "again once the writer is done."
 )
 #: for a read that failed in the storage or network layer, before any byte was decoded
 _IO_ADVICE = (
@@ -723,9 +729,12 @@ class DirectReader:
         self._chunk_stamp["nbytes"][changed] = -1  # their paths stay: a plan may be reading
         return bool(len(changed))
 
-    def chunk_error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
-        """The error ``read_rows`` raises for a bad chunk (names the array, key and file)."""
-        return self._error(tuple(coords), problem)
+    def chunk_error(
+        self, coords: tuple[int, ...], problem: str, advice: str = _ADVICE
+    ) -> ChunkReadError:
+        """The error ``read_rows`` raises for a bad chunk (names the array, key and file);
+        ``advice`` says what to do (:data:`WRITING` for a file that changed under a read)."""
+        return self._error(tuple(coords), problem, advice)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -744,8 +753,10 @@ class DirectReader:
         key = lay.key(shard)
         return f"inner chunk {inner} (array chunk {coords}) of shard {key!r} ({self._file(key)})"
 
-    def _error(self, coords: tuple[int, ...], problem: str) -> ChunkReadError:
-        return ChunkReadError(f"{self.name}: {self.chunk_where(coords)}: {problem}. {_ADVICE}")
+    def _error(
+        self, coords: tuple[int, ...], problem: str, advice: str = _ADVICE
+    ) -> ChunkReadError:
+        return ChunkReadError(f"{self.name}: {self.chunk_where(coords)}: {problem}. {advice}")
 
     def _load_piece(self, piece: _Piece) -> None:
         dec = self._decoder
@@ -873,9 +884,10 @@ class DirectReader:
             if got != nbytes:
                 raise DecodeError(f"read {got} of {nbytes} bytes (shard file shrank while reading)")
             return result
-        raise DecodeError(
-            f"the shard file was rewritten {_SHARD_REREADS + 1} times while this chunk was "
-            "read (another process is writing the array): let it finish first"
+        raise self._error(
+            piece.coords,
+            f"the shard file was rewritten {_SHARD_REREADS + 1} times while this chunk was read",
+            WRITING,
         )
 
     def _load_shard_indexes(self, chunks: Iterable[Sequence[int]]) -> None:
