@@ -609,3 +609,37 @@ def test_rows_of_no_elements_keep_their_shape(tmp_path, where, shape, dtype):
         seen += batch["index"].tolist()
     assert sorted(seen) == list(range(N_OBS))
     assert_same_batches(cpu, gpu, epochs=(0, 1), where=where, x_dtype=getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("layout", ["csr", "dense"])
+def test_each_rank_of_a_distributed_sampler_gets_the_cpu_paths_batches(tmp_path, where, layout):
+    """Under torchrun every rank's loader reads its own shard of the windows. No test had
+    run the GPU path with a DistributedSampler, so a rank's share of the window reads
+    (byte plans of its chunks only, its ring, its batch starts) was only ever checked at
+    rank 0 of 1. Three ranks of one store, each against the CPU path's batches for the same
+    rank: equal batch for batch, the same number of batches on every rank, and the ranks'
+    rows disjoint."""
+    path = (
+        csr_store(tmp_path, 3, "zstd", 8)
+        if layout == "csr"
+        else dense_store(tmp_path, 3, "zstd", 4)
+    )
+    ds = dz.open_dataset(path)
+    world, counts, seen = 3, set(), []
+    for rank in range(world):
+
+        def ranked(rank=rank) -> dz.DistributedSampler:
+            return dz.DistributedSampler(sampler(), dist_info=lambda: (rank, world))
+
+        cpu = dz.Loader(ds, ranked(), return_index=True)
+        gpu = dz.Loader(ds, ranked(), return_index=True, **gpu_kwargs(where))
+        gpu.set_epoch(1)
+        seen.append(np.concatenate([b["index"].cpu().numpy() for b in gpu]))
+        counts.add(assert_same_batches(cpu, gpu, where=where))
+    assert len(counts) == 1
+    per_epoch = counts.pop() // 2  # assert_same_batches ran epochs 0 and 1
+    union = np.concatenate(seen)
+    assert len(np.unique(union)) == len(union)  # disjoint within the epoch
+    # complete batches of 40 on every rank: 613 rows leave 600, 5 batches a rank
+    assert per_epoch == 5 and len(union) == world * per_epoch * 40
