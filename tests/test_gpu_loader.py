@@ -643,3 +643,49 @@ def test_each_rank_of_a_distributed_sampler_gets_the_cpu_paths_batches(tmp_path,
     assert len(np.unique(union)) == len(union)  # disjoint within the epoch
     # complete batches of 40 on every rank: 613 rows leave 600, 5 batches a rank
     assert per_epoch == 5 and len(union) == world * per_epoch * 40
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_an_elastic_resume_gives_each_new_rank_the_cpu_paths_batches(tmp_path, where):
+    """Two ranks stop three batches into epoch 1 and three ranks resume from both states
+    (an elastic restart, as after a lost node): each new rank replans the rest of the
+    epoch. On the GPU path that remainder is read by byte plans of the new ranks' windows,
+    which no test had run. Each new rank equals the CPU path's batches, and no row of the
+    epoch arrives twice."""
+    ds = dz.open_dataset(csr_store(tmp_path, 3, "zstd", 8))
+
+    def ranked(rank: int, world: int) -> dz.DistributedSampler:
+        return dz.DistributedSampler(sampler(), dist_info=lambda: (rank, world))
+
+    states, before = [], []
+    for rank in range(2):
+        old = dz.Loader(ds, ranked(rank, 2), return_index=True, **gpu_kwargs(where))
+        old.set_epoch(1)
+        n_old = len(old)  # batches of epoch 1 per old rank
+        for k, batch in enumerate(old):
+            before.append(batch["index"].cpu().numpy())
+            if k == 2:
+                break
+        states.append(old.state_dict())
+        old.close()
+    after, counts = [], set()
+    for rank in range(3):
+        cpu = dz.Loader(ds, ranked(rank, 3), return_index=True)
+        gpu = dz.Loader(ds, ranked(rank, 3), return_index=True, **gpu_kwargs(where))
+        cpu.load_state_dict(states)
+        gpu.load_state_dict(states)
+        want, got = list(cpu), list(gpu)
+        cpu.close()
+        gpu.close()
+        assert len(got) == len(want) > 0
+        for a, b in zip(want, got, strict=True):
+            assert_batch_equal(a, b, where, gpu.device_id)
+        counts.add(len(got))
+        after += [b["index"].cpu().numpy() for b in got]
+    assert len(counts) == 1  # equal batch counts on the new ranks
+    rows = np.concatenate(before + after)
+    assert len(np.unique(rows)) == len(rows)
+    assert len(np.concatenate(before)) == 2 * 3 * 40
+    # every row still owed, but for fewer than a batch per new rank (equal batch counts)
+    owed = 2 * n_old * 40 - 2 * 3 * 40
+    assert 0 <= owed - len(rows[2 * 3 * 40 :]) < 3 * 40
