@@ -384,7 +384,7 @@ def _worker() -> dict:
     def frame_ends(launch, staging, starts, nbytes):
         heads = np.stack([staging[a : a + FRAME_HEAD_NBYTES] for a in starts.tolist()])
         first, checksum = zstd_walk_from(heads)
-        want = zstd_frame_ends(staging, starts, nbytes, heads, 1 << 20)
+        want = zstd_frame_ends(staging, starts, nbytes, first, checksum, 1 << 20)
         ends = np.zeros(len(starts), np.int64)
         eq(run(K.zstd_frame_ends, launch, ends, staging, starts, nbytes, first, checksum)[0], want)
         return want

@@ -31,6 +31,7 @@ from dali_zarr.io.codecs import (
     zstd_block_walk_limit,
     zstd_content_sizes,
     zstd_frame_ends,
+    zstd_walk_from,
 )
 from dali_zarr.io.gpu import (
     GPU_KINDS,
@@ -789,23 +790,6 @@ class _Dev(np.ndarray):
         return {"data": (self.ctypes.data, False)}
 
 
-def _frame_ends_reference(staging, starts, nbytes, first_block, checksum) -> np.ndarray:
-    """``cuda_kernels.zstd_frame_ends`` in plain Python, a frame at a time."""
-    ends = np.full(len(starts), -1, np.int64)
-    for f, (base, n, pos, tail) in enumerate(
-        zip(starts, nbytes, first_block, checksum, strict=True)
-    ):
-        while pos + 3 <= n:
-            header = int.from_bytes(staging[base + pos : base + pos + 3].tobytes(), "little")
-            if (header >> 1) & 3 == 3:
-                break
-            pos += 3 + (1 if (header >> 1) & 3 == 1 else header >> 3)
-            if header & 1:
-                ends[f] = pos + tail
-                break
-    return ends
-
-
 def _fake_cuda_modules(monkeypatch, log, reads: str):
     """cupy, kvikio and nvidia.nvcomp stand-ins backed by NumPy, os.pread and numcodecs; the
     executor reads with ``reads`` and copies segments with the NumPy reference."""
@@ -823,7 +807,9 @@ def _fake_cuda_modules(monkeypatch, log, reads: str):
         assert stream.ptr == 1234
         if fn is cuda_kernels.zstd_frame_ends:
             log.append(("frame ends", len(seg[0])))
-            out[...] = _frame_ends_reference(np.asarray(src), *map(np.asarray, seg))
+            # the host walk with no block limit: what test_cuda_kernels checks the kernel
+            # against under the CUDA simulator
+            out[...] = zstd_frame_ends(np.asarray(src), *map(np.asarray, seg), 1 << 20)
             return
         assert fn is cuda_kernels.copy_segments
         pieces = np.stack(seg, axis=1)
@@ -1491,7 +1477,8 @@ def _frame_end(frame: bytes, nbytes: int, max_blocks: int) -> int:
     """:func:`zstd_frame_ends` of ``frame`` stored in its first ``nbytes`` bytes."""
     buf = np.frombuffer(frame, np.uint8)
     head = np.frombuffer(frame[:FRAME_HEAD_NBYTES].ljust(FRAME_HEAD_NBYTES, b"\0"), np.uint8)
-    return int(zstd_frame_ends(buf, [0], [nbytes], head[None], max_blocks)[0])
+    first, checksum = zstd_walk_from(head[None])
+    return int(zstd_frame_ends(buf, [0], [nbytes], first, checksum, max_blocks)[0])
 
 
 def test_zstd_frame_ends_walks_every_block_and_finds_a_cut_frame():

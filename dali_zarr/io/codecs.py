@@ -167,14 +167,15 @@ def zstd_walk_from(heads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def zstd_frame_ends(
-    staging: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, heads: np.ndarray,
-    max_blocks: int,
+    staging: np.ndarray, starts: np.ndarray, nbytes: np.ndarray, first_block: np.ndarray,
+    checksum: np.ndarray, max_blocks: int,
 ) -> np.ndarray:  # fmt: skip
     """Where each zstd frame ends by its block headers (RFC 8878 §3.1.1.2), in bytes from its
     start, for frames stored at ``starts`` of the host buffer ``staging`` (``nbytes`` stored
-    bytes each, ``heads`` their first bytes, headers already checked by
-    :func:`frame_problems`): NumPy over every frame, one step a block. Device memory is
-    walked by its twin ``cuda_kernels.zstd_frame_ends``, one thread a frame.
+    bytes each; ``first_block`` and ``checksum`` from :func:`zstd_walk_from` of their
+    headers, already checked by :func:`frame_problems`): NumPy over every frame, one step a
+    block. Device memory is walked by its twin ``cuda_kernels.zstd_frame_ends``, which
+    takes the same arguments, one thread a frame.
 
     -1 where the stored bytes end before the frame does (a truncated chunk), or a block
     header is of the reserved type; -2 where the frame holds more than ``max_blocks``
@@ -184,7 +185,8 @@ def zstd_frame_ends(
     """
     starts = np.asarray(starts, dtype=np.int64)
     nbytes = np.asarray(nbytes, dtype=np.int64)
-    pos, checksum = zstd_walk_from(heads)
+    pos = np.array(first_block, dtype=np.int64)  # advanced in place
+    checksum = np.asarray(checksum, dtype=np.int64)
     end = np.full(len(starts), -1, dtype=np.int64)
     active = np.flatnonzero(pos + 3 <= nbytes)
     for _ in range(max_blocks):

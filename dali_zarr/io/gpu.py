@@ -1320,12 +1320,13 @@ class GpuPlanExecutor:
         by ``cuda_kernels.zstd_frame_ends`` in device memory, one launch and 8 bytes a frame
         copied back."""
         starts, nbytes = plan.reads["staging_offset"], plan.reads["nbytes"]
+        first_block, checksum = zstd_walk_from(heads)
         if self.reads == "pinned":
             limit = zstd_block_walk_limit(plan.chunk_nbytes)
-            return zstd_frame_ends(self._pinned["staging"], starts, nbytes, heads, limit)
+            staged = self._pinned["staging"]
+            return zstd_frame_ends(staged, starts, nbytes, first_block, checksum, limit)
         from dali_zarr.graph import cuda_kernels
 
-        first_block, checksum = zstd_walk_from(heads)
         with self.stream:  # one copy up, its rows the kernel's four arrays (as copy_segments)
             args = self.cp.asarray(
                 np.stack([starts, nbytes, first_block, checksum]).astype(np.int64)
