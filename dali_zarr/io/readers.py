@@ -444,8 +444,9 @@ class DirectReader:
         self._decoder = ChunkDecoder(layout.codecs, layout.chunk_shape, layout.dtype)
         grid = layout.chunk_grid
         self._other_coords = list(product(*(range(g) for g in grid[1:])))
-        # shard -> (index, file size, the file's (inode, mtime, size) when it was read)
-        self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, int, tuple[int, ...]]] = {}
+        # shard -> (index, the FILE_STAMP of the file it was read from: its size bounds the
+        # index's entries)
+        self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, tuple[int, int, int]]] = {}
         # unsharded: each row chunk's file and stamp once seen (its nbytes -1: not seen, or
         # not stored yet; a missing chunk is looked for again, as a missing shard is). One
         # record a chunk, so that a plan copies a chunk's stamp whole while another read
@@ -668,7 +669,8 @@ class DirectReader:
             cached = self._shard_index.get((shard, *zeros))
             if cached is None:
                 continue  # missing shard: every chunk in it reads as the fill value
-            index, size, stamp = cached
+            index, stamp = cached
+            size = stamp[2]
             at = order[bounds[k] : bounds[k + 1]]
             # index is (*chunks_per_shard, 2); trailing inner coordinates are all 0
             entries = index.reshape(per_shard, -1, 2)[chunks[at] % per_shard, 0]
@@ -852,8 +854,8 @@ class DirectReader:
             cached = self._shard_index.get(shard)
             if cached is None:
                 return None  # missing shard (see _load_shard_indexes)
-            index, size, stamp = cached
-            location = self._inner_location(piece.coords, index, size)
+            index, stamp = cached
+            location = self._inner_location(piece.coords, index, stamp[2])
             if location is None:
                 if _file_stamp(path) == stamp:
                     return None
@@ -911,7 +913,7 @@ class DirectReader:
         finds the shard deleted (:meth:`_load_shard_index`, also called by a read of a
         shard rewritten since its index was read), and may do so during the stat."""
         cached = self._shard_index.get(shard)
-        return cached is None or _file_stamp(self._file(self.layout.key(shard))) != cached[2]
+        return cached is None or _file_stamp(self._file(self.layout.key(shard))) != cached[1]
 
     def _load_shard_index(self, shard: tuple[int, ...]) -> None:
         sl = self.layout.shard
@@ -953,7 +955,7 @@ class DirectReader:
             except DecodeError as e:
                 raise fail(str(e)) from e
         index = buf.view(np.dtype(sl.index_byteorder + "u8")).astype(np.uint64)
-        self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), size, stamp)
+        self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), stamp)
 
 
 #: A file as it was seen: what tells a rewritten one. zarr writes a chunk or shard as a new
