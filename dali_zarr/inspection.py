@@ -184,6 +184,10 @@ _GPU_WHY = {
 }
 
 
+#: how a ``cpu-decode`` array's reason ends (``_gpu_note`` names the reason alone)
+_ON_CPU = ": read directly, decoded on the CPU"
+
+
 def _read_path(array: zarr.Array, name: str) -> tuple[str, str]:
     """("gpu-decode" | "cpu-decode" | "zarr-fallback", why), as the readers decide it."""
     reader = open_reader(array, name=name)
@@ -192,7 +196,7 @@ def _read_path(array: zarr.Array, name: str) -> tuple[str, str]:
     kind, why = gpu_codec_kind(reader.layout)  # the GPU backend's own rule, not a copy of it
     if kind in GPU_KINDS:
         return "gpu-decode", _GPU_WHY.get(kind, kind)
-    return "cpu-decode", f"{why}: read directly, decoded on the CPU"
+    return "cpu-decode", f"{why}{_ON_CPU}"
 
 
 def _array_info(
@@ -558,7 +562,7 @@ def _gpu_note(
     data = next((a for a in arrays if a.name.endswith("/data")), None)
     if on_cpu:
         names = " and ".join(a.name for a in on_cpu)
-        reasons = sorted({a.why.split(": read directly")[0] for a in on_cpu})
+        reasons = sorted({a.why.removesuffix(_ON_CPU) for a in on_cpu})
         note = (
             f'with device="gpu", {names} {"is" if len(on_cpu) == 1 else "are"} decoded on the '
             f"CPU ({'; '.join(reasons)}) and copied to the device. This rewrites the store "

@@ -743,8 +743,8 @@ def files_changed(plan: ReadPlan) -> bool:
     themselves, one stat each, after a failed read only: a shard's index is stamped as it
     is planned, and another window may have forgotten and located a changed chunk anew
     before this plan ran (``DirectReader.forget_changed_chunks`` then finds nothing)."""
-    planned = plan.file_stamp.tolist()
-    return any(_file_stamp(path) != tuple(p) for path, p in zip(plan.files, planned, strict=True))
+    planned = plan.file_stamp.tolist()  # a tuple a file, as _file_stamp gives
+    return any(_file_stamp(path) != p for path, p in zip(plan.files, planned, strict=True))
 
 
 def _kvikio_read_failed(reader: DirectReader, plan: ReadPlan, extent: int, e: Exception):
@@ -958,8 +958,10 @@ def describe_path(plan_kind: str, reason: str, support: GpuSupport) -> str:
     """One line for ``read_paths()``: how an array's windows reach the GPU."""
     if not decodes_on_device(plan_kind, nvcomp=support.nvcomp):
         if plan_kind in GPU_KINDS:
-            why = "nvCOMP unavailable"
-            return f"gpu: host read and decode ({why}) into pinned memory, one copy to the device"
+            return (
+                "gpu: host read and decode (nvCOMP unavailable) into pinned memory, one copy to "
+                "the device"
+            )
         return (
             f"gpu: host read and decode ({reason or plan_kind}) into pinned memory, one copy to "
             "the device (`dali-zarr inspect STORE` prints the `dali-zarr convert` command that "
