@@ -19,13 +19,15 @@ Same store as ``gpu_throughput.py`` (same arguments, same cache under ``--out``)
    an 18-batch measurement of a 6-window epoch gave 919k rows/s where the 50-batch
    benchmark gave 214k.)
 
-Both parts run once per ``--configs`` entry, ``READS/API[/SYNC]``: READS is how chunk
-bytes reach the GPU (``kvikio``: ``CuFile.pread``; ``pinned``: ``os.preadv`` into pinned
-memory and one copy; env ``DALI_ZARR_GPU_READS``), API the nvCOMP decode call (``python``:
-nvCOMP's ``Codec.decode``; ``c``: its batched C API, env ``DALI_ZARR_NVCOMP_BATCHED=1``),
-SYNC what a recycled ring slot waits for (``device``, the default, or ``none``; env
-``DALI_ZARR_RING_SYNC``). One call of this script on a GPU machine compares them all on the
-same store.
+Both parts run once per ``--configs`` entry, ``READS/API[/SYNC[/PLANS]]``: READS is how
+chunk bytes reach the GPU (``kvikio``: ``CuFile.pread``; ``pinned``: ``os.preadv`` into
+pinned memory and one copy; env ``DALI_ZARR_GPU_READS``), API the nvCOMP decode call
+(``python``: nvCOMP's ``Codec.decode``; ``c``: its batched C API, env
+``DALI_ZARR_NVCOMP_BATCHED=1``), SYNC what a recycled ring slot waits for (``device``, the
+default, or ``none``; env ``DALI_ZARR_RING_SYNC``), PLANS how a window's byte plans run
+(``joint``, the default: all reads in flight, one decode call per codec kind; ``apart``:
+one plan after the other; env ``DALI_ZARR_JOINT_PLANS``). One call of this script on a GPU
+machine compares them all on the same store.
 
 Two sweeps measure the decode, ~80 % of a window on the H200 (2026-11-26), each value a
 full profile: ``--inner-chunks`` (stores written with other inner chunk sizes) and
@@ -52,6 +54,7 @@ from gpu_throughput import (
     ROOT,
     add_store_and_sampler_arguments,
     config_env,
+    config_label,
     make_store,
     open_benchmark_dataset,
     parse_config,
@@ -70,8 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--read-threads", default="1,4,8", help="comma-separated")
     p.add_argument(
         "--configs",
-        default="kvikio/python,kvikio/c,pinned/python,pinned/c,kvikio/c/none,pinned/c/none",
-        help="comma-separated READS/API[/SYNC] (see above)",
+        default="kvikio/c,kvikio/c/device/apart,pinned/c,kvikio/c/none,pinned/c/none",
+        help="comma-separated READS/API[/SYNC[/PLANS]] (see above)",
     )
     p.add_argument(
         "--per-store-panels",
@@ -144,19 +147,19 @@ def stage_timers(args: argparse.Namespace, backend) -> Iterator[dict[str, float]
         return plans, unplannable
 
     patch(device_window, "window_plans", counting)
-    run_into = backend.run_into
+    run_plans = backend.run_plans
 
-    def counting_runs(*a, **kw):
-        totals["plans run"] += 1
-        return run_into(*a, **kw)
+    def counting_runs(jobs):
+        totals["plans run"] += len(jobs)
+        return run_plans(jobs)
 
-    patch(backend, "run_into", counting_runs)
-    slices = nvcomp_batched.call_slices  # the decode calls a plan's chunks are split into
+    patch(backend, "run_plans", counting_runs)
+    slices = nvcomp_batched.call_slices  # the decode calls the chunks of a kind are split into
 
-    def counting_calls(n_chunks: int, chunk_nbytes: int, cap: int | None = None):
-        calls = slices(n_chunks, chunk_nbytes, cap)
+    def counting_calls(chunk_nbytes, cap: int | None = None):
+        calls = slices(chunk_nbytes, cap)
         totals["decode calls"] += len(calls)
-        totals["decode call chunks"] += n_chunks
+        totals["decode call chunks"] += len(chunk_nbytes)
         return calls
 
     patch(nvcomp_batched, "call_slices", counting_calls)
@@ -232,7 +235,7 @@ def profile_reader(args: argparse.Namespace, dataset) -> None:
 THREAD_STAGES = (
     ("dali_zarr.graph.device_window", "DeviceWindowReader", "read", "window read, in all"),
     ("dali_zarr.graph.device_window", None, "window_plans", "byte plans (host)"),
-    ("dali_zarr.io.gpu", "GpuPlanExecutor", "run", "plan runs, in all"),
+    ("dali_zarr.io.gpu", "GpuPlanExecutor", "run_many", "plan runs, in all"),
     ("dali_zarr.io.gpu", "GpuPlanExecutor", "_read_to_device", "  reads (the thread waits)"),
     ("dali_zarr.io.gpu", "GpuPlanExecutor", "_frame_heads", "  frame checks (device to host)"),
     ("dali_zarr.io.gpu", "GpuPlanExecutor", "_nvcomp_decode", "  decode calls (enqueue)"),
@@ -420,15 +423,15 @@ def profile_store(args: argparse.Namespace, store: str) -> list[str]:
     print(f"\n{kind}; store {store}{split}{panel}: {dataset.n_obs:,} rows{inner_chunks(store)}")
     print(f"nvCOMP calls of at most {nvcomp_batched.CALL_NBYTES >> 20} MiB of decoded bytes")
     failed = []
-    for reads, api, sync in args.configs:
-        print(f"\n== reads {reads}, nvCOMP {api} API, ring sync {sync}")
+    for config in args.configs:
+        print(f"\n== {config_label(*config)}")
         try:
-            with config_env(reads, api, sync):
+            with config_env(*config):
                 profile_reader(args, dataset)
                 print(f"kvikio thread pool: {kvikio_threads() or 'n/a'}")
                 profile_loader(args, dataset)
         except Exception as e:  # one configuration failing must not hide the others
-            failed.append(f"{reads}/{api}/{sync}")
+            failed.append("/".join(config))
             print(f"FAILED: {type(e).__name__}: {e}")
     return failed
 

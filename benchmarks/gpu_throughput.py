@@ -92,28 +92,38 @@ def add_store_and_sampler_arguments(p: argparse.ArgumentParser, cells: int, gene
     )
 
 
-def parse_config(text: str) -> tuple[str, str, str]:
-    """``READS/API[/SYNC]`` (``--configs`` of this script and ``gpu_profile.py``) as a tuple."""
+def parse_config(text: str) -> tuple[str, str, str, str]:
+    """``READS/API[/SYNC[/PLANS]]`` (``--configs`` of this script and ``gpu_profile.py``) as
+    a tuple; SYNC defaults to ``device``, PLANS to ``joint`` (the loader's defaults)."""
     parts = text.strip().split("/")
-    if len(parts) == 2:
-        parts.append("device")  # the default ring sync
+    defaults = ["device", "joint"]
+    if 2 <= len(parts) <= 4:
+        parts += defaults[len(parts) - 2 :]
     if (
-        len(parts) != 3
+        len(parts) != 4
         or parts[0] not in ("kvikio", "pinned")
         or parts[1] not in ("python", "c")
         or parts[2] not in ("device", "none")
+        or parts[3] not in ("joint", "apart")
     ):
         sys.exit(
-            f"--configs: {text!r} is not READS/API[/SYNC] with READS kvikio|pinned, "
-            "API python|c, SYNC device|none"
+            f"--configs: {text!r} is not READS/API[/SYNC[/PLANS]] with READS kvikio|pinned, "
+            "API python|c, SYNC device|none, PLANS joint|apart"
         )
-    return parts[0], parts[1], parts[2]
+    return parts[0], parts[1], parts[2], parts[3]
 
 
-def config_values(reads: str, api: str, sync: str) -> dict[str, str]:
+def config_label(reads: str, api: str, sync: str, plans: str) -> str:
+    """A config in words, for the rows and headers that show it (the names of earlier
+    runs' rows, where a window's plans run together)."""
+    label = f"reads {reads}, nvCOMP {api} API, ring sync {sync}"
+    return label if plans == "joint" else f"{label}, a window's plans one at a time"
+
+
+def config_values(reads: str, api: str, sync: str, plans: str) -> dict[str, str]:
     """The switches the GPU path reads when it is built (executors, the CUDA backend) for
-    one ``READS/API/SYNC`` config, by environment variable."""
-    from dali_zarr.graph.window_backends import RING_SYNC_ENV
+    one ``READS/API/SYNC/PLANS`` config, by environment variable."""
+    from dali_zarr.graph.window_backends import JOINT_PLANS_ENV, RING_SYNC_ENV
     from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import READS_ENV
 
@@ -121,14 +131,15 @@ def config_values(reads: str, api: str, sync: str) -> dict[str, str]:
         READS_ENV: reads,
         nvcomp_batched.ENV_SWITCH: "1" if api == "c" else "0",
         RING_SYNC_ENV: sync,
+        JOINT_PLANS_ENV: "1" if plans == "joint" else "0",
     }
 
 
 @contextlib.contextmanager
-def config_env(reads: str, api: str, sync: str) -> Iterator[None]:
+def config_env(reads: str, api: str, sync: str, plans: str) -> Iterator[None]:
     """The switches of one config for what is built inside (a contender, a profile), put
     back as they were after it, so what runs next has the user's own settings."""
-    values = config_values(reads, api, sync)
+    values = config_values(reads, api, sync, plans)
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -160,9 +171,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--configs",
         default="",
-        help="comma-separated READS/API[/SYNC] (gpu_profile.py's --configs): one more "
-        "dali_zarr gpu row each, e.g. kvikio/c,pinned/c (the first row runs as the "
-        "environment says)",
+        help="comma-separated READS/API[/SYNC[/PLANS]] (gpu_profile.py's --configs): one more "
+        "dali_zarr gpu row each, e.g. kvikio/c/device/apart,pinned/c (the first row runs as "
+        "the environment says)",
     )
     p.add_argument(
         "--smoke",
@@ -661,8 +672,7 @@ def main(argv=None) -> None:
     results = {}
     contenders = [(DALI_GPU, partial(run_dali, device="gpu"))]
     for config in args.configs:
-        reads, api, sync = config
-        name = f"{DALI_GPU}, reads {reads}, nvCOMP {api} API, ring sync {sync}"
+        name = f"{DALI_GPU}, {config_label(*config)}"
         contenders.append((name, partial(run_dali_config, config=config)))
     if args.stores > 1:
         contenders.append(

@@ -10,9 +10,10 @@
 #   source .gpu/install.sh && bash scripts/gpu_check.sh bench     # writes the store once
 #   source .gpu/install.sh && bash scripts/gpu_check.sh profile   # reuses it
 #   source .gpu/install.sh && bash scripts/gpu_check.sh demo      # the DDP demo, GPU path
-# `profile` times each read method x nvCOMP API (kvikio|pinned x python|c), and the C API
-# with DALI_ZARR_RING_SYNC=none; `bench` measures such configs as rows of one run
-# (DZ_CONFIGS, below).
+# `profile` times the C API with each read method (kvikio|pinned), with a window's plans
+# one at a time (DALI_ZARR_JOINT_PLANS=0, the way before 2026-11-27's session q) and with
+# DALI_ZARR_RING_SYNC=none; `bench` measures such configs as rows of one run (DZ_CONFIGS,
+# below).
 # What fitted 15 minutes of device time on an H200 (2026-11-26, 780 s in all): the five
 # staging calls (seconds each), then in the last one `tests` (6 pytest-xdist workers, which
 # the image has: ~70 s instead of minutes) and `bench` (~150 s with the store at 100,000
@@ -23,7 +24,9 @@
 # the calls 512 MiB and found 16,384-element inner chunks 4-5x faster to decode than 262,144:
 #   DZ_CELLS=50000 DZ_BENCH_ARGS="--inner-chunks 16384,65536,262144 --call-mb 128,1024
 #   --configs kvikio/c --read-threads 4,8" ... profile
-# Next: every contender on a store of small inner chunks:
+# Next: `bench` with its defaults (its second row is the same loader with a window's plans
+# one at a time: the same-run A/B of session q's joint plans, never run on a GPU), then
+# every contender on a store of small inner chunks:
 #   DZ_BENCH_ARGS="--inner-chunk 16384" ... bench
 # That session's device time (766 s): 5 staging calls and tests + demo (121 s), bench
 # (132 s), the sweep (125 s); a second machine (start ~60 s, staging) for tests + bench
@@ -79,8 +82,9 @@ case "$step" in
     bench=${DZ_BENCH_DIR:-$HOME/dz/bench}
     # 150 timed batches (~37 windows, 6 epochs of 100,000 cells) so that windows read during
     # the warm-up are a small part of the clock (they are free for it), and epoch boundaries
-    # are in it. DZ_CONFIGS: more dali_zarr gpu rows, one per READS/API[/SYNC] (the Python
-    # API, pinned reads and no ring sync by default; DZ_CONFIGS= drops them).
+    # are in it. DZ_CONFIGS: more dali_zarr gpu rows, one per READS/API[/SYNC[/PLANS]] (a
+    # window's plans one at a time, pinned reads and no ring sync by default; DZ_CONFIGS=
+    # drops them).
     # Three more dali_zarr rows: the cells as a collection of 14 stores (Tahoe-100M's plates),
     # a 1,000-gene panel, and the 14 stores each under its own panel map (stores written
     # with other gene orders), all read by byte plans (DZ_STORES=1 DZ_PANEL=0 drop them).
@@ -88,7 +92,7 @@ case "$step" in
     rm -f "$bench"/gpu_throughput.json "$bench"/gpu_throughput.png
     python3 benchmarks/gpu_throughput.py --cells "${DZ_CELLS:-100000}" --genes 20000 \
       --nnz-per-cell 2000 --batches "${DZ_BATCHES:-150}" --out "$bench" \
-      --configs "${DZ_CONFIGS-kvikio/python,pinned/c,kvikio/c/none}" \
+      --configs "${DZ_CONFIGS-kvikio/c/device/apart,pinned/c,kvikio/c/none}" \
       --stores "${DZ_STORES:-14}" --panel "${DZ_PANEL:-1000}" ${DZ_BENCH_ARGS:-} 2>&1 \
       | tee "$out/gpu_throughput.txt"
     status=$?  # the benchmark's (pipefail), not the copies'

@@ -77,14 +77,16 @@ def test_gpu_profile_smoke_run(tmp_path: Path) -> None:
         "--smoke",
         *("--cells", 1500, "--genes", 300, "--nnz-per-cell", 20, "--batch-size", 64),
         *("--chunk-size", 16, "--preload-nchunks", 4, "--windows", 3, "--batches", 30),
-        *("--read-threads", "1,3", "--configs", "pinned/c/none,kvikio/python", "--out", tmp_path),
+        *("--read-threads", "1,3", "--configs", "pinned/c/none,kvikio/python/device/apart"),
+        *("--out", tmp_path),
         *("--stores", 3, "--panel", 40, "--per-store-panels"),
     )
     assert "SMOKE RUN" in stdout and "as 3 stores, a 40-gene panel each" in stdout
     assert "FAILED" not in stdout
     for config in (
         "reads pinned, nvCOMP c API, ring sync none",
-        "reads kvikio, nvCOMP python API, ring sync device",  # the default sync
+        # the default sync, a window's plans one at a time (DALI_ZARR_JOINT_PLANS=0)
+        "reads kvikio, nvCOMP python API, ring sync device, a window's plans one at a time",
     ):
         part = stdout.split(f"== {config}")[1].split("==")[0]
         assert re.search(r"one reader: [\d.]+ ms per window", part), stdout
@@ -267,14 +269,15 @@ def test_gpu_profile_stage_timers_are_removed_after_part_one(monkeypatch) -> Non
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu_profile = importlib.import_module("gpu_profile")
     backend = HostBackend()
-    names = ("run_into", "remap_columns", "keep_panel_rows", "select_columns", "run_plan")
+    names = ("run_plans", "remap_columns", "keep_panel_rows", "select_columns", "run_plan")
     before = {name: getattr(backend, name) for name in names}
     plans, slices = device_window.window_plans, nvcomp_batched.call_slices
     with gpu_profile.stage_timers(argparse.Namespace(smoke=True), backend) as totals:
         assert device_window.window_plans is not plans
         assert all(getattr(backend, name) != before[name] for name in names)
         # the decode calls are counted where the executor splits a plan (both nvCOMP APIs)
-        assert nvcomp_batched.call_slices(10, 100, cap=250) == slices(10, 100, cap=250)
+        sizes = np.full(10, 100)
+        assert nvcomp_batched.call_slices(sizes, cap=250) == slices(sizes, cap=250)
         assert (totals["decode calls"], totals["decode call chunks"]) == (5, 10)
     assert device_window.window_plans is plans and nvcomp_batched.call_slices is slices
     assert {name: getattr(backend, name) for name in names} == before
@@ -308,30 +311,34 @@ def test_gpu_profile_thread_timers_count_every_thread_and_are_removed(monkeypatc
 def test_gpu_throughput_config_rows_put_the_switches_back(monkeypatch) -> None:
     """A ``--configs`` row sets the GPU path's switches for itself only: the rows measured
     after it (the collection, the panel, the CPU path) run with the user's own settings."""
-    from dali_zarr.graph.window_backends import RING_SYNC_ENV
+    from dali_zarr.graph.window_backends import JOINT_PLANS_ENV, RING_SYNC_ENV
     from dali_zarr.io import nvcomp_batched
     from dali_zarr.io.gpu import READS_ENV
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     gpu_throughput = importlib.import_module("gpu_throughput")
     monkeypatch.setenv(READS_ENV, "kvikio")
-    monkeypatch.delenv(nvcomp_batched.ENV_SWITCH, raising=False)
-    monkeypatch.delenv(RING_SYNC_ENV, raising=False)
-    config = gpu_throughput.parse_config("pinned/c/none")
-    keys = (READS_ENV, nvcomp_batched.ENV_SWITCH, RING_SYNC_ENV)
+    for key in (nvcomp_batched.ENV_SWITCH, RING_SYNC_ENV, JOINT_PLANS_ENV):
+        monkeypatch.delenv(key, raising=False)
+    config = gpu_throughput.parse_config("pinned/c/none/apart")
+    keys = (READS_ENV, nvcomp_batched.ENV_SWITCH, RING_SYNC_ENV, JOINT_PLANS_ENV)
     with pytest.raises(RuntimeError, match="the row failed"), gpu_throughput.config_env(*config):
-        assert [os.environ.get(k) for k in keys] == ["pinned", "1", "none"]
+        assert [os.environ.get(k) for k in keys] == ["pinned", "1", "none", "0"]
         raise RuntimeError("the row failed")  # a failed contender restores them too
     assert os.environ[READS_ENV] == "kvikio"
-    assert nvcomp_batched.ENV_SWITCH not in os.environ and RING_SYNC_ENV not in os.environ
-    assert gpu_throughput.parse_config(" kvikio/python ") == ("kvikio", "python", "device")
+    assert not {nvcomp_batched.ENV_SWITCH, RING_SYNC_ENV, JOINT_PLANS_ENV} & set(os.environ)
+    assert gpu_throughput.parse_config(" kvikio/python ") == (
+        "kvikio", "python", "device", "joint",
+    )  # fmt: skip
+    assert gpu_throughput.parse_config("pinned/c/none") == ("pinned", "c", "none", "joint")
     # --inner-chunk: every contender on a synthetic store of that chunk size, none given
     assert gpu_throughput.parse_args(["--inner-chunk", "16384"]).inner_chunk == 16384
     for argv in (["--inner-chunk", "0"], ["--inner-chunk", "512", "--store", "x.zarr"]):
         with pytest.raises(SystemExit):
             gpu_throughput.parse_args(argv)
-    with pytest.raises(SystemExit, match="'gds/c' is not READS/API"):
-        gpu_throughput.parse_config("gds/c")
+    for bad in ("gds/c", "kvikio/c/device/some", "kvikio/c/device/joint/more", "kvikio"):
+        with pytest.raises(SystemExit, match=f"'{bad}' is not READS/API"):
+            gpu_throughput.parse_config(bad)
 
 
 def test_gpu_check_script_parses_and_prints_its_header() -> None:

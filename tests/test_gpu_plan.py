@@ -625,11 +625,18 @@ def test_chunk_that_is_not_what_the_metadata_says_is_named(tmp_path, blob):
 
 
 def test_decode_calls_are_capped_in_decoded_bytes():
-    assert call_slices(10, 100, cap=250) == [slice(0, 2), slice(2, 4), slice(4, 6),
-                                             slice(6, 8), slice(8, 10)]  # fmt: skip
-    assert call_slices(3, 1000, cap=10) == [slice(0, 1), slice(1, 2), slice(2, 3)]
-    assert call_slices(0, 100) == []
-    assert call_slices(5, 1 << 20) == [slice(0, 5)]  # a window well under CALL_NBYTES
+    def sizes(n, nbytes):
+        return np.full(n, nbytes)
+
+    assert call_slices(sizes(10, 100), cap=250) == [slice(0, 2), slice(2, 4), slice(4, 6),
+                                                    slice(6, 8), slice(8, 10)]  # fmt: skip
+    assert call_slices(sizes(3, 1000), cap=10) == [slice(0, 1), slice(1, 2), slice(2, 3)]
+    assert call_slices(sizes(0, 100)) == []
+    assert call_slices(sizes(5, 1 << 20)) == [slice(0, 5)]  # a window well under CALL_NBYTES
+    # the chunks of a window's plans together: float64 values beside int32 ids
+    mixed = np.array([200, 200, 100, 100, 100, 200, 50])
+    assert call_slices(mixed, cap=400) == [slice(0, 2), slice(2, 5), slice(5, 7)]
+    assert call_slices(mixed, cap=150) == [slice(i, i + 1) for i in range(7)]
 
 
 def test_truncated_uncompressed_chunk(tmp_path):
@@ -785,6 +792,13 @@ class _Dev(np.ndarray):
     def set(self, arr, stream=None):
         self[...] = arr
 
+    def get(self, stream=None) -> np.ndarray:
+        return np.array(self)
+
+    @property
+    def data(self):  # cupy's MemoryPointer: where the array starts
+        return types.SimpleNamespace(ptr=self.ctypes.data)
+
     @property
     def __cuda_array_interface__(self):
         return {"data": (self.ctypes.data, False)}
@@ -830,6 +844,7 @@ def _fake_cuda_modules(monkeypatch, log, reads: str):
 
     cupy = types.ModuleType("cupy")
     cupy.empty = lambda n, dtype: np.zeros(n, dtype).view(_Dev)
+    cupy.uint8, cupy.uint64 = np.uint8, np.uint64
     cupy.asarray = np.asarray
     cupy.asnumpy = lambda a, stream=None: np.asarray(a).copy()
     cupy.cuda = types.SimpleNamespace(
@@ -970,6 +985,153 @@ def test_gpu_executor_control_flow_with_faked_cuda(
         assert [e for e in log if e[0] == "copy"] == ([("copy", cut)] if len(plan.segments) else [])
         assert cut > len(plan.segments) or not len(plan.segments)
     assert len(executor._files) <= 2
+    executor.close()
+
+
+def _fake_nvcomp_c_api(monkeypatch, log) -> None:
+    """nvCOMP's C API (``nvcompBatched{Zstd,LZ4}DecompressAsync``) standing in on host
+    pointers (the faked device arrays are host memory): each chunk of the call table decoded
+    with numcodecs, its status and decoded size written back as nvCOMP writes them."""
+    import ctypes
+
+    from dali_zarr.io import nvcomp_batched
+
+    def decompress_of(kind: str):
+        def decompress(src_ptrs, src_nbytes, dst_room, dst_got, n, temp, temp_nbytes,
+                       dst_ptrs, opts, statuses, stream):  # fmt: skip
+            assert stream == 1234 and temp_nbytes == 64
+
+            def row(ptr, ctype=ctypes.c_uint64):
+                return np.ctypeslib.as_array((ctype * n).from_address(ptr))
+
+            srcs, sizes, room, dsts = map(row, (src_ptrs, src_nbytes, dst_room, dst_ptrs))
+            got, status = row(dst_got), row(statuses, ctypes.c_int32)
+            log.append(("c decode", kind, n))
+            for i in range(n):
+                stored = ctypes.string_at(int(srcs[i]), int(sizes[i]))
+                try:
+                    if kind == "zstd":
+                        chunk = bytes(numcodecs.Zstd().decode(stored))
+                    else:  # a bare LZ4 block: numcodecs wants its size header back
+                        head = int(room[i]).to_bytes(4, "little")
+                        chunk = bytes(numcodecs.LZ4().decode(head + stored))
+                except Exception:
+                    status[i], got[i] = 12, 0  # nvcompErrorCannotDecompress
+                    continue
+                chunk = chunk[: int(room[i])]
+                ctypes.memmove(int(dsts[i]), chunk, len(chunk))
+                status[i], got[i] = 0, len(chunk)
+            return 0
+
+        return decompress
+
+    fakes = {kind: decompress_of(kind) for kind in nvcomp_batched.ALGORITHM}
+    monkeypatch.setattr(nvcomp_batched, "use_c_api", lambda: True)
+    monkeypatch.setattr(nvcomp_batched, "functions", lambda kind: (None, fakes[kind]))
+    monkeypatch.setattr(nvcomp_batched, "temp_nbytes", lambda kind, n, biggest, total: 64)
+
+
+#: arrays of a joint run: other codecs, dtypes, chunk sizes and layouts side by side
+JOINT = [
+    ("values", "1d-float32", "zstd", True),
+    ("ids", "1d-int32", "zstd", False),  # 200-byte chunks beside 256-byte ones, one kind
+    ("more", "1d-int64", "lz4", True),
+    ("blosc", "3d-rowchunks", "blosc", False),  # decoded on the host
+    ("raw", "1d-int32", "none", True),  # read straight into its chunk buffer
+]
+
+
+def _joint_readers(tmp_path) -> list[DirectReader]:
+    readers = []
+    for name, spec, codec, sharded in JOINT:
+        _, arr = write_layout(tmp_path / f"{name}.zarr", SHAPES[spec], codec=codec, sharded=sharded)
+        readers.append(open_reader(arr, name=name))
+    return readers
+
+
+def _unset(shape, dtype) -> np.ndarray:
+    """A faked device array of ``shape`` holding a byte pattern no plan writes."""
+    out = np.empty(shape, dtype).view(_Dev)
+    out.view(np.uint8)[...] = 0xA5
+    return out
+
+
+@pytest.mark.parametrize("api", ["c", "python"])
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_gpu_executor_runs_a_windows_plans_together(tmp_path, monkeypatch, reads, api):
+    """``run_many`` with the stand-ins: the plans of five arrays (two zstd ones of other
+    chunk sizes, lz4, blosc on the host, uncompressed) run in one call, each into its own
+    output as ``read_rows`` gives its rows; through nvCOMP's C API every chunk of a codec
+    kind goes in one enqueue (the chunks of both zstd arrays in one call)."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log, reads)
+    if api == "c":
+        _fake_nvcomp_c_api(monkeypatch, log)
+    readers = _joint_readers(tmp_path)
+    executor = GpuPlanExecutor(0)
+    rng = np.random.default_rng(5)
+    for _ in range(4):
+        jobs, want = [], []
+        for reader, (_, spec, _, _) in zip(readers, JOINT, strict=True):
+            shape, _, chunks, _ = SHAPES[spec]
+            ranges = random_ranges(rng, shape[0], chunks[0])
+            plan = plan_rows(reader, ranges)
+            jobs.append((plan, reader, _unset(plan.out_shape, plan.dtype)))
+            want.append(reader.read_rows(ranges))
+        log.clear()
+        executor.run_many(jobs)
+        for (_, reader, out), rows in zip(jobs, want, strict=True):
+            np.testing.assert_array_equal(out, rows, err_msg=reader.name)
+        decodes = [e for e in log if e[0] in ("c decode", "decode")]
+        chunks = {kind: sum(len(p.reads) for p, _, _ in jobs if p.kind == kind)
+                  for kind in ("zstd", "lz4")}  # fmt: skip
+        if api == "c":
+            assert decodes == [
+                ("c decode", "zstd", chunks["zstd"]),
+                ("c decode", "lz4", chunks["lz4"]),
+            ]
+        else:  # the Python codecs: a call per plan
+            assert [e[1] for e in decodes] == ["Zstd", "Zstd", "LZ4"]
+    executor.close()
+
+
+def _undecodable_zstd_frame(content_nbytes: int) -> bytes:
+    """A zstd frame whose header and block headers are sound (content size
+    ``content_nbytes`` < 256, one last compressed block) but whose block is not: the frame
+    checks pass it to the decoder, which fails."""
+    block = bytes([0xFF]) * 16
+    head = ((len(block) << 3) | (2 << 1) | 1).to_bytes(3, "little")  # last, compressed
+    return b"\x28\xb5\x2f\xfd" + bytes([0x20, content_nbytes]) + head + block
+
+
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_a_chunk_nvcomp_fails_in_a_joint_call_is_named_by_its_own_array(
+    tmp_path, monkeypatch, reads
+):
+    """The chunks of two zstd arrays decode in one C API call; a chunk of the second whose
+    status comes back failed is named by that array and chunk, not by the first array or
+    by its place in the call."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log, reads)
+    _fake_nvcomp_c_api(monkeypatch, log)
+    values, ids = _joint_readers(tmp_path)[:2]
+    bad = _undecodable_zstd_frame(SHAPES["1d-int32"][2][0] * 4)
+    (tmp_path / "ids.zarr" / "c" / "3").write_bytes(bad)
+    ids = open_reader(zarr.open_array(tmp_path / "ids.zarr", mode="r"), name="ids")
+    jobs = []
+    for reader in (values, ids):
+        plan = plan_rows(reader, np.array([[0, 400]]))
+        jobs.append((plan, reader, _unset(plan.out_shape, plan.dtype)))
+    executor = GpuPlanExecutor(0)
+    with pytest.raises(ChunkReadError, match=r"ids: chunk 'c/3'.*nvCOMP status 12"):
+        executor.run_many(jobs)
+    assert [e for e in log if e[0] == "c decode"] == [
+        ("c decode", "zstd", len(jobs[0][0].reads) + len(jobs[1][0].reads))
+    ]
     executor.close()
 
 
@@ -1595,3 +1757,49 @@ def test_chunks_wider_than_the_array_name_the_padding(tmp_path):
     assert "do not span" not in message, message
     assert "wider than the array's trailing axes (7,)" in message, message
     assert "chunks=(N, 7)" in message, message
+
+
+@pytest.mark.parametrize("joint", ["1", "0"])
+def test_the_cuda_backend_reads_a_collections_windows_with_joint_plans(
+    tmp_path, monkeypatch, joint
+):
+    """``DeviceWindowReader`` on the CUDA backend, cupy, kvikio and nvCOMP's C API standing
+    in: windows of a collection of two CSR stores of other chunk sizes (four byte plans a
+    window: each store's ``data`` and ``indices``) come out as the host backend reads them.
+    With ``DALI_ZARR_JOINT_PLANS=1`` (the default) each window is one decode call for all
+    four plans' chunks, with ``0`` one call per plan (the way before)."""
+    import dali_zarr as dz
+    from dali_zarr.graph import window_backends
+    from dali_zarr.graph.device_window import DeviceWindowReader
+    from dali_zarr.io import gpu
+    from dali_zarr.synthetic import make_single_cell
+
+    log: list = []
+    _fake_cuda_modules(monkeypatch, log, "kvikio")
+    _fake_nvcomp_c_api(monkeypatch, log)
+    monkeypatch.setattr(window_backends, "probe_gpu", gpu.probe_gpu)  # the stand-in's
+    monkeypatch.setenv(window_backends.JOINT_PLANS_ENV, joint)
+    import cupy  # the stand-in
+
+    cupy.stack = lambda arrays: np.stack(arrays).view(_Dev)
+    stores = [
+        make_single_cell(tmp_path / "a.zarr", n_obs=300, n_features=60, chunk_elements=256),
+        make_single_cell(tmp_path / "b.zarr", n_obs=250, n_features=60, chunk_elements=100,
+                         shard_chunks=None, seed=3),
+    ]  # fmt: skip
+    ds = dz.Collection([dz.open_dataset(s) for s in stores])
+    device = DeviceWindowReader(ds, window_backends.CudaBackend(0))
+    host = DeviceWindowReader(ds, window_backends.HostBackend())
+    rng = np.random.default_rng(11)
+    for _ in range(3):
+        starts = rng.choice(np.arange(0, ds.n_obs - 20, 20), size=6, replace=False)
+        ranges = np.stack([starts, starts + rng.integers(1, 20, size=6)], axis=1)  # shuffled
+        log.clear()
+        window = device.layout(ranges)
+        got, got_indptr = device.read(window, device.backend.alloc(window.nbytes))
+        want, want_indptr = host.read(host.layout(ranges), host.backend.alloc(window.nbytes))
+        np.testing.assert_array_equal(got_indptr, want_indptr)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        calls = [e for e in log if e[0] == "c decode"]
+        assert len(calls) == (1 if joint == "1" else 4), calls

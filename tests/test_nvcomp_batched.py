@@ -69,9 +69,17 @@ def test_status_names_cover_the_installed_header():
 @pytest.mark.parametrize("kind", ["zstd", "lz4"])
 def test_temporary_size_query_runs_without_a_gpu(kind):
     _library()
-    small = nvcomp_batched.temp_nbytes(kind, 10, 64 << 10)
-    large = nvcomp_batched.temp_nbytes(kind, 1000, 64 << 10)
+    small = nvcomp_batched.temp_nbytes(kind, 10, 64 << 10, 10 * (64 << 10))
+    large = nvcomp_batched.temp_nbytes(kind, 1000, 64 << 10, 1000 * (64 << 10))
     assert 0 <= small <= large
+    # a call of mixed chunk sizes (a window's plans together) asks by its largest call
+    sizes = np.array([64 << 10] * 10 + [16 << 10] * 990)
+    calls = nvcomp_batched.call_slices(sizes, cap=(64 << 10) * 10)
+    assert calls[0] == slice(0, 10) and len(calls) > 1
+    shared = nvcomp_batched.calls_temp_nbytes(kind, sizes, calls)  # one buffer for all calls
+    for c in calls:
+        biggest, total = int(sizes[c].max()), int(sizes[c].sum())
+        assert shared >= nvcomp_batched.temp_nbytes(kind, c.stop - c.start, biggest, total)
 
 
 @pytest.mark.parametrize("chunk_nbytes", [64 << 10, 1 << 20])
@@ -80,10 +88,11 @@ def test_capped_calls_bound_the_scratch_memory(chunk_nbytes):
     calls of at most CALL_NBYTES keep it near 3x CALL_NBYTES whatever the window's size."""
     _library()
     window = 8 * nvcomp_batched.CALL_NBYTES // chunk_nbytes  # chunks of a 1 GiB window
-    calls = nvcomp_batched.call_slices(window, chunk_nbytes)
+    sizes = np.full(window, chunk_nbytes)
+    calls = nvcomp_batched.call_slices(sizes)
     assert len(calls) == 8
-    capped = nvcomp_batched.temp_nbytes("zstd", calls[0].stop, chunk_nbytes)
-    whole = nvcomp_batched.temp_nbytes("zstd", window, chunk_nbytes)
+    capped = nvcomp_batched.calls_temp_nbytes("zstd", sizes, calls)
+    whole = nvcomp_batched.temp_nbytes("zstd", window, chunk_nbytes, window * chunk_nbytes)
     assert capped <= 4 * nvcomp_batched.CALL_NBYTES < whole
 
 
@@ -111,6 +120,11 @@ def test_call_table_points_at_each_chunk():
     assert table[2].tolist() == [(1 << 30), (1 << 30) + 4096, (1 << 30) + 8192]
     assert table[3].tolist() == [4000] * 3
     assert not table[4:].any()  # nvCOMP writes decoded sizes and statuses there
+    zeros = np.zeros(3, dtype=np.int64)
+    sizes = np.array([4000, 8000, 2000])  # each chunk's own decoded size
+    assert nvcomp_batched.call_table(0, zeros, zeros, 0, zeros, sizes)[3].tolist() == [
+        4000, 8000, 2000,
+    ]  # fmt: skip
 
 
 def test_failed_chunks_names_bad_statuses_and_short_chunks():
@@ -124,6 +138,13 @@ def test_failed_chunks_names_bad_statuses_and_short_chunks():
     ]
     table[4, 2], statuses[1] = 4000, 0
     assert nvcomp_batched.failed_chunks(table, 4000) == []
+    # chunks of several plans in one call: each checked against its own decoded size
+    expected = np.array([4000, 4000, 8000, 4000])
+    assert nvcomp_batched.failed_chunks(table, expected) == [
+        (2, "decoded to 4000 bytes, expected 8000")
+    ]
+    table[4, 2] = 8000
+    assert nvcomp_batched.failed_chunks(table, expected) == []
 
 
 def test_on_unless_turned_off(monkeypatch):

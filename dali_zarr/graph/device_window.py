@@ -334,31 +334,37 @@ class DeviceWindowReader:
                 if stored is not None:
                     name = stored.array_of[store.n_features]
                 items.setdefault(name, []).append((reader, ranges, pieces))
-        for name, array_items in items.items():
-            self._read_array(array_items, views[name])
+        self._read_arrays(items, views)
 
-    def _read_array(
-        self, array_items: list[tuple[Any, np.ndarray, Pieces | None]], out: Any
+    def _read_arrays(
+        self, items: dict[str, list[tuple[Any, np.ndarray, Pieces | None]]], views: dict[str, Any]
     ) -> None:
-        """One array's share of :meth:`_read_runs`. A byte plan that fails is planned and run
-        again once where chunk or shard files changed since planned (values rewritten in
-        place, before the window or while it was read: the cached chunk stamps are forgotten
-        by ``DirectReader.forget_changed_chunks``, and each plan's files are looked at, as
-        a shard's index or a chunk another window located anew leaves nothing to forget);
+        """The arrays' shares of :meth:`_read_runs`: every array's byte plans run together
+        (``backend.run_plans``: on the GPU the reads of all in flight, one decode call per
+        codec kind). A byte plan that fails is planned and run again once where chunk or
+        shard files changed since planned (values rewritten in place, before the window or
+        while it was read: the cached chunk stamps are forgotten by
+        ``DirectReader.forget_changed_chunks``, and each plan's files are looked at, as a
+        shard's index or a chunk another window located anew leaves nothing to forget);
         otherwise its error stands."""
-        plans, unplannable = window_plans(array_items, out_rows=out.shape[0])
-        for i in unplannable:
-            self.backend.upload_rows(*array_items[i], out)
+
+        def planned(*, upload: bool) -> list[tuple[Any, Any, Any]]:
+            jobs = []
+            for name, array_items in items.items():
+                plans, unplannable = window_plans(array_items, out_rows=views[name].shape[0])
+                for i in unplannable if upload else ():  # no byte plan: read on the host
+                    self.backend.upload_rows(*array_items[i], views[name])
+                jobs += [(plan, reader, views[name]) for plan, reader in plans]
+            return jobs
+
+        jobs = planned(upload=True)
         try:
-            for plan, reader in plans:
-                self.backend.run_into(plan, reader, out)
+            self.backend.run_plans(jobs)
         except ChunkReadError:
-            forgot = [reader.forget_changed_chunks() for _, reader in plans]  # each store's
-            if not any(forgot) and not any(files_changed(plan) for plan, _ in plans):
+            forgot = [reader.forget_changed_chunks() for _, reader, _ in jobs]  # each store's
+            if not any(forgot) and not any(files_changed(plan) for plan, _, _ in jobs):
                 raise
-            plans, _ = window_plans(array_items, out_rows=out.shape[0])
-            for plan, reader in plans:
-                self.backend.run_into(plan, reader, out)
+            self.backend.run_plans(planned(upload=False))
 
     def read_generic(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,18 @@ from dali_zarr.io.gpu import (
     probe_gpu,
 )
 from dali_zarr.planning.partition import run_offsets
+
+
+def plan_target(plan: Any, out: Any) -> Any:
+    """``out`` as ``plan`` fills it: bit for bit where ``out`` is a view of the same width
+    (the uint16 bits of a float16 array: see :func:`~dali_zarr.graph.source.window_dtype`),
+    widened by the plan's final copy where ``out`` is wider (int32 column ids of one store
+    in a collection's int64 window, float16 CSR values in a float32 window)."""
+    target = out.reshape(plan.out_shape)
+    same_width = np.dtype(target.dtype).itemsize == np.dtype(plan.dtype).itemsize
+    if target.dtype != plan.dtype and same_width:
+        target = target.view(plan.dtype)
+    return target
 
 
 class _Backend:
@@ -52,17 +65,15 @@ class _Backend:
             if n:
                 self.upload(host[a : a + n], out[start : start + n])
 
+    def run_plans(self, jobs: Sequence[tuple[Any, Any, Any]]) -> None:
+        """Run every ``(plan, reader, out)`` of a window (:meth:`run_into`), here one after
+        the other; the CUDA backend runs them together."""
+        for plan, reader, out in jobs:
+            self.run_into(plan, reader, out)
+
     def run_into(self, plan: Any, reader: Any, out: Any) -> None:
-        """Run ``plan`` into ``out``: bit for bit where ``out`` is a view of the same width
-        (the uint16 bits of a float16 array: see
-        :func:`~dali_zarr.graph.source.window_dtype`), widened by the plan's final copy
-        where ``out`` is wider (int32 column ids of one store in a collection's int64
-        window, float16 CSR values in a float32 window)."""
-        target = out.reshape(plan.out_shape)
-        same_width = np.dtype(target.dtype).itemsize == np.dtype(plan.dtype).itemsize
-        if target.dtype != plan.dtype and same_width:
-            target = target.view(plan.dtype)
-        self.run_plan(plan, reader, target)
+        """Run ``plan`` into ``out`` (:func:`plan_target`)."""
+        self.run_plan(plan, reader, plan_target(plan, out))
 
     def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
         raise NotImplementedError
@@ -193,6 +204,19 @@ def ring_sync() -> str:
     return want
 
 
+JOINT_PLANS_ENV = "DALI_ZARR_JOINT_PLANS"
+
+
+def joint_plans() -> bool:
+    """Whether the CUDA backend runs a window's byte plans together (``1``, the default:
+    one ``GpuPlanExecutor.run_many``) or one at a time (``0``: the way before 2026-11-27's
+    session q, kept to compare the two on a GPU); from ``DALI_ZARR_JOINT_PLANS``."""
+    want = os.environ.get(JOINT_PLANS_ENV, "").strip()
+    if want not in ("", "0", "1"):
+        raise ConfigError(f"{JOINT_PLANS_ENV}={want!r}: use 1 or 0, or leave it unset")
+    return want != "0"
+
+
 class CudaBackend(_Backend):
     """The device: cupy buffers, :class:`~dali_zarr.io.gpu.GpuPlanExecutor` reads (GPU only).
 
@@ -237,6 +261,16 @@ class CudaBackend(_Backend):
 
     def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
         self.executor.run(plan, reader, out)
+
+    def run_plans(self, jobs: Sequence[tuple[Any, Any, Any]]) -> None:
+        """The window's plans in one ``GpuPlanExecutor.run_many`` (reads of all in flight,
+        one decode call per codec kind), or one at a time with ``DALI_ZARR_JOINT_PLANS=0``."""
+        targets = [(plan, reader, plan_target(plan, out)) for plan, reader, out in jobs]
+        if joint_plans():
+            self.executor.run_many(targets)
+            return
+        for job in targets:
+            self.executor.run_many([job])
 
     def upload(self, host: np.ndarray, out: Any) -> None:
         with self.cp.cuda.Device(self.device_id):

@@ -48,7 +48,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numcodecs
 import numpy as np
@@ -229,11 +229,12 @@ class ReadPlan:
         """Uncompressed chunks are read straight into their slots (no staging, no decode)."""
         return self.kind == "none"
 
-    def decode_sources(self) -> tuple[np.ndarray, np.ndarray]:
+    def decode_sources(self, staging_at: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """``(staging offsets, sizes)`` of what each chunk's decoder gets: the stored bytes
-        after the header (numcodecs' LZ4 size header is read but not decoded)."""
+        after the header (numcodecs' LZ4 size header is read but not decoded); offsets from
+        ``staging_at``, where the plan's staging starts in a shared buffer."""
         return (
-            self.reads["staging_offset"] + self.header_nbytes,
+            self.reads["staging_offset"] + (staging_at + self.header_nbytes),
             self.reads["nbytes"] - self.header_nbytes,
         )
 
@@ -1195,46 +1196,98 @@ class GpuPlanExecutor:
 
         Returns ``out`` once every copy into it has completed (the stream is synchronised).
         """
+        self.run_many([(plan, reader, out)])
+        return out
+
+    def run_many(self, jobs: Sequence[tuple[ReadPlan, DirectReader, Any]]) -> None:
+        """Fill each job's device array ``out`` with its plan's window, all plans together:
+        every read in flight at once, one look at the frames, one nvCOMP call per codec kind
+        (of at most :data:`nvcomp_batched.CALL_NBYTES`), one stream sync at the end.
+
+        Why together: a window of a CSR store is two plans (``data``, ``indices``). Run one
+        after the other, each waited for its reads and then for its decode call, and on the
+        H200 (2026-11-27) a call of ~220 large zstd chunks took ~20 ms however many chunks
+        it held: the window paid two. Each plan has its own region of the executor's
+        buffers (:func:`place_jobs`). Returns once every copy has completed.
+        """
+        if not jobs:
+            return
         with self._lock, self.device, self._in_flight_finished():
             if self._closed:  # a reader thread outliving its loader's close(): it would
                 # open files and codecs again that nothing closes
-                raise RuntimeError(f"{reader.name}: this GPU executor was closed")
-            decoded = self._device_buffer("decoded", plan.decoded_nbytes)
-            if self.path_of(plan) == "device":
-                staging = self._device_buffer("staging", plan.staging_nbytes)
-                self._read_to_device(plan, reader, staging, decoded)
-                on_host, on_device = np.zeros(0, np.int64), np.arange(len(plan.reads))
-                if plan.has_frames:
-                    heads = self._frame_heads(plan, staging)
-                    check_frames(plan, reader, heads)
-                    if plan.kind == "zstd":  # what nvCOMP cannot be trusted with
-                        ends = self._frame_ends(plan, staging, heads)
-                        unwalked = check_frame_ends(plan, reader, ends)
-                        on_host = np.union1d(frames_without_size(heads), unwalked)
-                if plan.kind != "none":
-                    on_device = np.setdiff1d(on_device, on_host)
-                    self._nvcomp_decode(plan, reader, staging, decoded, on_device)
-                    self._decode_on_host(plan, reader, staging, decoded, on_host)
-                with self.stream:
-                    for slot in plan.fill_slots:
-                        off = slot * plan.slot_nbytes
-                        chunk = decoded[off : off + plan.chunk_nbytes].view(plan.dtype)
-                        chunk.fill(plan.fill_value)
-            else:  # host decode: pread into pinned memory, decode + fill there, one copy
+                raise RuntimeError(f"{jobs[0][1].name}: this GPU executor was closed")
+            placed, staging_nbytes, decoded_nbytes = place_jobs(jobs)
+            on_device = [p for p in placed if self.path_of(p.plan) == "device"]
+            on_host = [p for p in placed if self.path_of(p.plan) == "host"]
+            if on_host or self.reads == "pinned":  # each job's regions, as on the device
+                self._pinned_buffer("staging", staging_nbytes)
+                self._pinned_buffer("decoded", decoded_nbytes)
+            decoded = self._device_buffer("decoded", decoded_nbytes)
+            staged = any(not p.plan.reads_into_chunk_buffer for p in on_device)
+            staging = self._device_buffer("staging", staging_nbytes) if staged else None
+            self._read_to_device(on_device, staging, decoded)
+            decodes = self._checked_frames(on_device, staging)
+            owners = self._nvcomp_decode(
+                [(p, on_gpu) for p, on_gpu, _ in decodes], staging, decoded
+            )
+            for p, _, on_cpu in decodes:
+                self._decode_on_host(p, staging, decoded, on_cpu)
+            for p in on_host:  # decoded here while the device decodes what was queued
                 host = decode_plan_cpu(
-                    plan,
-                    reader,
-                    self._pinned_buffer("staging", plan.staging_nbytes),
-                    self._pinned_buffer("decoded", plan.decoded_nbytes),
+                    p.plan,
+                    p.reader,
+                    self._pinned_region("staging", p),
+                    self._pinned_region("decoded", p),
                 )
-                decoded.set(host, stream=self.stream)
-            self.copy_segments(out.reshape(-1), decoded.view(plan.dtype), plan.segments)
+                _decoded_region(decoded, p).set(host, stream=self.stream)
+            with self.stream:
+                for p in on_device:
+                    for slot in p.plan.fill_slots:
+                        off = p.decoded_at + slot * p.plan.slot_nbytes
+                        chunk = decoded[off : off + p.plan.chunk_nbytes].view(p.plan.dtype)
+                        chunk.fill(p.plan.fill_value)
+            for p in placed:
+                src = _decoded_region(decoded, p).view(p.plan.dtype)
+                self.copy_segments(p.out.reshape(-1), src, p.plan.segments)
             self.stream.synchronize()
-            decoder = self._batched.get(plan.kind)
-            for i, why in decoder.check() if decoder is not None else ():
-                chunk = plan.reads["chunk"][on_device[i]]
-                raise reader.chunk_error(_coords(reader, chunk), why)
+            for kind, (group, job_of, read_of) in owners.items():
+                for i, why in self._batched[kind].check():
+                    p = group[int(job_of[i])]
+                    chunk = p.plan.reads["chunk"][read_of[i]]
+                    raise p.reader.chunk_error(_coords(p.reader, chunk), why)
+
+    def _checked_frames(
+        self, jobs: list[_Placed], staging
+    ) -> list[tuple[_Placed, np.ndarray, np.ndarray]]:
+        """Check the frames of every compressed job (the reads have completed) and say which
+        of its chunks nvCOMP decodes and which the host: ``(job, on_gpu, on_cpu)``, indices
+        into its plan's reads. The host takes the zstd frames nvCOMP cannot be trusted with
+        (:func:`frames_without_size`, and frames of too many blocks for the host walk)."""
+        framed = [p for p in jobs if p.plan.has_frames]
+        heads = dict(
+            zip((p.index for p in framed), self._frame_heads(framed, staging), strict=True)
+        )
+        for p in framed:
+            check_frames(p.plan, p.reader, heads[p.index])
+        walked = [p for p in framed if p.plan.kind == "zstd"]
+        walks = self._frame_ends(walked, [heads[p.index] for p in walked], staging)
+        ends = dict(zip((p.index for p in walked), walks, strict=True))
+        out = []
+        for p in jobs:
+            if p.plan.kind == "none":
+                continue
+            on_cpu = np.zeros(0, np.int64)
+            if p.index in ends:
+                unwalked = check_frame_ends(p.plan, p.reader, ends[p.index])
+                on_cpu = np.union1d(frames_without_size(heads[p.index]), unwalked)
+            out.append((p, np.setdiff1d(np.arange(len(p.plan.reads)), on_cpu), on_cpu))
         return out
+
+    def _pinned_region(self, key: str, job: _Placed) -> np.ndarray:
+        """``job``'s region of the pinned buffer ``key`` ("staging" or "decoded")."""
+        if key == "staging":
+            return self._pinned[key][job.staging_at : job.staging_at + job.plan.staging_nbytes]
+        return _decoded_region(self._pinned[key], job)
 
     @contextlib.contextmanager
     def _in_flight_finished(self):
@@ -1263,110 +1316,140 @@ class GpuPlanExecutor:
         blocks = min(len(pieces), 1 << 16)
         launch(cuda_kernels.copy_segments, blocks, 256, self.stream, out, src, *seg)
 
-    def _read_to_device(self, plan: ReadPlan, reader: DirectReader, staging, decoded) -> None:
-        """Every extent of ``plan`` into ``staging`` (``decoded`` when uncompressed), all in
-        flight at once: kvikio ``CuFile.pread`` (its thread pool), or with ``reads="pinned"``
-        ``os.preadv`` on the reader's threads into pinned memory and one copy."""
-        target = decoded if plan.reads_into_chunk_buffer else staging
-        nbytes = plan.decoded_nbytes if plan.reads_into_chunk_buffer else plan.staging_nbytes
-        if self.reads == "pinned":  # the same pinned buffer the host decode path reads into
-            host = self._pinned_buffer(
-                "decoded" if plan.reads_into_chunk_buffer else "staging", nbytes
-            )
-            read_extents_cpu(plan, reader, host)
-            target[:nbytes].set(host, stream=self.stream)
+    def _read_target(self, job: _Placed, staging, decoded):
+        """Where ``job``'s extents are read: its staging region, or its chunk buffer region
+        when uncompressed."""
+        if job.plan.reads_into_chunk_buffer:
+            return _decoded_region(decoded, job)
+        return staging[job.staging_at : job.staging_at + job.plan.staging_nbytes]
+
+    def _read_to_device(self, jobs: list[_Placed], staging, decoded) -> None:
+        """Every extent of every job into its :meth:`_read_target`, all in flight at once:
+        kvikio ``CuFile.pread`` (its thread pool), or with ``reads="pinned"`` ``os.preadv``
+        on the readers' threads into pinned memory and one copy a job."""
+        if self.reads == "pinned":  # the pinned regions the host decode path reads into
+            for p in jobs:
+                chunks = p.plan.reads_into_chunk_buffer
+                host = self._pinned_region("decoded" if chunks else "staging", p)
+                read_extents_cpu(p.plan, p.reader, host)
+                self._read_target(p, staging, decoded).set(host, stream=self.stream)
             return
-        pending = []
-        handles: dict[int, Any] = {}  # one look at each file per plan
+        pending: list[tuple[_Placed, int, int, Any]] = []
         error = None
         try:
-            for i, f, offset, size, dest in plan.extent_jobs():
-                file = handles.get(f)
-                if file is None:
-                    try:
-                        file, stamp = self._cufile(plan.files[f])
-                    except Exception as e:  # gone since planned (a chunk set to fill)
-                        raise _extent_error(reader, plan, i, 0, f"opening failed ({e})") from e
-                    _refuse_changed_file(plan, reader, i, stamp)
-                    handles[f] = file
-                try:
-                    future = file.pread(target[dest : dest + size], size, offset)
-                except Exception as e:  # kvikio 26.10 reads a small extent at once, raising here
-                    error = _kvikio_read_failed(reader, plan, i, e)
+            for p in jobs:
+                error = self._submit_reads(p, self._read_target(p, staging, decoded), pending)
+                if error is not None:
                     break
-                pending.append((i, size, future))
         finally:
             # every read must be over before we raise: kvikio's pool would otherwise go on
             # writing into buffers the next plan reuses (or cupy hands to another owner).
             # An extent in flight comes before one that raised at once: it names the error.
             failed_at_once, error = error, None
-            for i, size, future in pending:
+            for p, i, size, future in pending:
                 try:
                     got = future.get()
                 except Exception as e:  # kvikio raises at end of file rather than read short
-                    error = error or _kvikio_read_failed(reader, plan, i, e)
+                    error = error or _kvikio_read_failed(p.reader, p.plan, i, e)
                     continue
                 if got != size and error is None:
                     error = _extent_error(
-                        reader, plan, i, got, f"read {got} of {size} bytes (file shrank)"
+                        p.reader, p.plan, i, got, f"read {got} of {size} bytes (file shrank)"
                     )
         error = error or failed_at_once
         if error is not None:
             raise error
         self._trim_files()
 
-    def _frame_ends(self, plan: ReadPlan, staging, heads: np.ndarray) -> np.ndarray:
-        """Where each zstd frame of ``plan`` ends by its block headers (the reads have
-        completed): walked on the host in the pinned buffer the reads went through (frames
-        of more blocks than :func:`~dali_zarr.io.codecs.zstd_block_walk_limit` give -2), or
-        by ``cuda_kernels.zstd_frame_ends`` in device memory, one launch and 8 bytes a frame
-        copied back."""
-        starts, nbytes = plan.reads["staging_offset"], plan.reads["nbytes"]
-        first_block, checksum = zstd_walk_from(heads)
+    def _submit_reads(self, job: _Placed, target, pending: list) -> Exception | None:
+        """Start a kvikio read of each extent of ``job`` into ``target``, appending
+        ``(job, extent, nbytes, future)`` to ``pending``; returns the error of a read that
+        raised at once (the reads before it are in flight), None otherwise."""
+        plan, reader = job.plan, job.reader
+        handles: dict[int, Any] = {}  # one look at each file per plan
+        for i, f, offset, size, dest in plan.extent_jobs():
+            file = handles.get(f)
+            if file is None:
+                try:
+                    file, stamp = self._cufile(plan.files[f])
+                except Exception as e:  # gone since planned (a chunk set to fill)
+                    raise _extent_error(reader, plan, i, 0, f"opening failed ({e})") from e
+                _refuse_changed_file(plan, reader, i, stamp)
+                handles[f] = file
+            try:
+                future = file.pread(target[dest : dest + size], size, offset)
+            except Exception as e:  # kvikio 26.10 reads a small extent at once, raising here
+                return _kvikio_read_failed(reader, plan, i, e)
+            pending.append((job, i, size, future))
+        return None
+
+    def _frame_ends(
+        self, jobs: list[_Placed], heads: list[np.ndarray], staging
+    ) -> list[np.ndarray]:
+        """Where each zstd frame of each job ends by its block headers (the reads have
+        completed; ``heads``: each job's :meth:`_frame_heads`): walked on the host in the
+        pinned buffer the reads went through (frames of more blocks than
+        :func:`~dali_zarr.io.codecs.zstd_block_walk_limit` give -2), or by
+        ``cuda_kernels.zstd_frame_ends`` in device memory, one launch for all jobs and 8
+        bytes a frame copied back."""
+        if not jobs:
+            return []
+        rows = []  # per job: frame starts in the buffer, sizes, first block, checksum bytes
+        for p, head in zip(jobs, heads, strict=True):
+            first_block, checksum = zstd_walk_from(head)
+            starts = p.plan.reads["staging_offset"] + p.staging_at
+            rows.append(np.stack([starts, p.plan.reads["nbytes"], first_block, checksum]))
         if self.reads == "pinned":
-            limit = zstd_block_walk_limit(plan.chunk_nbytes)
             staged = self._pinned["staging"]
-            return zstd_frame_ends(staged, starts, nbytes, first_block, checksum, limit)
+            limits = [zstd_block_walk_limit(p.plan.chunk_nbytes) for p in jobs]
+            return [zstd_frame_ends(staged, *row, n) for row, n in zip(rows, limits, strict=True)]
         from dali_zarr.graph import cuda_kernels
 
+        table = np.concatenate(rows, axis=1).astype(np.int64)
         with self.stream:  # one copy up, its rows the kernel's four arrays (as copy_segments)
-            args = self.cp.asarray(
-                np.stack([starts, nbytes, first_block, checksum]).astype(np.int64)
-            )
-            ends = self.cp.empty(len(starts), dtype=np.int64)
-        blocks = max(1, min(-(-len(starts) // 128), 1 << 16))
+            args = self.cp.asarray(table)
+            ends = self.cp.empty(table.shape[1], dtype=np.int64)
+        blocks = max(1, min(-(-table.shape[1] // 128), 1 << 16))
         launch(cuda_kernels.zstd_frame_ends, blocks, 128, self.stream, ends, staging, *args)
         host = self.cp.asnumpy(ends, stream=self.stream)
         self.stream.synchronize()
-        return host
+        return np.split(host, np.cumsum([row.shape[1] for row in rows])[:-1])
 
-    def _frame_heads(self, plan: ReadPlan, staging) -> np.ndarray:
-        """The first bytes of every stored chunk, on the host (:func:`check_frames`): from
-        the pinned buffer the reads went through, or gathered on the device and copied back
-        (18 bytes a chunk; the kvikio reads have completed)."""
+    def _frame_heads(self, jobs: list[_Placed], staging) -> list[np.ndarray]:
+        """The first bytes of every stored chunk of each job, on the host
+        (:func:`check_frames`): from the pinned buffer the reads went through, or gathered
+        on the device in one gather and one copy back (18 bytes a chunk; the kvikio reads
+        have completed)."""
+        if not jobs:
+            return []
+        index = [
+            head_index(p.plan.reads["staging_offset"], p.plan.staging_nbytes) + p.staging_at
+            for p in jobs
+        ]
+        flat = np.concatenate(index)
         if self.reads == "pinned":
-            return frame_heads_host(plan, self._pinned["staging"])
-        index = head_index(plan.reads["staging_offset"], plan.staging_nbytes)
-        with self.stream:
-            heads = staging[self.cp.asarray(index)]
-        host = self.cp.asnumpy(heads, stream=self.stream)
-        self.stream.synchronize()
-        return host
+            host = self._pinned["staging"][flat]
+        else:
+            with self.stream:
+                heads = staging[self.cp.asarray(flat)]
+            host = self.cp.asnumpy(heads, stream=self.stream)
+            self.stream.synchronize()
+        return np.split(host, np.cumsum([len(i) for i in index])[:-1])
 
-    def _decode_on_host(
-        self, plan: ReadPlan, reader: DirectReader, staging, decoded, reads: np.ndarray
-    ) -> None:
-        """Decode the stored chunks ``reads`` (indices into ``plan.reads``) on the host and
-        put them in their slots: frames kept from nvCOMP (:func:`frames_without_size`, or
-        too many blocks for the host walk). Each one's stored bytes (with any header, as
+    def _decode_on_host(self, job: _Placed, staging, decoded, reads: np.ndarray) -> None:
+        """Decode the stored chunks ``reads`` (indices into ``job``'s plan's reads) on the
+        host and put them in their slots: frames kept from nvCOMP (:func:`frames_without_size`,
+        or too many blocks for the host walk). Each one's stored bytes (with any header, as
         :func:`decode_plan_cpu` gives them to the same decoder) are copied back, decoded
         with numcodecs (which checks the decoded size) and copied up: few chunks, if any."""
         if not len(reads):
             return
-        decode = _cpu_decoder(plan, reader)
+        plan = job.plan
+        decode = _cpu_decoder(plan, job.reader)
         jobs = plan.reads[["chunk", "staging_offset", "nbytes", "decoded_offset"]][reads]
         chunk = np.empty(plan.chunk_nbytes, np.uint8)
         for c, start, n, dst in jobs.tolist():
+            start, dst = start + job.staging_at, dst + job.decoded_at
             stored = self.cp.asnumpy(staging[start : start + n], stream=self.stream)
             self.stream.synchronize()
             decode(c, 0, n, 0, stored, chunk)
@@ -1374,34 +1457,53 @@ class GpuPlanExecutor:
             self.stream.synchronize()  # ``chunk`` is pageable memory, written again next
 
     def _nvcomp_decode(
-        self, plan: ReadPlan, reader: DirectReader, staging, decoded, reads: np.ndarray
-    ) -> None:
-        """The plan's chunks (raw zstd frames / LZ4 blocks) in batched nvCOMP calls of up to
-        :data:`nvcomp_batched.CALL_NBYTES` decoded bytes each (one where a window's array
-        decodes to at most 512 MiB).
+        self, jobs: list[tuple[_Placed, np.ndarray]], staging, decoded
+    ) -> dict[str, tuple[list[_Placed], np.ndarray, np.ndarray]]:
+        """Each job's chunks ``reads`` (raw zstd frames / LZ4 blocks; indices into its plan's
+        reads) decoded by nvCOMP: by default through its C API (:mod:`nvcomp_batched`), the
+        chunks of every job of a kind in one enqueue (calls of up to
+        :data:`nvcomp_batched.CALL_NBYTES` decoded bytes). Returns, per kind enqueued, who
+        owns each chunk of it: ``(jobs, job of each chunk, read of each chunk)``, to name a
+        chunk the decoder's check after the stream sync finds failed.
 
-        By default through nvCOMP's C API (:mod:`nvcomp_batched`): the plan knows the decoded
-        sizes, so nothing parses headers, and the call only enqueues work on our stream with
-        the GIL released. nvCOMP's Python ``decode`` (``DALI_ZARR_NVCOMP_BATCHED=0``, or
-        where the C API does not load) parses every frame's header and synchronises inside
-        the call, holding the GIL: on the H200 (2026-11-26) the loader was 2.3-2.7x slower
-        with it.
+        The C API takes the decoded sizes (the plans know them), so nothing parses
+        headers, and the call only enqueues work on our stream with the GIL released.
+        nvCOMP's Python ``decode`` (``DALI_ZARR_NVCOMP_BATCHED=0``, or where the C API does
+        not load) parses every frame's header and synchronises inside the call, holding the
+        GIL: on the H200 (2026-11-26) the loader was 2.3-2.7x slower with it.
         """
-        if not len(reads):
-            return
-        src_off, src_nbytes = (a[reads] for a in plan.decode_sources())
-        dst_off = plan.reads["decoded_offset"][reads]
-        if self._use_batched:
-            decoder = self._batched.get(plan.kind)
+        jobs = [(p, reads) for p, reads in jobs if len(reads)]
+        if not self._use_batched:
+            for p, reads in jobs:
+                self._nvcomp_decode_python(p, reads, staging, decoded)
+            return {}
+        owners = {}
+        for kind in dict.fromkeys(p.plan.kind for p, _ in jobs):
+            group = [(p, reads) for p, reads in jobs if p.plan.kind == kind]
+            sources = [p.plan.decode_sources(p.staging_at) for p, _ in group]
+            src_off = np.concatenate([s[0][r] for s, (_, r) in zip(sources, group, strict=True)])
+            src_nbytes = np.concatenate([s[1][r] for s, (_, r) in zip(sources, group, strict=True)])
+            dst_off = np.concatenate(
+                [p.plan.reads["decoded_offset"][reads] + p.decoded_at for p, reads in group]
+            )
+            sizes = np.concatenate([np.full(len(r), p.plan.chunk_nbytes) for p, r in group])
+            decoder = self._batched.get(kind)
             if decoder is None:
-                decoder = nvcomp_batched.BatchedDecoder(plan.kind, self.cp, self.stream)
-                self._batched[plan.kind] = decoder
-            decoder.enqueue(staging, src_off, src_nbytes, decoded, dst_off, plan.chunk_nbytes)
-            return
-        nv, n_out = self._nvcomp, plan.chunk_nbytes
+                decoder = nvcomp_batched.BatchedDecoder(kind, self.cp, self.stream)
+                self._batched[kind] = decoder
+            decoder.enqueue(staging, src_off, src_nbytes, decoded, dst_off, sizes)
+            job_of = np.repeat(np.arange(len(group)), [len(r) for _, r in group])
+            owners[kind] = ([p for p, _ in group], job_of, np.concatenate([r for _, r in group]))
+        return owners
+
+    def _nvcomp_decode_python(self, job: _Placed, reads: np.ndarray, staging, decoded) -> None:
+        """``job``'s chunks ``reads`` through nvCOMP's Python codec (see :meth:`_nvcomp_decode`)."""
+        plan, nv, n_out = job.plan, self._nvcomp, job.plan.chunk_nbytes
+        src_off, src_nbytes = (a[reads] for a in plan.decode_sources(job.staging_at))
+        dst_off = plan.reads["decoded_offset"][reads] + job.decoded_at
         pairs = list(zip(src_off.tolist(), src_nbytes.tolist(), dst_off.tolist(), strict=True))
         results, stream = [], self.stream.ptr
-        for call in nvcomp_batched.call_slices(len(pairs), n_out):
+        for call in nvcomp_batched.call_slices(np.full(len(pairs), n_out)):
             srcs = nv.as_arrays([staging[s : s + n] for s, n, _ in pairs[call]], stream)
             # as nvCOMP arrays: nvCOMP 5.3 segfaults when ``out`` holds cupy arrays directly
             dsts = nv.as_arrays([decoded[d : d + n_out] for _, _, d in pairs[call]], stream)
@@ -1414,10 +1516,42 @@ class GpuPlanExecutor:
         for chunk, res in zip(plan.reads["chunk"][reads].tolist(), results, strict=True):
             size = getattr(res, "buffer_size", n_out)
             if size != n_out:
-                raise reader.chunk_error(
-                    _coords(reader, chunk),
+                raise job.reader.chunk_error(
+                    _coords(job.reader, chunk),
                     f"{plan.kind} chunk decoded to {size} bytes, expected {n_out}",
                 )
+
+
+class _Placed(NamedTuple):
+    """A job of :meth:`GpuPlanExecutor.run_many` and where its bytes go: its staging and its
+    chunk buffer start ``staging_at`` and ``decoded_at`` bytes into the executor's buffers
+    (device, and pinned where used). ``index``: its place among the call's jobs."""
+
+    index: int
+    plan: ReadPlan
+    reader: DirectReader
+    out: Any
+    staging_at: int
+    decoded_at: int
+
+
+def place_jobs(
+    jobs: Sequence[tuple[ReadPlan, DirectReader, Any]],
+) -> tuple[list[_Placed], int, int]:
+    """Each job's regions in one staging and one chunk buffer, back to back, each starting on
+    a :data:`PAGE` (a plan lays out its own reads from a page boundary: O_DIRECT and GDS
+    reads need it); returns the placed jobs and the two buffers' sizes."""
+    placed, staging_at, decoded_at = [], 0, 0
+    for index, (plan, reader, out) in enumerate(jobs):
+        placed.append(_Placed(index, plan, reader, out, staging_at, decoded_at))
+        staging_at += round_up(plan.staging_nbytes, PAGE)
+        decoded_at += round_up(plan.decoded_nbytes, PAGE)
+    return placed, staging_at, decoded_at
+
+
+def _decoded_region(buf: Any, job: _Placed) -> Any:
+    """``job``'s chunk buffer: its region of ``buf`` (device or pinned)."""
+    return buf[job.decoded_at : job.decoded_at + job.plan.decoded_nbytes]
 
 
 _JITTED: dict[Any, Any] = {}

@@ -72,12 +72,19 @@ _STATUS = {
 CALL_NBYTES = 512 << 20
 
 
-def call_slices(n_chunks: int, chunk_nbytes: int, cap: int | None = None) -> list[slice]:
-    """The chunks ``[0, n_chunks)`` of a plan in consecutive calls of at most ``cap``
-    (default :data:`CALL_NBYTES`) decoded bytes each, at least one chunk per call."""
+def call_slices(chunk_nbytes: np.ndarray, cap: int | None = None) -> list[slice]:
+    """Chunks of decoded sizes ``chunk_nbytes`` (in call order; the plans of a window differ:
+    float64 values beside int32 ids) in consecutive calls of at most ``cap`` (default
+    :data:`CALL_NBYTES`) decoded bytes each, at least one chunk per call."""
     cap = CALL_NBYTES if cap is None else cap
-    per_call = max(1, cap // max(chunk_nbytes, 1))
-    return [slice(a, min(a + per_call, n_chunks)) for a in range(0, n_chunks, per_call)]
+    ends = np.cumsum(np.asarray(chunk_nbytes, dtype=np.int64))
+    calls, start = [], 0
+    while start < len(ends):
+        before = int(ends[start - 1]) if start else 0
+        stop = max(int(np.searchsorted(ends, before + cap, side="right")), start + 1)
+        calls.append(slice(start, stop))
+        start = stop
+    return calls
 
 
 def use_c_api() -> bool:
@@ -165,46 +172,57 @@ def required_alignments(kind: str) -> tuple[int, int, int]:
     return int(out.input), int(out.output), int(out.temp)
 
 
-def temp_nbytes(kind: str, n_chunks: int, chunk_nbytes: int) -> int:
-    """Device scratch one call needs for ``n_chunks`` chunks of ``chunk_nbytes`` decoded."""
+def temp_nbytes(kind: str, n_chunks: int, max_chunk_nbytes: int, total_nbytes: int) -> int:
+    """Device scratch one call needs for ``n_chunks`` chunks decoding to at most
+    ``max_chunk_nbytes`` each and ``total_nbytes`` in all."""
     temp_size, _ = functions(kind)
     out = ctypes.c_size_t(0)
-    status = temp_size(n_chunks, chunk_nbytes, DecompressOpts(), out, n_chunks * chunk_nbytes)
+    status = temp_size(n_chunks, max_chunk_nbytes, DecompressOpts(), out, total_nbytes)
     _raise_for(status, f"nvCOMP {kind}: temporary-size query")
     return int(out.value)
 
 
+def calls_temp_nbytes(kind: str, chunk_nbytes: np.ndarray, calls: list[slice]) -> int:
+    """The scratch the largest of ``calls`` needs (they share one buffer, in stream order)."""
+    sizes = np.asarray(chunk_nbytes, dtype=np.int64)
+    return max(
+        temp_nbytes(kind, c.stop - c.start, int(sizes[c].max()), int(sizes[c].sum())) for c in calls
+    )
+
+
 def call_table(
     src_base: int, src_offsets: np.ndarray, src_nbytes: np.ndarray, dst_base: int,
-    dst_offsets: np.ndarray, chunk_nbytes: int,
+    dst_offsets: np.ndarray, chunk_nbytes: np.ndarray | int,
 ) -> np.ndarray:  # fmt: skip
     """The per-chunk arguments of one call as one ``(6, n)`` uint64 table, uploaded at once:
-    source pointers and sizes, destination pointers and sizes, then room for the decoded
-    sizes and statuses nvCOMP writes back."""
+    source pointers and sizes, destination pointers and sizes (``chunk_nbytes``: each
+    chunk's decoded size, or one for all), then room for the decoded sizes and statuses
+    nvCOMP writes back."""
     n = len(src_offsets)
     table = np.zeros((6, n), dtype=np.uint64)
     table[0] = np.uint64(src_base) + np.asarray(src_offsets, dtype=np.uint64)
     table[1] = np.asarray(src_nbytes, dtype=np.uint64)
     table[2] = np.uint64(dst_base) + np.asarray(dst_offsets, dtype=np.uint64)
-    table[3] = chunk_nbytes
+    table[3] = np.asarray(chunk_nbytes, dtype=np.uint64)
     return table
 
 
-def failed_chunks(table_back: np.ndarray, chunk_nbytes: int) -> list[tuple[int, str]]:
+def failed_chunks(table_back: np.ndarray, chunk_nbytes: np.ndarray | int) -> list[tuple[int, str]]:
     """``(chunk index in the call, why)`` for every chunk whose status is not success or
-    that decoded to a size other than ``chunk_nbytes`` (rows 4 and 5 of the table, read
-    back after the stream sync; statuses are 32-bit)."""
+    that decoded to a size other than its ``chunk_nbytes`` (rows 4 and 5 of the table,
+    read back after the stream sync; statuses are 32-bit)."""
     n = table_back.shape[1]
     statuses = table_back[5].view(np.int32)[:n]  # nvcompStatus_t is 32-bit: n in a row of 2n
     sizes = table_back[4]
-    bad = np.flatnonzero((statuses != 0) | (sizes != chunk_nbytes))
+    expected = np.broadcast_to(np.asarray(chunk_nbytes, dtype=np.uint64), (n,))
+    bad = np.flatnonzero((statuses != 0) | (sizes != expected))
     out = []
     for i in bad.tolist():  # errors only: a handful at most
         status = int(statuses[i])
         why = (
             f"nvCOMP status {status} ({_STATUS.get(status, 'unknown')})"
             if status
-            else f"decoded to {int(sizes[i])} bytes, expected {chunk_nbytes}"
+            else f"decoded to {int(sizes[i])} bytes, expected {int(expected[i])}"
         )
         out.append((i, why))
     return out
@@ -220,7 +238,7 @@ class BatchedDecoder:
         self._decompress = functions(kind)[1]
         self._temp = None
         self._table = None
-        self._pending: tuple[Any, int, int] | None = None  # (device table, n, chunk bytes)
+        self._pending: tuple[Any, int, np.ndarray] | None = None  # (device table, n, sizes)
 
     def _buffer(self, current, nbytes: int):
         if current is None or current.size < nbytes:
@@ -230,22 +248,24 @@ class BatchedDecoder:
 
     def enqueue(
         self, staging: Any, src_offsets: np.ndarray, src_nbytes: np.ndarray, decoded: Any,
-        dst_offsets: np.ndarray, chunk_nbytes: int,
+        dst_offsets: np.ndarray, chunk_nbytes: np.ndarray | int,
     ) -> None:  # fmt: skip
         """Queue the decode of every chunk on the stream, in :func:`call_slices` calls that
         share one scratch buffer (stream order keeps them apart); :meth:`check` after
-        syncing the stream."""
+        syncing the stream. ``chunk_nbytes``: each chunk's decoded size, or one for all
+        (the chunks of several plans of a window go in one enqueue)."""
         n = len(src_offsets)
         if n == 0:
             return
+        sizes = np.broadcast_to(np.asarray(chunk_nbytes, dtype=np.int64), (n,))
         host = call_table(
-            staging.data.ptr, src_offsets, src_nbytes, decoded.data.ptr, dst_offsets, chunk_nbytes
+            staging.data.ptr, src_offsets, src_nbytes, decoded.data.ptr, dst_offsets, sizes
         )
         self._table = self._buffer(self._table, host.nbytes)
         table = self._table[: host.nbytes].view(self.cp.uint64).reshape(6, n)
         table.set(host, stream=self.stream)
-        calls = call_slices(n, chunk_nbytes)
-        temp = temp_nbytes(self.kind, calls[0].stop, chunk_nbytes)  # the first call is largest
+        calls = call_slices(sizes)
+        temp = calls_temp_nbytes(self.kind, sizes, calls)
         self._temp = self._buffer(self._temp, temp)
         status_ptr = table[5].data.ptr  # nvcompStatus_t is 32-bit: statuses[i] at 4 * i
         for c in calls:
@@ -256,7 +276,7 @@ class BatchedDecoder:
                 DecompressOpts(), status_ptr + 4 * c.start, self.stream.ptr,
             )  # fmt: skip
             _raise_for(status, f"nvCOMP {self.kind}: batched decode of {k} chunks")
-        self._pending = (table, n, chunk_nbytes)
+        self._pending = (table, n, sizes)
 
     def forget(self) -> None:
         """Drop the last call's table unread (its plan failed before :meth:`check`)."""
