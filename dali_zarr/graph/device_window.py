@@ -3,11 +3,13 @@
 :class:`DeviceWindowReader` turns a window's row ranges into its stores' runs
 (:meth:`~dali_zarr.data.dataset.Dataset.store_runs`), lays the window's arrays out in one
 slot (:class:`WindowLayout`) and fills it through each store's byte plans
-(:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and window
-for stores written alike, narrower dtypes widened as the rows are placed. Gene panels are
-kept on the device (:func:`panel_selection`) by one launch per window: for CSR stores it
-maps each store's column ids to the panel (and, for CSR output, cuts each row to its kept
-entries); for dense stores it copies each row's panel columns out of the stored rows.
+(:func:`~dali_zarr.io.gpu.window_plans`): one plan per array and window for stores written
+alike, every plan of the window run together (``backend.run_plans``: on the GPU one read
+batch and one decode call per codec kind), narrower dtypes widened as the rows are placed.
+Gene panels are kept on the device (:func:`panel_selection`) by one launch per window: for
+CSR stores it maps each store's column ids to the panel (and, for CSR output, cuts each row
+to its kept entries); for dense stores it copies each row's panel columns out of the stored
+rows.
 
 A backend (:mod:`dali_zarr.graph.window_backends`) is where the slot lives and where the
 panel launches run: the device, or the host (how CI tests the GPU path end to end).
@@ -193,14 +195,14 @@ def panel_selection(
 class DeviceWindowReader:
     """Reads a window's rows of a dataset into one device buffer (one ring slot).
 
-    Stores, collections, subsets and gene panels of them are read through each store's
-    byte plans: per window, one plan per array of each store the window touches, the plans
-    of stores written alike joined and placed so the rows land in window order
-    (:func:`~dali_zarr.io.gpu.window_plans`): one read batch and decode per array and
-    window. A panel is read as its stores' rows with every stored column and kept on the
-    device (:func:`panel_selection`). A store's narrower CSR dtype (int32 ids in an int64
-    window, float16 values) is widened by its plan's final copy. Datasets that name no
-    stores (``store_columns`` None: a user's own subclass) are read on the host with
+    Stores, collections, subsets and gene panels of them are read through each store's byte
+    plans: per window, one plan per array of each store the window touches, the plans of
+    stores written alike joined and placed so the rows land in window order
+    (:func:`~dali_zarr.io.gpu.window_plans`), all of them run together. A panel is read as
+    its stores' rows with every stored column and kept on the device
+    (:func:`panel_selection`). A store's narrower CSR dtype (int32 ids in an int64 window,
+    float16 values) is widened by its plan's final copy. Datasets that name no stores
+    (``store_columns`` None: a user's own subclass) are read on the host with
     ``dataset.read_rows`` and copied once (:meth:`read_generic`).
     """
 

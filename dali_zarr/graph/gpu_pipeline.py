@@ -8,8 +8,9 @@ minibatch, the callback is pure in ``(epoch, iteration)``, the ops read the wind
   :class:`BufferRing` of device buffers, on the prefetch thread, ``prefetch_windows``
   windows ahead of the consumer, with the window reader of
   :mod:`dali_zarr.graph.device_window` (kvikio + nvCOMP through :mod:`dali_zarr.io.gpu`,
-  one joint plan per array however many stores of a collection the window touches; host
-  decode + one copy where needed);
+  one joint plan per array however many stores of a collection the window touches, and
+  the plans of all arrays run together: reads in flight at once, one decode call per
+  codec kind; host decode + one copy where needed);
 * a gene panel (:class:`~dali_zarr.data.features.FeatureSubset`, also one split into
   subsets or in a collection) is read as its stores' windows and kept on the device: a
   CSR store's ids are mapped to the panel by one launch per window (dropped columns go

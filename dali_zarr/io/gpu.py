@@ -19,10 +19,12 @@ Two executors run the same plan:
   Storage where the system has it, kvikio's compat mode otherwise), or ``os.preadv`` into
   pinned memory and one copy (:func:`read_method`); each stored chunk's header checked on
   the host (:func:`check_frames`); nvCOMP batched decode calls of up to 512 MiB
-  (``nvcomp_batched.CALL_NBYTES``) of the array's chunks in the window (zstd frames that
-  record no content size are decoded on the host: :func:`frames_without_size`); arrays
-  nvCOMP cannot decode are decoded on the CPU into pinned memory and copied once; then one
-  launch of ``cuda_kernels.copy_segments`` assembles the rows.
+  (``nvcomp_batched.CALL_NBYTES``) of the window's chunks (zstd frames that record no
+  content size are decoded on the host: :func:`frames_without_size`); arrays nvCOMP cannot
+  decode are decoded on the CPU into pinned memory and copied once; then one launch of
+  ``cuda_kernels.copy_segments`` per plan assembles the rows. A window's plans (its
+  arrays, and stores written differently) run together (:meth:`GpuPlanExecutor.run_many`):
+  their reads in flight at once, one decode call per codec kind for all of them.
 
 Per-array decode path (:func:`gpu_codec_kind`): ``"none"`` (only the ``bytes`` codec, native
 byte order: disk → GPU with no decode), ``"zstd"`` (zarr v3's default; nvCOMP zstd), ``"lz4"``
