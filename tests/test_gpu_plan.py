@@ -1049,26 +1049,46 @@ def _joint_readers(tmp_path) -> list[DirectReader]:
     return readers
 
 
-def _unset(shape, dtype) -> np.ndarray:
-    """A faked device array of ``shape`` holding a byte pattern no plan writes."""
-    out = np.empty(shape, dtype).view(_Dev)
+def _unset(device: _Cuda, shape, dtype):
+    """A device array of ``shape`` (``device``'s) holding a byte pattern no plan writes."""
+    out = device.empty(shape, dtype)
     out.view(np.uint8)[...] = 0xA5
     return out
 
 
+#: the executor's device in a test: NumPy stand-ins (CI), or a real GPU (``gpu`` tests)
+ON_DEVICES = ["faked", pytest.param("real", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+def _executor_device(monkeypatch, log: list, device: str, reads: str, api: str) -> _Cuda:
+    """The stand-ins of cupy, kvikio and the nvCOMP ``api`` ("c" or "python") for a
+    ``faked`` device (decode calls logged in ``log``), or the real ones told to use
+    ``reads`` and ``api``."""
+    from dali_zarr.io import nvcomp_batched
+    from dali_zarr.io.gpu import READS_ENV
+
+    if device == "faked":
+        _fake_cuda_modules(monkeypatch, log, reads)
+        if api == "c":
+            _fake_nvcomp_c_api(monkeypatch, log)
+    else:
+        monkeypatch.setenv(READS_ENV, reads)
+        monkeypatch.setenv(nvcomp_batched.ENV_SWITCH, "1" if api == "c" else "0")
+    return _Cuda(device)
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
 @pytest.mark.parametrize("api", ["c", "python"])
 @pytest.mark.parametrize("reads", ["kvikio", "pinned"])
-def test_gpu_executor_runs_a_windows_plans_together(tmp_path, monkeypatch, reads, api):
-    """``run_many`` with the stand-ins: the plans of five arrays (two zstd ones of other
-    chunk sizes, lz4, blosc on the host, uncompressed) run in one call, each into its own
-    output as ``read_rows`` gives its rows; through nvCOMP's C API every chunk of a codec
-    kind goes in one enqueue (the chunks of both zstd arrays in one call)."""
+def test_gpu_executor_runs_a_windows_plans_together(tmp_path, monkeypatch, reads, api, device):
+    """``run_many``: the plans of five arrays (two zstd ones of other chunk sizes, lz4,
+    blosc on the host, uncompressed) run in one call, each into its own output as
+    ``read_rows`` gives its rows. Under the stand-ins, through nvCOMP's C API every chunk of
+    a codec kind goes in one enqueue (the chunks of both zstd arrays in one call)."""
     from dali_zarr.io.gpu import GpuPlanExecutor
 
     log: list = []
-    _fake_cuda_modules(monkeypatch, log, reads)
-    if api == "c":
-        _fake_nvcomp_c_api(monkeypatch, log)
+    cuda = _executor_device(monkeypatch, log, device, reads, api)
     readers = _joint_readers(tmp_path)
     executor = GpuPlanExecutor(0)
     rng = np.random.default_rng(5)
@@ -1078,12 +1098,14 @@ def test_gpu_executor_runs_a_windows_plans_together(tmp_path, monkeypatch, reads
             shape, _, chunks, _ = SHAPES[spec]
             ranges = random_ranges(rng, shape[0], chunks[0])
             plan = plan_rows(reader, ranges)
-            jobs.append((plan, reader, _unset(plan.out_shape, plan.dtype)))
+            jobs.append((plan, reader, _unset(cuda, plan.out_shape, plan.dtype)))
             want.append(reader.read_rows(ranges))
         log.clear()
         executor.run_many(jobs)
         for (_, reader, out), rows in zip(jobs, want, strict=True):
-            np.testing.assert_array_equal(out, rows, err_msg=reader.name)
+            np.testing.assert_array_equal(cuda.host(out), rows, err_msg=reader.name)
+        if device == "real":
+            continue
         decodes = [e for e in log if e[0] in ("c decode", "decode")]
         chunks = {kind: sum(len(p.reads) for p, _, _ in jobs if p.kind == kind)
                   for kind in ("zstd", "lz4")}  # fmt: skip
@@ -1125,7 +1147,7 @@ def test_a_chunk_nvcomp_fails_in_a_joint_call_is_named_by_its_own_array(
     jobs = []
     for reader in (values, ids):
         plan = plan_rows(reader, np.array([[0, 400]]))
-        jobs.append((plan, reader, _unset(plan.out_shape, plan.dtype)))
+        jobs.append((plan, reader, _unset(_Cuda("faked"), plan.out_shape, plan.dtype)))
     executor = GpuPlanExecutor(0)
     with pytest.raises(ChunkReadError, match=r"ids: chunk 'c/3'.*nvCOMP status 12"):
         executor.run_many(jobs)
@@ -1759,9 +1781,10 @@ def test_chunks_wider_than_the_array_name_the_padding(tmp_path):
     assert "chunks=(N, 7)" in message, message
 
 
+@pytest.mark.parametrize("device", ON_DEVICES)
 @pytest.mark.parametrize("joint", ["1", "0"])
 def test_the_cuda_backend_reads_a_collections_windows_with_joint_plans(
-    tmp_path, monkeypatch, joint
+    tmp_path, monkeypatch, joint, device
 ):
     """``DeviceWindowReader`` on the CUDA backend, cupy, kvikio and nvCOMP's C API standing
     in: windows of a collection of four CSR stores written differently (zstd of two chunk
@@ -1776,13 +1799,13 @@ def test_the_cuda_backend_reads_a_collections_windows_with_joint_plans(
     from dali_zarr.synthetic import make_single_cell
 
     log: list = []
-    _fake_cuda_modules(monkeypatch, log, "kvikio")
-    _fake_nvcomp_c_api(monkeypatch, log)
-    monkeypatch.setattr(window_backends, "probe_gpu", gpu.probe_gpu)  # the stand-in's
+    cuda = _executor_device(monkeypatch, log, device, "kvikio", "c")
     monkeypatch.setenv(window_backends.JOINT_PLANS_ENV, joint)
-    import cupy  # the stand-in
+    if device == "faked":
+        monkeypatch.setattr(window_backends, "probe_gpu", gpu.probe_gpu)  # the stand-in's
+        import cupy  # the stand-in
 
-    cupy.stack = lambda arrays: np.stack(arrays).view(_Dev)
+        cupy.stack = lambda arrays: np.stack(arrays).view(_Dev)
     written = [  # (codec, elements a chunk, chunks a shard, zarr format)
         ("zstd", 256, 32, 3), ("zstd", 100, None, 3), ("lz4", 128, None, 2),
         ("blosc", 256, 8, 3),
@@ -1807,7 +1830,9 @@ def test_the_cuda_backend_reads_a_collections_windows_with_joint_plans(
         want, want_indptr = host.read(host.layout(ranges), host.backend.alloc(window.nbytes))
         np.testing.assert_array_equal(got_indptr, want_indptr)
         for a, b in zip(got, want, strict=True):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(cuda.host(a), b)
+        if device == "real":
+            continue
         touched = [codec_of[id(store)] for store, _, _ in window.by_store]
         kinds = [e[1] for e in log if e[0] == "c decode"]
         if joint == "1":  # a call per kind the window touches
