@@ -1119,6 +1119,27 @@ def test_gpu_executor_runs_a_windows_plans_together(tmp_path, monkeypatch, reads
     executor.close()
 
 
+@pytest.mark.parametrize("reads", ["kvikio", "pinned"])
+def test_a_file_changed_under_a_joint_read_is_named_by_its_own_array(tmp_path, monkeypatch, reads):
+    """The reads of a window's plans are in flight together (one pool for the pinned reads):
+    a chunk file of the second array cut short after planning is named by that array and
+    chunk, whichever plan's read finds it."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    cuda = _executor_device(monkeypatch, [], "faked", reads, "c")
+    values, ids = _joint_readers(tmp_path)[:2]
+    jobs = []
+    for reader in (values, ids):
+        plan = plan_rows(reader, np.array([[0, 400]]))
+        jobs.append((plan, reader, _unset(cuda, plan.out_shape, plan.dtype)))
+    chunk = tmp_path / "ids.zarr" / "c" / "5"
+    chunk.write_bytes(chunk.read_bytes()[:10])
+    executor = GpuPlanExecutor(0)
+    with pytest.raises(ChunkReadError, match=r"ids: chunk 'c/5'.*rewritten since"):
+        executor.run_many(jobs)
+    executor.close()
+
+
 def _undecodable_zstd_frame(content_nbytes: int) -> bytes:
     """A zstd frame whose header and block headers are sound (content size
     ``content_nbytes`` < 256, one last compressed block) but whose block is not: the frame

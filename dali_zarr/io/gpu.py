@@ -671,24 +671,39 @@ def read_extents_cpu(plan: ReadPlan, reader: DirectReader, target: np.ndarray) -
     """``os.preadv`` of every extent of ``plan`` into ``target`` (staging, or the chunk buffer
     when uncompressed) on the reader's thread pool. Each read opens its file (a window of an
     unsharded array can touch more chunk files than a process may hold open)."""
+    read_extents_cpu_many([(plan, reader, target)])
 
-    def read(job: tuple[int, int, int, int, int]) -> None:
-        i, f, offset, nbytes, dest = job
-        try:
-            fd = os.open(plan.files[f], os.O_RDONLY)
+
+def read_extents_cpu_many(work: Sequence[tuple[ReadPlan, DirectReader, np.ndarray]]) -> None:
+    """:func:`read_extents_cpu` of several plans at once: their extents share the first
+    reader's thread pool, so a window's plans (a few extents of up to :data:`MAX_EXTENT`
+    each) keep more reads in flight than one plan after the other."""
+
+    def reader_of(plan: ReadPlan, reader: DirectReader, target: np.ndarray):
+        def read(job: tuple[int, int, int, int, int]) -> None:
+            i, f, offset, nbytes, dest = job
             try:
-                stamp = stamp_of(os.fstat(fd))
-                unchanged = stamp == plan.file_stamp[f].item()  # else refused below
-                got = _pread_into(fd, target[dest : dest + nbytes], offset) if unchanged else 0
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise _extent_error(reader, plan, i, 0, f"reading failed ({e})") from e
-        _refuse_changed_file(plan, reader, i, stamp)
-        if got != nbytes:
-            raise _extent_error(reader, plan, i, got, f"read {got} of {nbytes} bytes (file shrank)")
+                fd = os.open(plan.files[f], os.O_RDONLY)
+                try:
+                    stamp = stamp_of(os.fstat(fd))
+                    unchanged = stamp == plan.file_stamp[f].item()  # else refused below
+                    got = _pread_into(fd, target[dest : dest + nbytes], offset) if unchanged else 0
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise _extent_error(reader, plan, i, 0, f"reading failed ({e})") from e
+            _refuse_changed_file(plan, reader, i, stamp)
+            if got != nbytes:
+                why = f"read {got} of {nbytes} bytes (file shrank)"
+                raise _extent_error(reader, plan, i, got, why)
 
-    _run_parallel(reader.executor, plan.extent_jobs(), read)
+        return read
+
+    if not work:
+        return
+    reads = [reader_of(*w) for w in work]
+    jobs = [(k, job) for k, (plan, _, _) in enumerate(work) for job in plan.extent_jobs()]
+    _run_parallel(work[0][1].executor, jobs, lambda kjob: reads[kjob[0]](kjob[1]))
 
 
 def _bytes_left(plan: ReadPlan, extent: int) -> int:
@@ -1330,10 +1345,13 @@ class GpuPlanExecutor:
         kvikio ``CuFile.pread`` (its thread pool), or with ``reads="pinned"`` ``os.preadv``
         on the readers' threads into pinned memory and one copy a job."""
         if self.reads == "pinned":  # the pinned regions the host decode path reads into
-            for p in jobs:
-                chunks = p.plan.reads_into_chunk_buffer
-                host = self._pinned_region("decoded" if chunks else "staging", p)
-                read_extents_cpu(p.plan, p.reader, host)
+            hosts = [
+                self._pinned_region("decoded" if p.plan.reads_into_chunk_buffer else "staging", p)
+                for p in jobs
+            ]
+            work = [(p.plan, p.reader, host) for p, host in zip(jobs, hosts, strict=True)]
+            read_extents_cpu_many(work)
+            for p, host in zip(jobs, hosts, strict=True):
                 self._read_target(p, staging, decoded).set(host, stream=self.stream)
             return
         pending: list[tuple[_Placed, int, int, Any]] = []
