@@ -447,6 +447,7 @@ class DirectReader:
         # shard -> (index, the FILE_STAMP of the file it was read from: its size bounds the
         # index's entries)
         self._shard_index: dict[tuple[int, ...], tuple[np.ndarray, tuple[int, int, int]]] = {}
+        self._shard_paths: dict[tuple[int, ...], str] = {}  # shard -> its file (_shard_file)
         # unsharded: each row chunk's file and stamp once seen (its nbytes -1: not seen, or
         # not stored yet; a missing chunk is looked for again, as a missing shard is). One
         # record a chunk, so that a plan copies a chunk's stamp whole while another read
@@ -657,35 +658,39 @@ class DirectReader:
             files = tuple(self._chunk_files[chunks[stored]])
             return ChunkLocations(files, file, offset, nbytes, stamps[stored])
         nbytes = np.zeros(len(chunks), dtype=np.int64)
-        files: list[str] = []
-        stamps: list[tuple[int, int, int]] = []
         per_shard = lay.shard.chunks_per_shard[0]
-        order = np.argsort(chunks, kind="stable")
-        shard_of = chunks[order] // per_shard
-        shards, starts = np.unique(shard_of, return_index=True)
-        self._load_shards((s, *zeros) for s in shards.tolist())
+        order = np.argsort(chunks, kind="stable")  # shard by shard
+        shards, starts = np.unique(chunks[order] // per_shard, return_index=True)
+        keys = [(shard, *zeros) for shard in shards.tolist()]
+        self._load_shards(keys)
         bounds = [*starts.tolist(), len(chunks)]
-        for k, shard in enumerate(shards.tolist()):
-            cached = self._shard_index.get((shard, *zeros))
+        at_parts, entry_parts, files, stamps = [], [], [], []
+        for k, key in enumerate(keys):
+            cached = self._shard_index.get(key)  # taken once: another thread may drop it
             if cached is None:
                 continue  # missing shard: every chunk in it reads as the fill value
             index, stamp = cached
-            size = stamp[2]
             at = order[bounds[k] : bounds[k + 1]]
             # index is (*chunks_per_shard, 2); trailing inner coordinates are all 0
-            entries = index.reshape(per_shard, -1, 2)[chunks[at] % per_shard, 0]
-            stored = ~((entries[:, 0] == _EMPTY) & (entries[:, 1] == _EMPTY))
-            at, entries = at[stored], entries[stored]
-            start, n_stored, end = entries[:, 0], entries[:, 1], np.uint64(size)
-            # in uint64 without overflow: a corrupted entry can hold any 64-bit value
-            past = np.flatnonzero((start > end) | (n_stored > end - np.minimum(start, end)))
-            if len(past):
-                raise self._error(
-                    (int(chunks[at[past[0]]]), *zeros), _past_end(*entries[past[0]].tolist(), size)
-                )
-            file[at], offset[at], nbytes[at] = len(files), start, n_stored
-            files.append(self._file(lay.key((shard, *zeros))))
+            entry_parts.append(index.reshape(per_shard, -1, 2)[chunks[at] % per_shard, 0])
+            at_parts.append(at)
+            files.append(self._shard_file(key))
             stamps.append(stamp)
+        # the rest for every chunk at once (a shard's file is its place in ``files``)
+        at = np.concatenate(at_parts) if at_parts else np.zeros(0, np.int64)
+        entries = np.concatenate(entry_parts) if entry_parts else np.zeros((0, 2), np.uint64)
+        shard_file = np.repeat(np.arange(len(files)), [len(a) for a in at_parts])
+        stored = ~((entries[:, 0] == _EMPTY) & (entries[:, 1] == _EMPTY))
+        at, entries, shard_file = at[stored], entries[stored], shard_file[stored]
+        sizes = np.array([stamp[2] for stamp in stamps], dtype=np.uint64)
+        start, n_stored, end = entries[:, 0], entries[:, 1], sizes[shard_file]
+        # in uint64 without overflow: a corrupted entry can hold any 64-bit value
+        past = np.flatnonzero((start > end) | (n_stored > end - np.minimum(start, end)))
+        if len(past):
+            i = int(past[0])
+            where = (int(chunks[at[i]]), *zeros)
+            raise self._error(where, _past_end(int(start[i]), int(n_stored[i]), int(end[i])))
+        file[at], offset[at], nbytes[at] = shard_file, start, n_stored
         return ChunkLocations(tuple(files), file, offset, nbytes, np.array(stamps, FILE_STAMP))
 
     def _stat_chunks(self, chunks: np.ndarray) -> np.ndarray:
@@ -907,19 +912,27 @@ class DirectReader:
         todo = sorted(shard for shard in set(shards) if self._shard_changed(shard))
         _run_parallel(self.executor, todo, self._load_shard_index)
 
+    def _shard_file(self, shard: tuple[int, ...]) -> str:
+        """The file of ``shard`` (shard coordinates), its path built once: every window
+        looks at each of its shards (:meth:`_shard_changed`) and names its file."""
+        path = self._shard_paths.get(shard)
+        if path is None:
+            path = self._shard_paths[shard] = self._file(self.layout.key(shard))
+        return path
+
     def _shard_changed(self, shard: tuple[int, ...]) -> bool:
         """Whether ``shard``'s index is not cached, or its file is no longer the one it was
         read from. The cached entry is taken once: another read thread drops it where it
         finds the shard deleted (:meth:`_load_shard_index`, also called by a read of a
         shard rewritten since its index was read), and may do so during the stat."""
         cached = self._shard_index.get(shard)
-        return cached is None or _file_stamp(self._file(self.layout.key(shard))) != cached[1]
+        return cached is None or _file_stamp(self._shard_file(shard)) != cached[1]
 
     def _load_shard_index(self, shard: tuple[int, ...]) -> None:
         sl = self.layout.shard
         assert sl is not None
         key = self.layout.key(shard)
-        path = self._file(key)
+        path = self._shard_file(shard)
 
         def fail(problem: str) -> ChunkReadError:
             return ChunkReadError(f"{self.name}: shard {key!r} ({path}): {problem}. {_ADVICE}")
