@@ -210,3 +210,27 @@ def epoch_outputs(source, other, epoch: int):
             return
         yield it, outputs
         it += 1
+
+
+def raised_by_a_read_of(read, pipe: Path, seconds: float = 60) -> BaseException | None:
+    """What ``read()`` raised (None if nothing), run on a thread; a read still waiting after
+    ``seconds`` fails the test, once the named ``pipe`` it may wait on is opened for writing
+    (which lets its open through)."""
+    import threading
+
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            read()
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        os.close(os.open(pipe, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10)
+        pytest.fail("the read waited on a named pipe")
+    return raised[0] if raised else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import types
 import zlib
@@ -55,6 +56,7 @@ from tests.stores import (
     has_cuda,
     make_data,
     needs_cuda,
+    raised_by_a_read_of,
     random_ranges,
     same_size_shards,
     write,
@@ -1175,6 +1177,27 @@ def test_a_chunk_nvcomp_fails_in_a_joint_call_is_named_by_its_own_array(
     assert [e for e in log if e[0] == "c decode"] == [
         ("c decode", "zstd", len(jobs[0][0].reads) + len(jobs[1][0].reads))
     ]
+    executor.close()
+
+
+def test_a_shard_swapped_for_a_pipe_after_planning_is_refused_before_kvikio_opens_it(
+    tmp_path, kvikio_executor_device
+):
+    """kvikio's open of a named pipe waits for a writer: a shard replaced by one after its
+    window was planned is refused by a look at the path first, naming the chunk."""
+    from dali_zarr.io.gpu import GpuPlanExecutor
+
+    v1, _, _, _ = same_size_shards(tmp_path)
+    shard = v1 / "c" / "0" / "0"
+    reader = open_reader(zarr.open_array(v1, mode="r"), name="s")
+    plan = plan_rows(reader, np.array([[10, 40]]))
+    shard.unlink()
+    os.mkfifo(shard)
+    executor = GpuPlanExecutor(0)
+    out = kvikio_executor_device.empty(plan.out_shape, plan.dtype)
+    raised = raised_by_a_read_of(lambda: executor.run(plan, reader, out), shard)
+    assert isinstance(raised, ChunkReadError), raised
+    assert re.search(r"^s: .*opening failed \(it is not a regular file", str(raised)), raised
     executor.close()
 
 

@@ -10,6 +10,7 @@ import concurrent.futures
 import itertools
 import os
 import shutil
+import stat
 import struct
 import threading
 import warnings
@@ -40,6 +41,7 @@ from dali_zarr.io import readers as readers_mod
 from tests.stores import (
     compressors,
     make_data,
+    raised_by_a_read_of,
     random_ranges,
     same_size_shards,
     write,
@@ -992,6 +994,43 @@ def test_a_shard_rewritten_after_its_index_was_read_is_read_at_its_new_offsets(t
         # what to do: wait for the writer (the store is not damaged)
         assert "Another process is writing the array" in str(caught.value)
         assert "corrupted" not in str(caught.value)
+
+
+@pytest.mark.parametrize("path", ["read_rows", "byte plan"])
+def test_a_shard_swapped_for_a_pipe_after_its_index_was_read_is_refused_not_waited_on(
+    tmp_path, path
+):
+    """A shard replaced by a named pipe between a window's index look and its chunk reads:
+    the read opened the pipe without O_NONBLOCK and waited for a writer, forever. Both
+    readers now open without waiting, see another file, and name it."""
+    from dali_zarr.io.gpu import execute_plan_cpu, plan_rows
+
+    v1, _, _, _ = same_size_shards(tmp_path)
+    shard = v1 / "c" / "0" / "0"
+    reader = open_reader(zarr.open_array(v1, mode="r"), name="s")
+    ranges = np.array([[10, 40]])
+
+    def swap_for_a_pipe() -> None:
+        shard.unlink()
+        os.mkfifo(shard)
+
+    if path == "read_rows":
+        load_shards = reader._load_shards
+
+        def load_then_swap(shards) -> None:
+            load_shards(shards)
+            if not stat.S_ISFIFO(shard.stat().st_mode):
+                swap_for_a_pipe()
+
+        reader._load_shards = load_then_swap
+        read, why = (lambda: reader.read_rows(ranges)), "not a regular file"
+    else:
+        plan = plan_rows(reader, ranges)
+        swap_for_a_pipe()
+        read, why = (lambda: execute_plan_cpu(plan, reader)), "rewritten since"
+    raised = raised_by_a_read_of(read, shard)
+    assert isinstance(raised, ChunkReadError) and why in str(raised), raised
+    assert str(raised).startswith("s: ")
 
 
 def test_a_shard_index_dropped_by_another_read_thread_as_a_window_looks_reads_as_fill(

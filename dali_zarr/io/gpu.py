@@ -78,6 +78,7 @@ from .readers import (
     _run_parallel,
     check_ranges,
     stamp_of,
+    stored_stamp,
 )
 
 __all__ = [
@@ -683,7 +684,8 @@ def read_extents_cpu_many(work: Sequence[tuple[ReadPlan, DirectReader, np.ndarra
         def read(job: tuple[int, int, int, int, int]) -> None:
             i, f, offset, nbytes, dest = job
             try:
-                fd = os.open(plan.files[f], os.O_RDONLY)
+                # a pipe swapped in opens at once (and is refused below as another file)
+                fd = os.open(plan.files[f], os.O_RDONLY | os.O_NONBLOCK)
                 try:
                     stamp = stamp_of(os.fstat(fd))
                     unchanged = stamp == plan.file_stamp[f].item()  # else refused below
@@ -1140,6 +1142,10 @@ class GpuPlanExecutor:
             del self._files[path]
             self._replaced.append(held[1])
         for _ in range(_CUFILE_OPENS):
+            # kvikio's open waits on a named pipe (for a writer): refuse what is not a
+            # regular file before it (a pipe swapped in after this stat still would block)
+            if stored_stamp(path) is None:
+                raise FileNotFoundError(f"no file at {path}")
             f = self._kvikio.CuFile(path, "r")
             try:
                 stamp = stamp_of(os.fstat(f.fileno()))

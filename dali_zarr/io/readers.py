@@ -875,8 +875,8 @@ class DirectReader:
                 result: np.ndarray = piece.dst
             else:
                 buf = result = _scratch(nbytes)
-            try:
-                fd = os.open(path, os.O_RDONLY)
+            try:  # a pipe swapped in opens at once, and is refused as another file below
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
             except FileNotFoundError:  # deleted since (zarr's shard of fill values only)
                 self._load_shard_index(shard)
                 continue
