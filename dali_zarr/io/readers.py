@@ -854,7 +854,7 @@ class DirectReader:
         (the one opened; a stat where the index stores no such chunk), and the index read
         again, at most :data:`_SHARD_REREADS` times."""
         shard = self._shard_of(piece.coords)
-        path = self._file(self.layout.key(shard))
+        path = self._shard_file(shard)
         for _ in range(_SHARD_REREADS + 1):
             cached = self._shard_index.get(shard)
             if cached is None:
