@@ -1259,8 +1259,8 @@ class GpuPlanExecutor:
                 host = decode_plan_cpu(
                     p.plan,
                     p.reader,
-                    self._pinned_region("staging", p),
-                    self._pinned_region("decoded", p),
+                    _staging_region(self._pinned["staging"], p),
+                    _decoded_region(self._pinned["decoded"], p),
                 )
                 _decoded_region(decoded, p).set(host, stream=self.stream)
             with self.stream:
@@ -1306,12 +1306,6 @@ class GpuPlanExecutor:
             out.append((p, np.setdiff1d(np.arange(len(p.plan.reads)), on_cpu), on_cpu))
         return out
 
-    def _pinned_region(self, key: str, job: _Placed) -> np.ndarray:
-        """``job``'s region of the pinned buffer ``key`` ("staging" or "decoded")."""
-        if key == "staging":
-            return self._pinned[key][job.staging_at : job.staging_at + job.plan.staging_nbytes]
-        return _decoded_region(self._pinned[key], job)
-
     @contextlib.contextmanager
     def _in_flight_finished(self):
         """On an error, wait for the work already queued on the stream (reads, decodes,
@@ -1339,32 +1333,23 @@ class GpuPlanExecutor:
         blocks = min(len(pieces), 1 << 16)
         launch(cuda_kernels.copy_segments, blocks, 256, self.stream, out, src, *seg)
 
-    def _read_target(self, job: _Placed, staging, decoded):
-        """Where ``job``'s extents are read: its staging region, or its chunk buffer region
-        when uncompressed."""
-        if job.plan.reads_into_chunk_buffer:
-            return _decoded_region(decoded, job)
-        return staging[job.staging_at : job.staging_at + job.plan.staging_nbytes]
-
     def _read_to_device(self, jobs: list[_Placed], staging, decoded) -> None:
-        """Every extent of every job into its :meth:`_read_target`, all in flight at once:
+        """Every extent of every job into its :func:`_read_region`, all in flight at once:
         kvikio ``CuFile.pread`` (its thread pool), or with ``reads="pinned"`` ``os.preadv``
         on the readers' threads into pinned memory and one copy a job."""
         if self.reads == "pinned":  # the pinned regions the host decode path reads into
-            hosts = [
-                self._pinned_region("decoded" if p.plan.reads_into_chunk_buffer else "staging", p)
-                for p in jobs
-            ]
+            pinned = self._pinned["staging"], self._pinned["decoded"]
+            hosts = [_read_region(p, *pinned) for p in jobs]
             work = [(p.plan, p.reader, host) for p, host in zip(jobs, hosts, strict=True)]
             read_extents_cpu_many(work)
             for p, host in zip(jobs, hosts, strict=True):
-                self._read_target(p, staging, decoded).set(host, stream=self.stream)
+                _read_region(p, staging, decoded).set(host, stream=self.stream)
             return
         pending: list[tuple[_Placed, int, int, Any]] = []
         error = None
         try:
             for p in jobs:
-                error = self._submit_reads(p, self._read_target(p, staging, decoded), pending)
+                error = self._submit_reads(p, _read_region(p, staging, decoded), pending)
                 if error is not None:
                     break
         finally:
@@ -1506,13 +1491,14 @@ class GpuPlanExecutor:
         owners = {}
         for kind in dict.fromkeys(p.plan.kind for p, _ in jobs):
             group = [(p, reads) for p, reads in jobs if p.plan.kind == kind]
-            sources = [p.plan.decode_sources(p.staging_at) for p, _ in group]
-            src_off = np.concatenate([s[0][r] for s, (_, r) in zip(sources, group, strict=True)])
-            src_nbytes = np.concatenate([s[1][r] for s, (_, r) in zip(sources, group, strict=True)])
-            dst_off = np.concatenate(
-                [p.plan.reads["decoded_offset"][reads] + p.decoded_at for p, reads in group]
-            )
-            sizes = np.concatenate([np.full(len(r), p.plan.chunk_nbytes) for p, r in group])
+            table: list[list[np.ndarray]] = [[], [], [], []]  # stored at, stored n, decoded at, n
+            for p, reads in group:
+                src_off, src_nbytes = p.plan.decode_sources(p.staging_at)
+                table[0].append(src_off[reads])
+                table[1].append(src_nbytes[reads])
+                table[2].append(p.plan.reads["decoded_offset"][reads] + p.decoded_at)
+                table[3].append(np.full(len(reads), p.plan.chunk_nbytes))
+            src_off, src_nbytes, dst_off, sizes = (np.concatenate(column) for column in table)
             decoder = self._batched.get(kind)
             if decoder is None:
                 decoder = nvcomp_batched.BatchedDecoder(kind, self.cp, self.stream)
@@ -1578,6 +1564,19 @@ def place_jobs(
 def _decoded_region(buf: Any, job: _Placed) -> Any:
     """``job``'s chunk buffer: its region of ``buf`` (device or pinned)."""
     return buf[job.decoded_at : job.decoded_at + job.plan.decoded_nbytes]
+
+
+def _staging_region(buf: Any, job: _Placed) -> Any:
+    """``job``'s staging: its region of ``buf`` (device or pinned)."""
+    return buf[job.staging_at : job.staging_at + job.plan.staging_nbytes]
+
+
+def _read_region(job: _Placed, staging: Any, decoded: Any) -> Any:
+    """Where ``job``'s extents are read: its staging region, or its chunk buffer region when
+    uncompressed (of the device buffers, or of the pinned ones)."""
+    if job.plan.reads_into_chunk_buffer:
+        return _decoded_region(decoded, job)
+    return _staging_region(staging, job)
 
 
 _JITTED: dict[Any, Any] = {}
