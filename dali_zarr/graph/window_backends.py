@@ -66,14 +66,10 @@ class _Backend:
                 self.upload(host[a : a + n], out[start : start + n])
 
     def run_plans(self, jobs: Sequence[tuple[Any, Any, Any]]) -> None:
-        """Run every ``(plan, reader, out)`` of a window (:meth:`run_into`), here one after
-        the other; the CUDA backend runs them together."""
+        """Run every ``(plan, reader, out)`` of a window into its :func:`plan_target`, here
+        one after the other; the CUDA backend runs them together."""
         for plan, reader, out in jobs:
-            self.run_into(plan, reader, out)
-
-    def run_into(self, plan: Any, reader: Any, out: Any) -> None:
-        """Run ``plan`` into ``out`` (:func:`plan_target`)."""
-        self.run_plan(plan, reader, plan_target(plan, out))
+            self.run_plan(plan, reader, plan_target(plan, out))
 
     def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
         raise NotImplementedError
@@ -127,7 +123,7 @@ def _bits(values: Any) -> Any:
 
 def _as_window_dtype(host: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """``host`` as a window array of ``dtype``: its bits where the width is the same (see
-    :meth:`_Backend.run_into`), widened otherwise."""
+    :func:`plan_target`), widened otherwise."""
     if host.dtype == dtype:
         return host
     return (
@@ -258,9 +254,6 @@ class CudaBackend(_Backend):
     def alloc(self, nbytes: int) -> Any:
         with self.cp.cuda.Device(self.device_id):
             return self.cp.empty(max(nbytes, 1), dtype=self.cp.uint8)
-
-    def run_plan(self, plan: Any, reader: Any, out: Any) -> None:
-        self.executor.run(plan, reader, out)
 
     def run_plans(self, jobs: Sequence[tuple[Any, Any, Any]]) -> None:
         """The window's plans in one ``GpuPlanExecutor.run_many`` (reads of all in flight,
