@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -216,8 +217,6 @@ def raised_by_a_read_of(read, pipe: Path, seconds: float = 60) -> BaseException 
     """What ``read()`` raised (None if nothing), run on a thread; a read still waiting after
     ``seconds`` fails the test, once the named ``pipe`` it may wait on is opened for writing
     (which lets its open through)."""
-    import threading
-
     raised: list[BaseException] = []
 
     def run() -> None:
