@@ -784,6 +784,67 @@ def test_unsigned_words_are_reinterpreted_before_they_become_float32(
         np.testing.assert_array_equal(got["X"], want[got["index"]], err_msg=name)
 
 
+def wide_fill_store(path: Path) -> dict[str, tuple[np.ndarray, list]]:
+    """Arrays whose netCDF fills float32 cannot tell from their neighbours, each with
+    values beside its fill; returns ``{name: (stored values, fills xarray masks)}``."""
+    int32_fill, int64_fill, double_fill = -2147483647, -9223372036854775806, 9.969209968386869e36
+    arrays = {
+        # NC_FILL_INT, a fill past float32's exact integers, a fill no int32 is (dropped)
+        "int32": (
+            [int32_fill, -2147483600, -2147483646, -2147483648, 2147483647, 0, 16777217, 25000000],
+            {"_FillValue": int32_fill, "missing_value": [16777217, 25000000.5],
+             "scale_factor": 0.01},
+            [int32_fill, 16777217],
+        ),
+        "int64": (  # NC_FILL_INT64: as a float it is -2**63, which is a valid value here
+            [int64_fill, -(2**63), int64_fill + 1, 2**62, 7, -7, 0, 1],
+            {"_FillValue": int64_fill},
+            [int64_fill],
+        ),
+        "uint32": (  # NC_FILL_UINT; words past int32 compare by their bits
+            [4294967295, 4294967294, 4294967040, 2**31, 5, 0, 1, 2],
+            {"_FillValue": 4294967295, "add_offset": 1.5},
+            [4294967295],
+        ),
+        "float64": (  # NC_FILL_DOUBLE, and 0.0 as missing: -0.0 is missing too
+            [double_fill, double_fill * (1 + 1e-15), np.inf, -0.0, 0.0, 1e-300, 2.5, -3.0],
+            {"_FillValue": double_fill, "missing_value": [0.0]},
+            [double_fill, 0.0],
+        ),
+    }  # fmt: skip
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    found = {}
+    for name, (values, attrs, fills) in arrays.items():
+        stored = np.array(values * 3, dtype=name)[:, None] * np.ones(3, dtype=name)
+        group.create_array(name, data=stored, chunks=(5, 3)).attrs.update(attrs)
+        found[name] = (stored, fills)
+    return found
+
+
+@pytest.mark.parametrize("where", ["cpu", *WHERE])
+def test_wide_fills_are_compared_with_the_stored_words(tmp_path: Path, where: str) -> None:
+    """A 32/64-bit integer or float64 array was masked after its values became float32,
+    where netCDF's int fill -2147483647 is -2147483648, as are -2147483600 and every word
+    within 128 of it: valid values arrived as NaN, and an int64 fill (past float64 too)
+    masked -2**63. Such fills are now compared with the stored words, as xarray compares
+    them, on both paths; a fill no word can be (25000000.5 in int32) masks nothing."""
+    stores = wide_fill_store(tmp_path / "wide.zarr")
+    for name, (stored, fills) in stores.items():
+        ds = dz.open_dataset(tmp_path / "wide.zarr", element=name, mask_and_scale=True)
+        decoding = ds.cf_decoding()
+        assert decoding is not None
+        want = cf_decoded_reference(stored, scale=decoding.scale, offset=decoding.offset)
+        want[np.isin(stored, np.array(fills, dtype=stored.dtype))] = np.nan
+        kw = {} if where == "cpu" else gpu_kwargs(where)
+        with dz.Loader(
+            ds, sampler(chunk_size=5, batch_size=4, drop_last=False), return_index=True, **kw
+        ) as loader:
+            got = run_epoch(loader)
+        assert sorted(got["index"]) == list(range(len(stored)))
+        np.testing.assert_array_equal(got["X"], want[got["index"]], err_msg=name)
+        assert 0 < np.isnan(want).sum() < want.size
+
+
 def test_mask_and_scale_refuses_what_it_cannot_decode(tmp_path: Path) -> None:
     """A collection of a decoded and an undecoded copy would mix 280.5 K with 50 counts;
     an attribute that is not a number cannot be applied; both are refused by name."""
@@ -823,7 +884,7 @@ def test_a_packed_warning_names_the_callers_line_for_a_list_of_stores(tmp_path: 
 @pytest.mark.parametrize(
     "decoding",
     [
-        (0, (255.0, 254.0), 0.5, 10.0),  # int8 read as uint8 (by the gather, cf_read_as)
+        (0, (255.0, 254.0), 0.5, 10.0),  # int8 read as uint8 (by the gather, cf_gather_reading)
         (0, (-128.0,), 0.25, 0.0),  # uint8 read as int8
         (0, (-32767.0,), 0.01, 280.0),  # int16 packed
         (0, (1e20,), 1.0, 0.0),  # a float's missing marker only

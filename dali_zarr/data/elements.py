@@ -85,12 +85,12 @@ class CfDecoding(NamedTuple):
     ``wrap``: the range of the stored words where ``_Unsigned`` reads them with the other
     signedness: positive for signed words read as unsigned (``"true"``: int8 -1 is 255),
     negative for unsigned words read as signed (``"false"``); 0 for neither. The gather
-    does that reading (:func:`cf_read_as`), so the float32 ops see no wrap. ``fills``: the
+    does that reading (:func:`cf_gather_reading`), so the float32 ops see no wrap. ``fills``: the
     missing values, already so reinterpreted.
     """
 
     wrap: int
-    fills: tuple[float, ...]
+    fills: tuple[int | float, ...]  # an integer fill as an int: int64's are past float64
     scale: float
     offset: float
 
@@ -102,7 +102,7 @@ def cf_decoding(packing: dict[str, Any], stored: np.dtype, *, name: str) -> CfDe
     train on wrong numbers without a word."""
     stored = np.dtype(stored)
 
-    def numbers(key: str) -> list[float]:
+    def numbers(key: str) -> list[int | float]:  # an int stays exact: an int64 fill
         value = packing.get(key)
         values = list(value) if isinstance(value, list | tuple) else [value]
         found = [v for v in values if v is not None]
@@ -112,7 +112,7 @@ def cf_decoding(packing: dict[str, Any], stored: np.dtype, *, name: str) -> CfDe
                 "mask_and_scale=True cannot decode it. Fix the attribute, or open the array "
                 "with mask_and_scale=False and decode it in a transform=."
             )
-        return [float(v) for v in found if not np.isnan(v)]
+        return [v if isinstance(v, int) else float(v) for v in found if not np.isnan(v)]
 
     wrap = 0
     unsigned = str(packing.get("_Unsigned", "")).strip().lower()
@@ -128,7 +128,7 @@ def cf_decoding(packing: dict[str, Any], stored: np.dtype, *, name: str) -> CfDe
         if wrap and held[0] <= fill <= held[1] and fill == int(fill):  # in the stored type's
             # bits, as the values are: read the same way (int8 -1 is 255)
             bits = np.array(int(fill)).astype(stored)
-            fill = float(bits.view(np.dtype(f"{'u' if wrap > 0 else 'i'}{stored.itemsize}")))
+            fill = int(bits.view(np.dtype(f"{'u' if wrap > 0 else 'i'}{stored.itemsize}")))
         fills.append(fill)
     scale, offset = numbers("scale_factor"), numbers("add_offset")
     for key, found in (("scale_factor", scale), ("add_offset", offset)):
@@ -141,24 +141,71 @@ def cf_decoding(packing: dict[str, Any], stored: np.dtype, *, name: str) -> CfDe
     decoding = CfDecoding(
         wrap=wrap,
         fills=tuple(dict.fromkeys(fills)),
-        scale=scale[0] if scale else 1.0,
-        offset=offset[0] if offset else 0.0,
+        scale=float(scale[0]) if scale else 1.0,
+        offset=float(offset[0]) if offset else 0.0,
     )
     return None if decoding == CfDecoding(0, (), 1.0, 0.0) else decoding
 
 
-def cf_read_as(stored: np.dtype, decoding: CfDecoding | None) -> tuple[np.dtype, CfDecoding | None]:
-    """``(dtype, decoding)``: the dtype the graph reads ``stored`` values as before making
-    them float32, and what is left of ``decoding`` for those float32 values. Where
-    ``_Unsigned`` reinterprets integers (``wrap``), their bits are read as the other
+class GatherReading(NamedTuple):
+    """How the row gather reads a dense array's stored words under ``mask_and_scale=True``,
+    and what is left to do to the float32 values it makes of them.
+
+    ``dtype``: the type the words are read as (the other signedness where ``_Unsigned``
+    says so). ``word_fills``: the fills float32 cannot tell from their neighbours, as the
+    same-width signed integers that hold their bits: compared with the gathered words
+    before they become float32. ``rest``: the decoding left for the float32 values.
+    """
+
+    dtype: np.dtype
+    word_fills: tuple[int, ...]
+    rest: CfDecoding | None
+
+
+#: integers of this magnitude and above share float32 values with their neighbours
+_FLOAT32_EXACT_INTEGERS = 1 << 24
+
+
+def cf_gather_reading(stored: np.dtype, decoding: CfDecoding | None) -> GatherReading:
+    """The :class:`GatherReading` of ``stored`` words decoded by ``decoding``.
+
+    Where ``_Unsigned`` reinterprets integers (``wrap``), their bits are read as the other
     signedness (a view, no copy) and ``wrap`` drops out: made float32 first, a uint32 word
-    4294967295 (-1 under ``_Unsigned="false"``) rounds to 2**32 and the wrap took it to 0."""
-    stored = np.dtype(stored)
-    if decoding is None or not decoding.wrap:
-        return stored, decoding
-    other = np.dtype(f"{'u' if decoding.wrap > 0 else 'i'}{stored.itemsize}")
-    rest = decoding._replace(wrap=0)
-    return other, (None if rest == CfDecoding(0, (), 1.0, 0.0) else rest)
+    4294967295 (-1 under ``_Unsigned="false"``) rounds to 2**32 and the wrap took it to 0.
+
+    A fill is compared as xarray compares it, exactly. In float32 that holds for bytes,
+    shorts, halves and floats, and for 32/64-bit integers below 2**24 in magnitude. The
+    others (netCDF's int fill -2147483647, any float64 fill) are compared as words: in
+    float32, -2147483600 is -2147483647 and a valid value became NaN. An integer fill no
+    word can hold (2.5, or past the type's range) matches none and is dropped.
+    """
+    stored = np.dtype(stored).newbyteorder("=")  # as windows hold them: a v2 ">f8" too
+    if decoding is None:
+        return GatherReading(stored, (), None)
+    dtype = stored
+    if decoding.wrap:
+        dtype = np.dtype(f"{'u' if decoding.wrap > 0 else 'i'}{stored.itemsize}")
+    signed = np.dtype(f"i{dtype.itemsize}")
+    word_fills: list[int] = []
+    float32_fills: list[float] = []
+    for fill in decoding.fills:
+        if dtype.kind in "iu" and dtype.itemsize >= 4:
+            limits = np.iinfo(dtype)
+            if not limits.min <= fill <= limits.max or fill != int(fill):
+                continue
+            if abs(fill) < _FLOAT32_EXACT_INTEGERS:
+                float32_fills.append(fill)
+            else:
+                word_fills.append(int(np.array(int(fill), dtype).view(signed)))
+        elif dtype == np.float64:  # 0.0 equals -0.0, whose bits differ
+            for same in (0.0, -0.0) if fill == 0 else (fill,):  # (a set holds one of them)
+                word_fills.append(int(np.float64(same).view(np.int64)))
+        else:
+            float32_fills.append(fill)
+    rest = decoding._replace(wrap=0, fills=tuple(float32_fills))
+    return GatherReading(
+        dtype, tuple(word_fills), None if rest == CfDecoding(0, (), 1.0, 0.0) else rest
+    )
 
 
 def is_array(node: Any) -> bool:

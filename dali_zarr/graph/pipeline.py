@@ -17,7 +17,7 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.pipeline import Pipeline
 
-from dali_zarr.data.elements import CfDecoding, cf_read_as
+from dali_zarr.data.elements import CfDecoding, GatherReading, cf_gather_reading
 from dali_zarr.errors import ConfigError
 from dali_zarr.graph import kernels
 from dali_zarr.graph.source import BatchSource, obs_source_name, window_dtype
@@ -90,9 +90,9 @@ def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
     """float32 ``X`` node decoded as ``open_dataset(..., mask_and_scale=True)`` promises,
     in DALI arithmetic: up to five elementwise ops, a pass over the batch each (cheap on
     the GPU; on the CPU, :meth:`GraphOps.cf_decoded` takes one pass instead). ``_Unsigned``
-    words were read as the other signedness by the gather (:func:`cf_read_as`), before
-    they became float32, where a uint32 word's low bits are lost."""
-    assert not decoding.wrap, "cf_read_as leaves no wrap to the float32 values"
+    words were read as the other signedness by the gather (:func:`cf_gather_reading`),
+    before they became float32, where a uint32 word's low bits are lost."""
+    assert not decoding.wrap, "cf_gather_reading leaves no wrap to the float32 values"
     missing_to_nan = None
     if decoding.fills:
         keep = None
@@ -100,14 +100,34 @@ def cf_decoded(x: Any, decoding: CfDecoding) -> Any:
             with np.errstate(over="ignore"):  # a float64 fill past float32 is inf, as X is
                 kept = x != float(np.float32(fill))  # compared as the float32 values X holds
             keep = kept if keep is None else keep & kept
-        # -0 where kept (x + -0 is x, -0 too), NaN where missing: 1 / False is inf and
-        # -0 * inf is NaN (IEEE, on both devices); DALI has no elementwise select
-        missing_to_nan = -0.0 * (1.0 / keep)
+        missing_to_nan = nan_where_not(keep)
     if decoding.scale != 1.0:
         x = x * float(np.float32(decoding.scale))
     if decoding.offset != 0.0:
         x = x + float(np.float32(decoding.offset))
     return x if missing_to_nan is None else x + missing_to_nan
+
+
+def nan_where_not(keep: Any) -> Any:
+    """A float32 node to add to values shaped like boolean ``keep``: -0 where kept (x + -0
+    is x, -0 too), NaN where not: 1 / False is inf and -0 * inf is NaN (IEEE, on both
+    devices). DALI has no elementwise select."""
+    return -0.0 * (1.0 / keep)
+
+
+def masked_words(words: Any, reading: GatherReading) -> Any:
+    """Gathered ``words`` (of ``reading.dtype``) as float32, NaN where a word is one of
+    ``reading.word_fills``: compared as same-width signed integers (DALI's constants are
+    int64 or float32, so a float64 fill is compared by its bits), before float32 merges a
+    fill with its neighbours."""
+    width = reading.dtype.itemsize
+    signed = kernels.dali_type(np.dtype(f"i{width}"))
+    bits = words if reading.dtype == np.dtype(f"i{width}") else fn.reinterpret(words, dtype=signed)
+    keep = None
+    for fill in reading.word_fills:
+        kept = bits != types.Constant(fill, dtype=signed)
+        keep = kept if keep is None else keep & kept
+    return dense_to_float32(words, reading.dtype) + nan_where_not(keep)
 
 
 def through_rows(op: Callable[[Any], Any], x: Any, feature_shape: tuple[int, ...]) -> Any:
@@ -236,20 +256,27 @@ class GraphOps:
             )
         return kernels.gather_csr(nnz_hint, batch_indptr, pos, data, indices, indptr, **kw)
 
+    def gather_dense(self, pos, values, *, n_features: int, stored: np.dtype):
+        """Rows ``pos`` as stored (in :func:`window_dtype` of ``stored``)."""
+        wire = window_dtype("dense", stored)
+        if not self.on_gpu:
+            return kernels.gather_dense(pos, values, n_features=n_features, dtype=wire)
+        K, launch = self._cuda()
+        return K.gather_dense_gpu(
+            pos, values, n_features=n_features, dtype=wire, out_dtype=wire, **launch
+        )
+
     def gather_dense_float32(self, pos, values, *, n_features: int, stored: np.dtype):
         """Rows ``pos`` as float32 (the CUDA kernel casts as it copies, except float16,
         whose bits it copies for DALI to reinterpret and cast)."""
         wire = window_dtype("dense", stored)
-        if not self.on_gpu:
-            x = kernels.gather_dense(pos, values, n_features=n_features, dtype=wire)
+        if not self.on_gpu or wire != np.dtype(stored).newbyteorder("="):
+            x = self.gather_dense(pos, values, n_features=n_features, stored=stored)
             return dense_to_float32(x, stored)
         K, launch = self._cuda()
-        bits = wire != np.dtype(stored).newbyteorder("=")
-        x = K.gather_dense_gpu(
-            pos, values, n_features=n_features, dtype=wire,
-            out_dtype=wire if bits else np.float32, **launch,
-        )  # fmt: skip
-        return dense_to_float32(x, stored) if bits else x
+        return K.gather_dense_gpu(
+            pos, values, n_features=n_features, dtype=wire, out_dtype=np.float32, **launch
+        )
 
     def float32_to_half(self, x, dtype: str):
         """2-D float32 ``x`` as ``dtype`` ("float16", or "bfloat16" as its uint16 bits for the
@@ -279,9 +306,9 @@ class GraphOps:
         on the GPU by its DALI arithmetic, on the CPU by one kernel pass (same values)."""
         if self.on_gpu:
             return cf_decoded(x, decoding)
-        assert not decoding.wrap, "cf_read_as leaves no wrap to the float32 values"
+        assert not decoding.wrap, "cf_gather_reading leaves no wrap to the float32 values"
         params = fn.constant(
-            fdata=[decoding.scale, decoding.offset, *decoding.fills],
+            fdata=[decoding.scale, decoding.offset, *map(float, decoding.fills)],
             dtype=types.FLOAT,  # (fn.constant takes no float64) as X compares and computes
         )
         return through_rows(lambda rows: kernels.cf_decode(rows, params), x, feature_shape)
@@ -320,12 +347,19 @@ def declare_ops(source: BatchSource, node: dict, ops: GraphOps) -> dict:
         if np.dtype(ds.dtype) == np.bool_:  # a column id stored twice is True, not 2 (scipy)
             out["X"] = dmath.min(out["X"], 1.0)
     else:
-        # _Unsigned words are read as the other signedness before they become float32
-        stored, _ = cf_read_as(ds.dtype, ds.cf_decoding())
+        # _Unsigned words are read as the other signedness before they become float32, and
+        # fills float32 cannot tell from their neighbours are compared with the words
+        reading = cf_gather_reading(ds.dtype, ds.cf_decoding())
         values = node["values"]
-        if stored != np.dtype(ds.dtype):
-            values = fn.reinterpret(values, dtype=kernels.dali_type(stored))
-        x = ops.gather_dense_float32(pos, values, n_features=ds.n_features, stored=stored)
+        if reading.dtype != np.dtype(ds.dtype).newbyteorder("="):
+            values = fn.reinterpret(values, dtype=kernels.dali_type(reading.dtype))
+        if reading.word_fills:
+            words = ops.gather_dense(pos, values, n_features=ds.n_features, stored=reading.dtype)
+            x = masked_words(words, reading)
+        else:
+            x = ops.gather_dense_float32(
+                pos, values, n_features=ds.n_features, stored=reading.dtype
+            )
         if len(ds.feature_shape) != 1:
             x = rows_shaped(x, ds.feature_shape)
         out["X"] = x  # user ops then see float32 X
@@ -408,7 +442,7 @@ def assemble_pipeline(
     )
     with pipe:
         outputs = declare_graph()
-        _, decoding = cf_read_as(dataset.dtype, dataset.cf_decoding())  # less what the gather did
+        decoding = cf_gather_reading(dataset.dtype, dataset.cf_decoding()).rest  # the gather's done
         if decoding is not None and "X" in outputs:
             outputs["X"] = ops.cf_decoded(outputs["X"], decoding, dataset.feature_shape)
         if transform is not None:
