@@ -344,6 +344,41 @@ def test_collections_select_by_each_stores_names(tmp_path: Path) -> None:
     assert dz.FeatureSubset(stacked, [5]).n_features == 1 and stacked.var_names() is None
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_categorical_var_index_names_its_genes(tmp_path: Path, zarr_format: int) -> None:
+    """A store whose var index is a ``pd.CategoricalIndex`` (anndata writes it as a
+    categorical group) named no genes: beside a store of the same genes in reverse order
+    it joined by position, every row of the second store with its columns reversed, and
+    ``features=`` said the store names none. Its names are now read through the codes, as
+    anndata reads them, and checked and looked up as any other index's; a wider X than
+    its names is refused as for a plain index."""
+    import anndata as ad
+    import pandas as pd
+
+    names = [f"g{j}" for j in range(6)]
+    matrix = sp.random(50, 6, density=0.5, format="csr", random_state=1, dtype=np.float32)
+    a, b = tmp_path / "a.zarr", tmp_path / "b.zarr"
+    with ad.settings.override(zarr_write_format=zarr_format):
+        # categories in another order than the rows: names come through the codes
+        index = pd.CategoricalIndex(names, categories=names[::-1])
+        ad.AnnData(X=matrix, var=pd.DataFrame(index=index)).write_zarr(a)
+        ad.AnnData(X=matrix[:, ::-1].tocsr(), var=pd.DataFrame(index=names[::-1])).write_zarr(b)
+    assert zarr.open_group(a / "var")["_index"].attrs["encoding-type"] == "categorical"
+    assert dz.open_dataset(a).var_names() == tuple(ad.read_zarr(a).var_names) == tuple(names)
+    with pytest.raises(dz.DatasetError, match=r"b.zarr/X names feature 0 'g5' but a.zarr/X"):
+        dz.open_dataset([a, b])
+    joined = dz.open_dataset([a, b], features=["g4", "g0"])
+    loader = dz.Loader(
+        joined, sampler(chunk_size=8, batch_size=8, drop_last=False), return_index=True
+    )
+    got = run_epoch(loader)
+    assert_rows_match(got, np.concatenate([matrix.toarray()] * 2)[:, [4, 0]], 100)
+    zarr.open_group(a / "X", mode="r+").attrs["shape"] = [50, 9]  # X wider than var's names
+    zarr.consolidate_metadata(a)
+    with pytest.raises(dz.DatasetError, match=r"var has 6 names but .*X is 9 features wide"):
+        dz.open_dataset(a)
+
+
 def test_a_collection_around_an_unchecked_one_still_checks_its_other_parts(
     tmp_path: Path,
 ) -> None:

@@ -30,6 +30,7 @@ from dali_zarr.data.elements import (
     dimension_names,
     first_bad_column,
     frame_index,
+    frame_index_names,
     indptr_as_int64,
     matrix_layout,
     misplaced_observation_axis,
@@ -304,10 +305,9 @@ class _StoreDataset(Dataset):
         if self._var is None:
             return None
         if self._var_names is None:
-            index = frame_index(self._var, where=f"{self.name}: var")
-            if index is None:
+            names = frame_index_names(self._var, where=f"{self.name}: var")
+            if names is None:
                 return None
-            names = as_text(index[...])
             if len(names) != self.n_features:
                 raise DatasetError(
                     f"{self.name}: var has {len(names)} names for {self.n_features} "
@@ -336,8 +336,8 @@ class _StoreDataset(Dataset):
                 raw = zarr.open_group(
                     self._var.store, path=f"{parent}/raw/var".lstrip("/"), mode="r"
                 )
-                index = frame_index(raw, where="raw/var")
-                if index is not None and wanted <= set(as_text(index[...])):
+                index = frame_index_names(raw, where="raw/var")
+                if index is not None and wanted <= set(index):
                     return (
                         " raw/var names them: open the raw matrix, "
                         "open_dataset(..., element='raw/X', features=...)."

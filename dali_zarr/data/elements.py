@@ -317,12 +317,60 @@ def zarr_member(group: Any, key: str, *, where: str) -> Any:
 
 
 def frame_index(frame: Any, *, where: str) -> Any:
-    """The array of a Zarr dataframe group's index (``_index`` attribute): a plain array
-    (anndata 0.12, or 0.13 with object strings) or, where anndata 0.13 wrote pandas 3's
-    strings, the ``values`` array of a ``nullable-string-array`` group. None where there is
-    none. Zarr only (it names unreadable metadata through :func:`zarr_member`)."""
+    """The array of a Zarr dataframe group's index (``_index`` attribute), one entry per
+    row: a plain array (anndata 0.12, or 0.13 with object strings), the ``values`` array
+    of anndata 0.13's ``nullable-string-array`` group (pandas 3's strings), or the codes of
+    a categorical index (a ``pd.CategoricalIndex``). None where there is none. Zarr only
+    (it names unreadable metadata through :func:`zarr_member`)."""
+    return index_array(_index_node(frame, where=where))
+
+
+def frame_index_names(frame: Any, *, where: str) -> tuple[str, ...] | None:
+    """The names of a Zarr dataframe group's index rows, as anndata reads them (a
+    categorical index's rows by their codes; a missing one is ``"nan"``, as pandas prints
+    it); None where there is no index."""
+    node = _index_node(frame, where=where)
+    if _is_categorical(node):
+        categories = text_values(node["categories"]) if "categories" in node else None
+        if categories is None or not is_array(node["codes"]):
+            return None
+        labels = np.array([*as_text(categories[...]), "nan"], dtype=object)
+        codes = np.asarray(node["codes"][...]).astype(np.int64)
+        return tuple(labels[np.where(codes < 0, len(labels) - 1, codes)].tolist())
+    values = text_values(node)
+    return None if values is None else as_text(values[...])
+
+
+def _index_node(frame: Any, *, where: str) -> Any:
     key = attribute(frame, "_index")
-    return text_values(zarr_member(frame, key, where=where) if isinstance(key, str) else None)
+    return zarr_member(frame, key, where=where) if isinstance(key, str) else None
+
+
+def _is_categorical(node: Any) -> bool:
+    return (
+        node is not None
+        and not is_array(node)
+        and attribute(node, "encoding-type") == "categorical"
+        and "codes" in node
+    )
+
+
+def index_array(node: Any) -> Any:
+    """A dataframe index node's array of one entry per row: :func:`text_values`, or a
+    categorical index's codes. Plain ``in`` and ``[]``, so it serves h5py groups too."""
+    if _is_categorical(node):
+        return node["codes"] if is_array(node["codes"]) else None
+    return text_values(node)
+
+
+def as_text(values: np.ndarray) -> tuple[str, ...]:
+    """Names (var index, category labels) as text. Fixed-length bytes arrays (``S`` dtype,
+    written by older tools) hold ``bytes``, which ``str`` turned into ``"b'g1'"``: no name
+    matched what anndata reads (``g1``); they are decoded as UTF-8 instead."""
+    return tuple(
+        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+        for v in np.asarray(values).tolist()
+    )
 
 
 def text_values(node: Any) -> Any:
@@ -351,7 +399,7 @@ def store_n_obs(root: Any) -> int | None:
     index = attribute(root["obs"], "_index")
     if index is None or index not in root["obs"]:
         return None
-    node = text_values(root["obs"][index])
+    node = index_array(root["obs"][index])
     return None if node is None else _rows(node)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import zarr
 
-from dali_zarr.data.elements import member_names, stale_listing_hint, zarr_member
+from dali_zarr.data.elements import as_text, member_names, stale_listing_hint, zarr_member
 from dali_zarr.errors import DatasetError
 from dali_zarr.io import read_whole, refuse_stale_metadata
 
@@ -35,16 +35,6 @@ class ObsColumn:
     @property
     def is_categorical(self) -> bool:
         return self.categories is not None
-
-
-def as_text(values: np.ndarray) -> tuple[str, ...]:
-    """Names (var index, category labels) as text. Fixed-length bytes arrays (``S`` dtype,
-    written by older tools) hold ``bytes``, which ``str`` turned into ``"b'g1'"``: no name
-    matched what anndata reads (``g1``); they are decoded as UTF-8 instead."""
-    return tuple(
-        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-        for v in np.asarray(values).tolist()
-    )
 
 
 def batch_dtype(stored: np.dtype) -> np.dtype:
