@@ -759,3 +759,32 @@ def test_a_world_is_planned_from_one_chunk_order(monkeypatch: pytest.MonkeyPatch
     counts = batch_counts(s, n_obs=9_001, epoch=2, world_size=24, history=history)
     mine = plan_resumed_epoch(s, n_obs=9_001, epoch=2, history=history, rank=3, world_size=24)
     assert mine.n_batches == counts[3] and len(drawn) == 1
+
+
+def test_numpy_unsigned_sizes_plan_as_python_ints() -> None:
+    """An n_obs of NumPy uint64 (a size read from a store's metadata) wrapped in the
+    ceiling division: 5 rows made 2**64 - 1 chunks of 16, so 3 ranks were let plan where
+    the same int is refused, and the drop_last check passed likewise. Sizes are now taken
+    as Python ints first: the same refusals, and the same plans where they plan."""
+    kw = {"epoch": 0, "seed": 0, "chunk_size": 16, "preload_nchunks": 1, "batch_size": 1}
+    for n_obs in (5, np.uint64(5)):
+        with pytest.raises(ConfigError, match=r"more ranks than chunks: n_obs=5 .* 1 chunk"):
+            plan_epoch(n_obs=n_obs, rank=2, world_size=3, enforce_equal_batches=False, **kw)
+        with pytest.raises(ConfigError, match=r"nothing to deliver: n_obs=5"):
+            plan_epoch(n_obs=n_obs, **{**kw, "batch_size": 16}, drop_last=True)
+    sampler = DistributedSampler(
+        ChunkSampler(chunk_size=16, preload_nchunks=1, batch_size=1),
+        dist_info=lambda: (2, 3),
+        enforce_equal_batches=False,
+    )
+    with pytest.raises(ConfigError, match="more ranks than chunks"):
+        sampler.num_batches(np.uint64(5))
+    assert sampler.num_batches(np.uint64(100)) == sampler.num_batches(100)
+    assert (
+        sampler.settings.max_world(n_obs=np.uint64(40)) == 3 == sampler.settings.max_world(n_obs=40)
+    )
+    same = plan_epoch(n_obs=np.uint64(100), rank=1, world_size=3, **kw)
+    assert (
+        same.row_ranges.tolist()
+        == plan_epoch(n_obs=100, rank=1, world_size=3, **kw).row_ranges.tolist()
+    )

@@ -114,9 +114,10 @@ def validate_plan_inputs(
     drop_last: bool = False,
 ) -> None:
     """Check the settings that depend on the dataset size and the number of ranks."""
-    validate_count("n_obs", n_obs, hint=" (the dataset has no observations to plan)")
+    # as Python ints: a NumPy uint64 n_obs wrapped in -(-n // k) (5 rows made 2**64 chunks)
+    n_obs = validate_count("n_obs", n_obs, hint=" (the dataset has no observations to plan)")
     validate_int("epoch", epoch, low=0, what="a non-negative integer")
-    validate_count("world_size", world_size)
+    world_size = validate_count("world_size", world_size)
     if isinstance(rank, bool) or not isinstance(rank, int | np.integer):
         raise ConfigError(f"rank must be an integer, got {rank!r}")
     if not 0 <= rank < world_size:
@@ -155,7 +156,7 @@ def validate_plan_inputs(
 
 def n_chunks_of(n_obs: int, chunk_size: int) -> int:
     """Number of chunks (the last one may be short)."""
-    return -(-n_obs // chunk_size)
+    return -(-int(n_obs) // int(chunk_size))
 
 
 def window_rows_of(chunk_size: int, preload_nchunks: int, batch_size: int) -> int:

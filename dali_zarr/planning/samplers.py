@@ -245,6 +245,7 @@ class PlanSettings:
         """The most ranks an epoch of ``n_obs`` rows can be planned on (:meth:`check_world`):
         a chunk each and, with equal batches, a full batch each; with ``drop_last``, a full
         batch for the largest share. 1 where no world can (then every world is refused)."""
+        n_obs = int(n_obs)  # a NumPy uint64 would wrap below
         most = n_chunks_of(n_obs, self.chunk_size)
         if self.enforce_equal_batches:
             most = min(most, n_obs // self.batch_size)
