@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import os
+import re
 import shutil
 import stat
 import struct
@@ -285,6 +286,39 @@ def test_chunks_under_the_other_dimension_separator_are_refused(tmp_path, writte
     # an array whose first chunks were never written (fill values) is not refused
     blank = write(tmp_path / "b.zarr", np.zeros((40, 6), np.float32), fmt=2, chunks=(10, 3))
     assert open_reader(blank, name="b").path == "direct"
+
+
+@pytest.mark.parametrize("shape", [(40, 6), (40,)])
+@pytest.mark.parametrize("written", ["/", "."])
+def test_v3_default_keys_under_the_other_separator_are_refused(tmp_path, written, shape):
+    # a v3 array's zarr.json naming "." while its chunks lie in c/0/0 (or "/" over c.0.0
+    # files) read as fill values throughout, by zarr too: only v2-style keys were checked
+    import json
+
+    data = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape) + 1
+    data[:10] = 0  # the first chunks are fill values, not stored: the listing tells
+    path = tmp_path / "a.zarr"
+    enc = {"name": "default", "separator": written}
+    chunks = (10, 3)[: len(shape)]
+    write(path, data, fmt=3, chunks=chunks, chunk_key_encoding=enc)
+    assert (path / "c").is_dir() == (written == "/")
+    meta = json.loads((path / "zarr.json").read_text())
+    said = "." if written == "/" else "/"
+    meta["chunk_key_encoding"]["configuration"]["separator"] = said
+    (path / "zarr.json").write_text(json.dumps(meta))
+    arr = zarr.open_array(str(path), mode="r")
+    assert not arr[:].any()  # what zarr reads: all fill values
+    key = said.join(["c", *["0"] * len(shape)])
+    with pytest.raises(
+        DatasetError,
+        match=rf"a\.zarr: its zarr\.json says chunk keys look like '{re.escape(key)}'.*"
+        rf"holds 'c{re.escape(written)}.*separator '{re.escape(written)}' \(its zarr\.json was "
+        rf"written apart.*Set the chunk_key_encoding's \"separator\" to \"{re.escape(written)}\"",
+    ):
+        open_reader(arr, name="a.zarr")
+    meta["chunk_key_encoding"]["configuration"]["separator"] = written  # the advice works
+    (path / "zarr.json").write_text(json.dumps(meta))
+    check_reader(open_reader(zarr.open_array(str(path), mode="r"), name="a"), data)
 
 
 @pytest.mark.parametrize("written", ["/", "."])

@@ -1299,23 +1299,32 @@ def open_reader(
 
 
 def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> None:
-    """DatasetError for an array with v2-style chunk keys (``0.0`` or ``0/0``: format 2, or
-    format 3 with the ``v2`` chunk key encoding that ``zarr migrate v3`` writes) whose chunks
-    are stored under the other separator than its metadata names: zarr-python < 2.8's
-    NestedDirectoryStore wrote ``0/0`` folders without recording ``"/"``, and such an
-    array reads as fill values throughout, by zarr too, without an error. One stat at open
-    where the first chunk is stored: an array holds no folders of its own, so a folder
-    ``0`` means nested keys, and a file ``0.0`` beside no such folder flat ones. Where it is
-    not (never written, or all fill values), the first chunk entry the folder lists tells."""
+    """DatasetError for an array whose chunks are stored under the other separator than
+    its metadata names: v2-style keys (``0.0`` or ``0/0``: format 2, or format 3 with the
+    ``v2`` chunk key encoding that ``zarr migrate v3`` writes; zarr-python < 2.8's
+    NestedDirectoryStore wrote ``0/0`` folders without recording ``"/"``), or v3's
+    default keys (``c/0/0`` against ``c.0.0``, a hand-edited or re-written zarr.json).
+    Such an array reads as fill values throughout, by zarr too, without an error. One stat
+    at open where the first chunk is stored: an array holds no folders of its own, so a
+    folder ``0`` (``c``) means nested keys, and a file ``0.0`` beside no such folder flat
+    ones. Where it is not (never written, or all fill values), the first chunk entry the
+    folder lists tells."""
     zeros = (0,) * len(layout.shape)
     key = layout.key(zeros)
-    if len(zeros) < 2 or not key.startswith("0"):  # one axis: "0" either way; or "c/0/0"
+    if key.startswith("c"):  # v3's default keys, "c/0/0" or "c.0.0" (one axis too)
+        if os.path.isdir(os.path.join(directory, "c")):
+            nested, found = True, "c/..."
+        else:
+            entry = _first_chunk_entry(directory, prefix="c.")
+            if entry is None:
+                return
+            nested, found = False, entry[0]
+    elif len(zeros) < 2:  # v2-style keys of one axis: "0" either way
         return
-    flat_zero = ".".join(map(str, zeros))
-    if os.path.isdir(os.path.join(directory, "0")):
+    elif os.path.isdir(os.path.join(directory, "0")):
         nested, found = True, "0/..."
-    elif os.path.isfile(os.path.join(directory, flat_zero)):
-        nested, found = False, flat_zero
+    elif os.path.isfile(os.path.join(directory, ".".join(map(str, zeros)))):
+        nested, found = False, ".".join(map(str, zeros))
     else:
         entry = _first_chunk_entry(directory)
         if entry is None:
@@ -1328,23 +1337,29 @@ def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> N
         meta, fix = ".zarray", f'Add "dimension_separator": "{want}" to'
     else:
         meta, fix = "zarr.json", f'Set the chunk_key_encoding\'s "separator" to "{want}" in'
+    why = (
+        "its zarr.json was written apart from its chunks"
+        if key.startswith("c")
+        else "zarr-python < 2.8's NestedDirectoryStore did not record it"
+    )
     raise DatasetError(
         f"{name}: its {meta} says chunk keys look like {key!r}, but {directory} holds "
-        f"{found!r}: the chunks were written with separator {want!r} (zarr-python < 2.8's "
-        "NestedDirectoryStore did not record it), so every chunk would read as the fill "
-        f"value. {fix} {os.path.join(directory, meta)} (and in the store's consolidated "
-        "metadata, if it has any)."
+        f"{found!r}: the chunks were written with separator {want!r} ({why}), so every "
+        f"chunk would read as the fill value. {fix} {os.path.join(directory, meta)} (and in "
+        "the store's consolidated metadata, if it has any)."
     )
 
 
-def _first_chunk_entry(directory: str) -> tuple[str, bool] | None:
-    """``(name, is a folder)`` of the first entry of an array's folder named like a v2-style
-    chunk key (it starts with a chunk index), None where there is none. ``os.scandir``
-    lists a folder in batches, so a folder of a million chunks costs one batch."""
+def _first_chunk_entry(directory: str, prefix: str = "") -> tuple[str, bool] | None:
+    """``(name, is a folder)`` of the first entry of an array's folder named like a chunk
+    key: ``prefix`` then a chunk index (v2-style keys: no prefix; v3's flat ones: ``c.``),
+    None where there is none. ``os.scandir`` lists a folder in batches, so a folder of a
+    million chunks costs one batch."""
     try:
         with os.scandir(directory) as entries:
             for entry in entries:
-                if entry.name.split(".")[0].isdigit():
+                name = entry.name
+                if name.startswith(prefix) and name[len(prefix) :].split(".")[0].isdigit():
                     return entry.name, entry.is_dir()
     except OSError:
         return None
