@@ -775,13 +775,19 @@ def test_unsigned_words_are_reinterpreted_before_they_become_float32(
         want = values.astype("f4")[:, None] * np.float32(2.0)
         want[values == fill[name]] = np.nan
         ds = dz.open_dataset(tmp_path / "w.zarr", element=name, mask_and_scale=True)
-        kw = {} if where == "cpu" else gpu_kwargs(where)
-        with dz.Loader(
-            ds, sampler(chunk_size=5, batch_size=4, drop_last=False), return_index=True, **kw
-        ) as loader:
-            got = run_epoch(loader)
-        assert sorted(got["index"]) == list(range(len(values)))
-        np.testing.assert_array_equal(got["X"], want[got["index"]], err_msg=name)
+        assert_decoded_epoch(ds, want, where=where, name=name)
+
+
+def assert_decoded_epoch(ds: dz.Dataset, want: np.ndarray, *, where: str, name: str) -> None:
+    """One epoch of ``ds`` on ``where`` ("cpu", or a :data:`WHERE` entry) delivers each row
+    once, as ``want`` holds it (NaN where ``want`` has it)."""
+    kw = {} if where == "cpu" else gpu_kwargs(where)
+    with dz.Loader(
+        ds, sampler(chunk_size=5, batch_size=4, drop_last=False), return_index=True, **kw
+    ) as loader:
+        got = run_epoch(loader)
+    assert sorted(got["index"]) == list(range(len(want)))
+    np.testing.assert_array_equal(got["X"], want[got["index"]], err_msg=name)
 
 
 def wide_fill_store(path: Path) -> dict[str, tuple[np.ndarray, list]]:
@@ -835,14 +841,8 @@ def test_wide_fills_are_compared_with_the_stored_words(tmp_path: Path, where: st
         assert decoding is not None
         want = cf_decoded_reference(stored, scale=decoding.scale, offset=decoding.offset)
         want[np.isin(stored, np.array(fills, dtype=stored.dtype))] = np.nan
-        kw = {} if where == "cpu" else gpu_kwargs(where)
-        with dz.Loader(
-            ds, sampler(chunk_size=5, batch_size=4, drop_last=False), return_index=True, **kw
-        ) as loader:
-            got = run_epoch(loader)
-        assert sorted(got["index"]) == list(range(len(stored)))
-        np.testing.assert_array_equal(got["X"], want[got["index"]], err_msg=name)
         assert 0 < np.isnan(want).sum() < want.size
+        assert_decoded_epoch(ds, want, where=where, name=name)
 
 
 def test_mask_and_scale_refuses_what_it_cannot_decode(tmp_path: Path) -> None:
