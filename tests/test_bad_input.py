@@ -1183,3 +1183,23 @@ def test_an_anndata_object_is_pointed_to_write_zarr(tmp_path: Path) -> None:
     backed.file.close()
     with pytest.raises(dz.ConfigError, match=r"not a ndarray.*zarr\.create_array"):
         dz.open_dataset(np.zeros((4, 2)))  # other in-memory data: as before
+
+
+def test_a_truncated_blosc_obs_column_is_refused_not_misread(tmp_path: Path) -> None:
+    """obs columns are read by zarr-python, which trusts a blosc chunk's header: a column
+    chunk cut short (anndata's v2 codec is blosc) was decoded past its end, and
+    ``obs=["v"]`` delivered other memory's bytes beside the right X, without an error. The
+    chunk's size is now checked against its header first, and the chunk is named."""
+    import anndata as ad
+
+    rng = np.random.default_rng(0)
+    obs = pd.DataFrame({"v": rng.normal(size=40)}, index=[f"c{i}" for i in range(40)])
+    x = sp.random(40, 6, density=0.5, format="csr", random_state=0, dtype=np.float32)
+    with ad.settings.override(zarr_write_format=2):
+        ad.AnnData(X=x, obs=obs).write_zarr(tmp_path / "a.zarr")
+    column = tmp_path / "a.zarr" / "obs" / "v" / "0"
+    assert column.read_bytes()[:1] == b"\x02"  # a blosc frame (its format version)
+    column.write_bytes(column.read_bytes()[:-40])
+    ds = dz.open_dataset(tmp_path / "a.zarr")
+    with pytest.raises(dz.ChunkReadError, match=r"a.zarr/obs/v: chunk '0' holds \d+ bytes but"):
+        dz.Loader(ds, dz.ChunkSampler(chunk_size=8, preload_nchunks=2, batch_size=8), obs=["v"])

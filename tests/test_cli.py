@@ -1979,3 +1979,31 @@ def test_bench_opens_a_packed_array_with_mask_and_scale(tmp_path, capsys):
         warnings.simplefilter("error", dz.PackedValuesWarning)
         assert run(*argv, "--mask-and-scale") == 0
     assert json.loads(capsys.readouterr().out)["rows"] == 2 * 64
+
+
+def test_convert_refuses_a_truncated_blosc_chunk_zarr_would_misread(tmp_path, capsys):
+    """anndata's zarr v2 codec is blosc, and numcodecs trusts a blosc chunk's header: a
+    chunk cut short (here one blosc had stored uncompressed) was decoded past its end, and
+    convert wrote its rows (and a var column's) as other memory's bytes with exit 0.
+    Each stored blosc chunk's size is now checked against its header before zarr reads
+    it: the chunk is named, nothing is written; the loader already refused it."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 5))  # 10-row chunks of 400 bytes: stored uncompressed
+    var = pd.DataFrame({"m": rng.normal(size=5)}, index=[f"g{i}" for i in range(5)])
+    with ad.settings.override(zarr_write_format=2):
+        ad.AnnData(X=x, var=var).write_zarr(tmp_path / "in.zarr", chunks=(10, 5))
+    chunk = tmp_path / "in.zarr" / "X" / "3.0"
+    head = chunk.read_bytes()[:16]
+    assert int.from_bytes(head[12:16], "little") == chunk.stat().st_size  # blosc, whole
+    os.truncate(chunk, chunk.stat().st_size // 2)
+    assert run("convert", "-q", tmp_path / "in.zarr", tmp_path / "o.zarr") == 2
+    err = one_line_error(capsys)
+    assert "in.zarr/X: chunk '3.0' holds 208 bytes but a header of 416 bytes (blosc" in err, err
+    assert not (tmp_path / "o.zarr").exists()
+    shutil.rmtree(tmp_path / "in.zarr")
+    with ad.settings.override(zarr_write_format=2):
+        ad.AnnData(X=x, var=var).write_zarr(tmp_path / "in.zarr", chunks=(10, 5))
+    column = tmp_path / "in.zarr" / "var" / "m" / "0"
+    column.write_bytes(column.read_bytes()[:-8])
+    assert run("convert", "-q", tmp_path / "in.zarr", tmp_path / "o.zarr") == 2
+    assert "in.zarr/var/m: chunk '0' holds" in one_line_error(capsys)

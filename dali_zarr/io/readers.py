@@ -57,6 +57,7 @@ import contextlib
 import math
 import os
 import stat
+import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import product
@@ -1283,6 +1284,7 @@ def open_reader(
     _refuse_stale_metadata(array, directory, name)
     _refuse_other_separator(layout, directory, name)
     if force_zarr or layout.unsupported:
+        _refuse_truncated_blosc(array, directory, name)  # zarr decodes them
         reason = "force_zarr=True" if force_zarr else layout.unsupported
         _refuse_zarr_misreads(
             array,
@@ -1439,9 +1441,50 @@ def refuse_stale_metadata(array: Any, *, name: str) -> None:
     """:func:`_refuse_stale_metadata` for an array read whole at open (obs columns, a CSR's
     row offsets), where it is in a local store; and, since zarr-python reads such arrays,
     :func:`_refuse_zarr_misreads` (a delta-filtered ``indptr`` read byte-swapped would
-    cut every row at other offsets) and :func:`_refuse_missing_codec`."""
+    cut every row at other offsets), :func:`_refuse_missing_codec` and
+    :func:`_refuse_truncated_blosc`."""
     _refuse_missing_codec(array, name)
     _refuse_zarr_misreads(array, name, "it is read whole at open", "")
     directory, _ = local_directory(array)
     if directory is not None:
         _refuse_stale_metadata(array, directory, name)
+        _refuse_truncated_blosc(array, directory, name)
+
+
+def _refuse_truncated_blosc(array: Any, directory: str, name: str) -> None:
+    """ChunkReadError for a stored chunk of an array compressed last by blosc whose size is
+    not the one its blosc header gives, for arrays zarr-python reads (obs columns, the
+    ``convert`` input, the zarr fallback). numcodecs trusts that header: a truncated chunk
+    decoded past its end into other memory's bytes, delivered as values without an error
+    (our own decoder checks each chunk as it reads it). One open and a 16-byte read per
+    stored chunk; sharded arrays are left to their index (an inner chunk's length is there)."""
+    try:
+        layout = parse_layout(array)
+    except DatasetError:  # 0-d: refused by whoever reads it
+        return
+    codecs = layout.codecs
+    if layout.shard is not None or codecs is None or not codecs.bytes_codecs:
+        return
+    if codecs.bytes_codecs[-1].get("id") != "blosc":  # e.g. a crc32c after it checks itself
+        return
+    for coords in product(*(range(n) for n in layout.chunk_grid)):
+        key = layout.key(coords)
+        path = os.path.join(directory, *key.split("/"))
+        try:
+            fd = open_stored(path)
+        except DecodeError as exc:
+            raise ChunkReadError(f"{name}: chunk {key!r}: {exc}") from exc
+        if fd is None:  # never written: the fill value
+            continue
+        try:
+            size, head = os.fstat(fd).st_size, os.pread(fd, 16, 0)
+        finally:
+            os.close(fd)
+        said = struct.unpack_from("<I", head, 12)[0] if len(head) == 16 else None
+        if said != size:
+            told = "no whole 16-byte header" if said is None else f"a header of {said} bytes"
+            raise ChunkReadError(
+                f"{name}: chunk {key!r} holds {size} bytes but {told} (blosc; truncated or "
+                "corrupted): zarr would decode it past its end into wrong values without an "
+                "error. Restore it from an intact copy, or re-write the array."
+            )
