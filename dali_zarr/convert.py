@@ -51,7 +51,7 @@ from dali_zarr.data.elements import (
     var_key,
 )
 from dali_zarr.data.obs import OBSM_PREFIX, changed_by_join, describe_beside_x
-from dali_zarr.errors import ChunkReadError, ConfigError, DatasetError
+from dali_zarr.errors import ChunkReadError, ConfigError, DaliZarrError, DatasetError
 from dali_zarr.io import (
     WRITER_MARKER,
     first_failing_chunk,
@@ -406,7 +406,7 @@ def _anndata_input(path: str, root: Any, picked: Picked, *, handle: Any) -> _Inp
         refuse_stale_metadata(x[part], name=f"{where}/{part}")
     n_obs, n_features = shape_attribute(x, where=where)
     refuse_non_integer(x["indptr"].dtype, f"{where}/indptr", part="indptr")
-    indptr = indptr_as_int64(np.asarray(x["indptr"][...]), f"{where}/indptr")
+    indptr = indptr_as_int64(read_whole(x["indptr"], name=f"{where}/indptr"), f"{where}/indptr")
     if indptr.shape != (n_obs + 1,):
         raise DatasetError(
             f"{where}/indptr: must hold {n_obs + 1} offsets, one per row plus one (has "
@@ -674,17 +674,36 @@ def _frame(inp: _Input, key: str | None, n: int):
             )
         # a column rewritten after the store was consolidated is read (by anndata) with the
         # stale metadata, as another dtype: refused, as the loader refuses it (h5py: no such)
-        members = node.members(max_depth=None) if hasattr(node, "members") else ()
-        for name, child in members:
-            if is_array(child):
+        arrays = _arrays_in(node)
+        for name, child in arrays:
+            if isinstance(child, zarr.Array):
                 refuse_stale_metadata(child, name=f"{inp.path}/{key}/{name}")
-        frame = aio.read_elem(node)
+        try:
+            frame = aio.read_elem(node)
+        except (MemoryError, PermissionError, DaliZarrError):
+            raise
+        except Exception as exc:  # a bad chunk: anndata's (zarr's, h5py's) error names none
+            for name, child in arrays:  # the first column that cannot be read, by its chunk
+                read_whole(child, name=f"{inp.path}/{key}/{name}")
+            raise ChunkReadError(
+                f"{inp.path}/{key}: anndata failed to read it ({type(exc).__name__}: {exc}). "
+                "Restore the store from an intact copy, or re-write the input."
+            ) from exc
         if len(frame) != n:
             raise DatasetError(
                 f"{inp.path}/{key}: has {len(frame)} rows for {n}; the store is inconsistent."
             )
         return frame
     return pd.DataFrame(index=pd.Index([str(i) for i in range(n)]))
+
+
+def _arrays_in(node: Any) -> list[tuple[str, Any]]:
+    """``(path, array)`` of every array under a zarr or h5py group, in the group."""
+    if hasattr(node, "members"):  # zarr
+        return [(name, c) for name, c in node.members(max_depth=None) if is_array(c)]
+    found: list[tuple[str, Any]] = []
+    node.visititems(lambda name, c: found.append((name, c)) if is_array(c) else None)
+    return found
 
 
 def _combined_obs(inputs: Sequence[_Input]):

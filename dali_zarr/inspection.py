@@ -255,11 +255,14 @@ def _obs_info(obs: zarr.Group) -> tuple[ObsInfo, ...]:
         elif encoding in ("nullable-integer", "nullable-boolean"):
             # the loader refuses missing values (batches cannot carry them)
             mask = _column_array(node, "mask")
-            batchable = (
-                mask is not None
-                and _column_array(node, "values") is not None
-                and not bool(np.asarray(mask[...]).any())
-            )
+            try:
+                missing = mask is None or bool(np.asarray(mask[...]).any())
+            except MemoryError:
+                raise
+            except Exception:  # a bad chunk: the loader refuses the column, naming it
+                out.append(ObsInfo(name, "unreadable chunks", False))
+                continue
+            batchable = not missing and _column_array(node, "values") is not None
         else:
             batchable = (  # the loader takes 1-D numeric arrays (one value per row)
                 isinstance(node, zarr.Array)

@@ -2007,3 +2007,49 @@ def test_convert_refuses_a_truncated_blosc_chunk_zarr_would_misread(tmp_path, ca
     column.write_bytes(column.read_bytes()[:-8])
     assert run("convert", "-q", tmp_path / "in.zarr", tmp_path / "o.zarr") == 2
     assert "in.zarr/var/m: chunk '0' holds" in one_line_error(capsys)
+
+
+def test_a_bad_chunk_of_indptr_or_a_frame_column_is_named_by_convert_and_inspect(tmp_path, capsys):
+    """A truncated chunk of X/indptr or of an obs/var column ended convert in a traceback
+    (zstd's bare error) or, in an .h5ad, in h5py's "Can't synchronously read data" with
+    exit 1 and nothing named; inspect crashed on a nullable column's bad mask. convert now
+    names the array and chunk (exit 2) as for X's data; inspect reports the column as
+    unreadable and goes on."""
+    import h5py
+
+    n = 300
+    adata = ad.AnnData(
+        X=sp.random(n, 20, density=0.1, format="csr", dtype=np.float32, random_state=1),
+        obs=pd.DataFrame(
+            {"v": np.linspace(0, 1, n), "nint": pd.array([1, None] * (n // 2), dtype="Int64")},
+            index=[f"c{i}" for i in range(n)],
+        ),
+        var=pd.DataFrame({"m": np.arange(20.0)}, index=[f"g{i}" for i in range(20)]),
+    )
+    for chunk, name in [("X/indptr/c/0", "X/indptr"), ("obs/v/c/0", "obs/v"),
+                        ("var/m/c/0", "var/m")]:  # fmt: skip
+        store = tmp_path / f"{name.replace('/', '_')}.zarr"
+        with ad.settings.override(zarr_write_format=3):
+            adata.write_zarr(store)
+        os.truncate(store / chunk, (store / chunk).stat().st_size // 2)
+        assert run("convert", "-q", store, tmp_path / "o.zarr") == 2
+        err = one_line_error(capsys)
+        assert f"{store}/{name}: zarr-python failed to read rows [0, " in err, err
+        assert "(chunk 0 along axis 0" in err and not (tmp_path / "o.zarr").exists()
+    h5 = tmp_path / "a.h5ad"
+    adata.write_h5ad(h5, compression="gzip")
+    with h5py.File(h5, "r") as f:
+        at = f["obs/v"].id.get_chunk_info(0).byte_offset
+    with open(h5, "r+b") as f:
+        f.seek(at + 10)
+        f.write(b"\xff" * 40)
+    assert run("convert", "-q", h5, tmp_path / "o.zarr") == 2
+    assert f"{h5}/obs/v: h5py failed to read rows [0, " in one_line_error(capsys)
+    store = tmp_path / "X_indptr.zarr"  # its obs column's mask cut short
+    shutil.rmtree(store)
+    with ad.settings.override(zarr_write_format=3):
+        adata.write_zarr(store)
+    mask = store / "obs" / "nint" / "mask" / "c" / "0"
+    os.truncate(mask, mask.stat().st_size // 2)
+    assert run("inspect", store) == 0
+    assert "nint (unreadable chunks, not batchable)" in capsys.readouterr().out

@@ -1391,14 +1391,16 @@ def _refuse_zarr_misreads(array: Any, name: str, why_zarr: str, direct: str) -> 
         )
 
 
-def _zarr_read_failed(name: str, start: int, stop: int, rows: int, error: Exception):
-    """The ChunkReadError for zarr-python failing to read rows ``[start, stop)`` of array
-    ``name`` (chunks of ``rows`` rows on axis 0): zarr's own error ("error during blosc
-    decompression: -1") names no store, array or chunk."""
+def _zarr_read_failed(
+    name: str, start: int, stop: int, rows: int, error: Exception, by: str = "zarr-python"
+):
+    """The ChunkReadError for zarr-python (or ``by``, h5py) failing to read rows ``[start,
+    stop)`` of array ``name`` (chunks of ``rows`` rows on axis 0): zarr's own error ("error
+    during blosc decompression: -1") names no store, array or chunk."""
     first, last = start // rows, (stop - 1) // rows
     chunks = f"chunk {first}" if first == last else f"chunks {first} to {last}"
     return ChunkReadError(
-        f"{name}: zarr-python failed to read rows [{start}, {stop}) ({chunks} along axis 0, "
+        f"{name}: {by} failed to read rows [{start}, {stop}) ({chunks} along axis 0, "
         f"{rows} rows each; {type(error).__name__}: {error}). "
         f"{_IO_ADVICE if _failed_fetching(error) else _ADVICE}"
     )
@@ -1418,8 +1420,8 @@ def first_failing_chunk(array: Any, start: int, stop: int) -> tuple[int, Excepti
 
 
 def read_whole(array: Any, *, name: str) -> np.ndarray:
-    """``array`` read whole with zarr-python (obs columns, obsm entries beside X, a CSR's
-    row offsets), a failed read named (:func:`_zarr_read_failed`): one bad chunk of an obs
+    """``array`` read whole with zarr-python or h5py (obs columns, obsm entries beside X, a
+    CSR's row offsets), a failed read named (:func:`_zarr_read_failed`): one bad chunk of an obs
     column stopped the Loader without a clue. On failure the chunks along axis 0 are read
     one by one to name the first bad one."""
     try:
@@ -1428,13 +1430,15 @@ def read_whole(array: Any, *, name: str) -> np.ndarray:
         raise
     except Exception as e:
         n = int(array.shape[0]) if array.ndim else 0
-        rows = int(array.chunks[0]) if array.ndim and array.chunks[0] else 0
+        # h5py: an unchunked dataset's chunks are None
+        rows = int((getattr(array, "chunks", None) or (0,))[0]) if array.ndim else 0
+        by = "h5py" if type(array).__module__.startswith("h5py") else "zarr-python"
         found = first_failing_chunk(array, 0, n)
         if found is not None:
             c, chunk_error = found
             stop = min((c + 1) * rows, n)
-            raise _zarr_read_failed(name, c * rows, stop, rows, chunk_error) from e
-        raise _zarr_read_failed(name, 0, max(n, 1), max(n, rows, 1), e) from e
+            raise _zarr_read_failed(name, c * rows, stop, rows, chunk_error, by) from e
+        raise _zarr_read_failed(name, 0, max(n, 1), max(n, rows, 1), e, by) from e
 
 
 def refuse_stale_metadata(array: Any, *, name: str) -> None:
