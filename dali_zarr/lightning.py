@@ -190,6 +190,11 @@ class ZarrDataModule(LightningDataModule):
             unknown = sorted(set(splits) - set(SPLITS))
             if unknown:
                 raise ConfigError(f"splits: unknown split name(s) {unknown}; use {SPLITS}.")
+        mappings = {"split_labels": split_labels, "splits": splits,
+                    "loader_kwargs": loader_kwargs, "open_kwargs": open_kwargs}  # fmt: skip
+        for what, value in mappings.items():
+            if value is not None and not isinstance(value, Mapping):  # dict() raised bare
+                raise ConfigError(f"{what} must be a dict (a mapping by name), got {value!r}.")
         labels = dict(_DEFAULT_LABELS if split_labels is None else split_labels)
         unknown = sorted(set(labels) - set(SPLITS))
         if unknown:
@@ -241,8 +246,8 @@ class ZarrDataModule(LightningDataModule):
         for name, value in (("chunk_size", chunk_size), ("preload_nchunks", preload_nchunks)):
             if value is not None:
                 validate_count(name, value)
-        for size in (batch_size, self.eval_batch_size):
-            validate_count("batch_size", size)
+        validate_count("batch_size", batch_size)
+        validate_count("eval_batch_size", self.eval_batch_size)
         # only the train window must hold a batch as given: the val/test loaders raise
         # preload_nchunks to a batch's worth of chunks themselves (see _loader)
         if chunk_size is not None and preload_nchunks is not None:
@@ -300,10 +305,16 @@ class ZarrDataModule(LightningDataModule):
         return {} if self._drawn_seed is None else {"seed": self._drawn_seed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restored by Lightning before the train loader is built (``fit(ckpt_path=...)``):
-        with ``seed=None`` the saved seed is taken instead of drawing a new one."""
+        """Restored by Lightning before it asks for the train loader (``fit(ckpt_path=...)``):
+        with ``seed=None`` the saved seed is taken instead of drawing a new one. A train
+        loader built before (``len(dm.train_dataloader())`` ahead of fit) drew its own seed,
+        and the loader's state then refused the resume: it is closed, to be built anew."""
         if self.seed is None and state_dict.get("seed") is not None:
-            self._drawn_seed = int(state_dict["seed"])
+            seed = int(state_dict["seed"])
+            if seed != self._drawn_seed:
+                for key in [key for key in self._loaders if key[0] == "train"]:
+                    self._loaders.pop(key).close()
+            self._drawn_seed = seed
 
     def on_exception(self, exception: BaseException) -> None:
         """A failed fit skips ``teardown``: close the loaders here (their pipelines and read
@@ -525,6 +536,11 @@ class ZarrDataModule(LightningDataModule):
     def __repr__(self) -> str:
         sizes = {name: len(rows) for name, rows in self.split_rows.items()}
         return f"{type(self).__name__}(data={self.data!r}, splits={sizes or 'not set up'})"
+
+    # Lightning's own str() of a datamodule builds every loader and draws a batch from each
+    # (a Loader is no torch DataLoader): it cost a batch of the train epoch and, inside a
+    # fit, stopped the fit's loop
+    __str__ = __repr__
 
 
 def _real(value: object) -> bool:

@@ -180,6 +180,16 @@ class Loader:
                     "the store first, dz.Loader(dz.open_dataset(path), sampler, ...)."
                 )
             self.dtype = _check_arguments(dataset, output, dtype)
+            for flag, value in (("return_index", return_index),
+                                ("allow_uneven_batches", allow_uneven_batches),
+                                ("enable_checkpointing", enable_checkpointing)):  # fmt: skip
+                if not isinstance(value, bool | np.bool_):  # "no" was taken as True
+                    raise ConfigError(f"{flag} must be True or False, got {value!r}.")
+            if transform is not None and not callable(transform):  # else a TypeError at the
+                raise ConfigError(  # first batch, from inside the graph's declaration
+                    f"transform={transform!r} is not callable: pass a function that takes the "
+                    "dict of output DataNodes and returns the dict to emit (or None)."
+                )
             validate_int(
                 "num_threads", num_threads, low=1, high=MAX_THREADS + 1,
                 what=f"a whole number from 1 to {MAX_THREADS} (DALI aborts the process where "

@@ -1203,3 +1203,20 @@ def test_a_truncated_blosc_obs_column_is_refused_not_misread(tmp_path: Path) -> 
     ds = dz.open_dataset(tmp_path / "a.zarr")
     with pytest.raises(dz.ChunkReadError, match=r"a.zarr/obs/v: chunk '0' holds \d+ bytes but"):
         dz.Loader(ds, dz.ChunkSampler(chunk_size=8, preload_nchunks=2, batch_size=8), obs=["v"])
+
+
+def test_loader_flags_and_transform_are_checked_when_built(tmp_path: Path) -> None:
+    """return_index="no" and enable_checkpointing="no" were taken as True (truthy), and
+    transform=5 was accepted, to fail at the first batch with a bare "'int' object is not
+    callable" from inside the graph. All are refused when the loader is built, by name."""
+    path = tmp_path / "s.zarr"
+    synthetic.make_single_cell(path, n_obs=64, n_features=8, chunk_elements=64)
+    ds = dz.open_dataset(path)
+    sampler = dz.ChunkSampler(chunk_size=8, preload_nchunks=2, batch_size=8)
+    for flag in ("return_index", "enable_checkpointing", "allow_uneven_batches"):
+        with pytest.raises(dz.ConfigError, match=f"{flag} must be True or False, got 'no'"):
+            dz.Loader(ds, sampler, **{flag: "no"})
+    with pytest.raises(dz.ConfigError, match=r"transform=5 is not callable"):
+        dz.Loader(ds, sampler, transform=5)
+    with dz.Loader(ds, sampler, return_index=np.True_) as loader:
+        assert sorted(np.concatenate([b["index"] for b in loader])) == list(range(64))

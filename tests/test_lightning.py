@@ -206,6 +206,13 @@ def test_loader_kwargs_are_checked_against_the_modules_own_arguments(split_store
     # split_labels beside splits were ignored without a word
     with pytest.raises(dz.ConfigError, match=r"with splits .* they select nothing"):
         ZarrDataModule(data=split_store, splits=splits, split_labels={"train": "a"})
+    # a list where a dict goes was dict()'s bare TypeError or ValueError; eval_batch_size
+    # was called batch_size
+    for key in ("loader_kwargs", "open_kwargs", "split_labels"):
+        with pytest.raises(dz.ConfigError, match=rf"{key} must be a dict .*got \['train'\]"):
+            ZarrDataModule(data=split_store, **{key: ["train"]})
+    with pytest.raises(dz.ConfigError, match="eval_batch_size must be a positive integer"):
+        ZarrDataModule(data=split_store, eval_batch_size=-1)
 
 
 def test_open_kwargs_beside_an_opened_dataset_are_refused(split_store: str) -> None:
@@ -568,16 +575,33 @@ def test_seed_none_resumes_from_a_checkpoint_with_the_drawn_seed(
         **fit,
     ).fit(first, datamodule=dm(None))
     (path,) = tmp_path.glob("*.ckpt")
-    rest = model()
-    trainer(**fit).fit(rest, datamodule=dm(None), ckpt_path=path)
     seed = torch.load(path, weights_only=False)["ZarrDataModule"]["seed"]
     whole = model()
     trainer(**fit).fit(whole, datamodule=dm(seed))
-    np.testing.assert_array_equal(
-        np.concatenate([np.concatenate(first._ids["train"]), rest.ids["train0"]]),
-        whole.ids["train0"],
-    )
-    np.testing.assert_array_equal(rest.ids["train1"], whole.ids["train1"])
+    # a module whose train loader was built before the fit (its len() asked) drew a seed of
+    # its own, and that loader then refused the checkpoint: it is built anew
+    for built_before in (False, True):
+        rest, module = model(), dm(None)
+        if built_before:
+            assert len(module.train_dataloader()) > 0
+        trainer(**fit).fit(rest, datamodule=module, ckpt_path=path)
+        np.testing.assert_array_equal(
+            np.concatenate([np.concatenate(first._ids["train"]), rest.ids["train0"]]),
+            whole.ids["train0"],
+        )
+        np.testing.assert_array_equal(rest.ids["train1"], whole.ids["train1"])
+
+
+def test_printing_a_module_builds_no_loader(split_store: str) -> None:
+    """Lightning's ``str()`` of a datamodule calls each ``*_dataloader()`` and, a Loader not
+    being a torch DataLoader, drew a batch of each: printing the module crashed, cost a
+    train batch, and inside a fit stopped the fit's loop. Ours describes the module only."""
+    module = ZarrDataModule(data=split_store, chunk_size=32, preload_nchunks=4, batch_size=64)
+    text = str(module)
+    assert text == repr(module) == f"ZarrDataModule(data={split_store!r}, splits=not set up)"
+    assert module._loaders == {}
+    module.setup()
+    assert "'train': " in str(module) and module._loaders == {}
 
 
 def test_a_train_loader_of_your_own_reshuffles_and_resumes_exactly(
