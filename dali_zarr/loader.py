@@ -749,6 +749,25 @@ class Loader:
                 self.epoch,
                 pending.epoch,
             )
+        last = self._run
+        if (
+            self._open_epoch  # the last loop was left early
+            and pending is None
+            and last is not None
+            and last[0] == self.epoch
+            and (last[1] or last[2])  # ... and it went on from a loaded state
+        ):
+            # a peek (next(iter(loader))) after load_state_dict is such a loop: the epoch
+            # then ran afresh, repeating the rows the saved run had delivered, unsaid
+            log.warning(
+                "dali_zarr: the loop that went on with epoch %d from a loaded state was left "
+                "after %d batch(es); this loop starts epoch %d afresh, so rows delivered "
+                "before that state come again. To go on from where it stopped instead, load "
+                "loader.state_dict(), taken before this loop, into a new Loader",
+                self.epoch,
+                self._consumed,
+                self.epoch,
+            )
         # the resume point is used up, and this epoch becomes the run, once it has started:
         # a state saved meanwhile (a signal handler's, while the last loop's prefetched
         # batches drain) still has nothing of it handed out, not the last loop's count

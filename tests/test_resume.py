@@ -837,3 +837,47 @@ def test_len_inside_the_loop_of_a_resumed_epoch_counts_that_loop(store) -> None:
         # plan stayed the remainder's while len() told of the next loop)
         assert len(ld) == ld.plan().n_batches == sampler(world, 0).num_batches(N_OBS)
         ld.close()
+
+
+def test_a_loop_left_early_after_a_resume_warns_that_the_epoch_restarts(store, caplog) -> None:
+    """A peek (one batch) after load_state_dict is a loop left early, and the next loop
+    started the epoch afresh: the rows delivered before the saved state came again, with no
+    word (README: a loop left early makes the next start its epoch afresh). It warns now,
+    saying how to go on instead; and that advice resumes exactly. A loop left early in
+    an epoch not resumed restarts it as before, silently."""
+    import logging
+
+    with loader(store, sampler()) as first:
+        saves: dict[int, dict] = {}
+        done = take(first, 0, stop=4, saves=saves)
+        whole = take(first, 0)
+    state = roundtrip(saves[4])
+    with loader(store, sampler()) as ld:
+        ld.load_state_dict(state)
+        ld.set_epoch(0)
+        peeked = next(iter(ld))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dali_zarr.loader"):
+            again = take(ld, 0)
+        said = [r.getMessage() for r in caplog.records if "from a loaded state" in r.getMessage()]
+        assert said and "left after 1 batch(es)" in said[0], said
+        assert ids(again) == ids(whole)  # afresh, as before
+    with loader(store, sampler()) as ld:
+        ld.load_state_dict(state)
+        ld.set_epoch(0)
+        next(iter(ld))
+        after_peek = roundtrip(ld.state_dict())
+    with loader(store, sampler()) as ld:  # the advice: go on from the peeked batch
+        ld.load_state_dict(after_peek)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dali_zarr.loader"):
+            rest = take(ld, 0)
+            take(ld, 0, stop=1)  # left early, not resumed: restarts without a word
+            take(ld, 0)
+        assert not [r for r in caplog.records if "from a loaded state" in r.getMessage()]
+    assert ids([*done, {"index": peeked["index"].numpy()}, *rest]) == ids(whole)
+
+
+def ids(batches: list[dict[str, np.ndarray]]) -> list[int]:
+    """The observation ids of ``batches``, in order."""
+    return cat([b["index"] for b in batches]).tolist()
