@@ -1490,5 +1490,5 @@ def _refuse_truncated_blosc(array: Any, directory: str, name: str) -> None:
             raise ChunkReadError(
                 f"{name}: chunk {key!r} holds {size} bytes but {told} (blosc; truncated or "
                 "corrupted): zarr would decode it past its end into wrong values without an "
-                "error. Restore it from an intact copy, or re-write the array."
+                "error; restore this chunk from an intact copy, or re-write the array."
             )
