@@ -702,7 +702,12 @@ def _arrays_in(node: Any) -> list[tuple[str, Any]]:
     if hasattr(node, "members"):  # zarr
         return [(name, c) for name, c in node.members(max_depth=None) if is_array(c)]
     found: list[tuple[str, Any]] = []
-    node.visititems(lambda name, c: found.append((name, c)) if is_array(c) else None)
+
+    def visit(name: str, child: Any) -> None:  # h5py; a value returned would stop the walk
+        if is_array(child):
+            found.append((name, child))
+
+    node.visititems(visit)
     return found
 
 

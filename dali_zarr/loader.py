@@ -34,7 +34,7 @@ from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
 from dali_zarr.graph.source import BatchSource, Output, Planner, obs_list
 from dali_zarr.planning import EpochPlan
-from dali_zarr.planning.partition import validate_int
+from dali_zarr.planning.partition import validate_flag, validate_int
 from dali_zarr.planning.resume import (
     PlanSettings,
     ResumePoint,
@@ -183,8 +183,7 @@ class Loader:
             for flag, value in (("return_index", return_index),
                                 ("allow_uneven_batches", allow_uneven_batches),
                                 ("enable_checkpointing", enable_checkpointing)):  # fmt: skip
-                if not isinstance(value, bool | np.bool_):  # "no" was taken as True
-                    raise ConfigError(f"{flag} must be True or False, got {value!r}.")
+                validate_flag(flag, value, numpy=True)  # "no" was taken as True
             if transform is not None and not callable(transform):  # else a TypeError at the
                 raise ConfigError(  # first batch, from inside the graph's declaration
                     f"transform={transform!r} is not callable: pass a function that takes the "

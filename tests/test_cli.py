@@ -1672,8 +1672,8 @@ def test_convert_notes_an_obsm_entry_with_a_corrupted_chunk(tmp_path, capsys):
     dst = tmp_path / "o.zarr"
     assert run("convert", src, dst) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert f"obsm entries not carried: obsm/pca (cannot be read in {src}: chunk '0.0' " in out
-    assert "(blosc; truncated or corrupted)" in out, out  # its size checked first
+    assert f"obsm entries not carried: obsm/pca (cannot be read in {src}: chunk '0.0': " in out
+    assert "blosc header says 1646289184 compressed bytes but the chunk holds 26" in out, out
     written = ad.read_zarr(dst)
     assert list(written.obsm) == ["spatial"]
     np.testing.assert_array_equal(written.obsm["spatial"], a.obsm["spatial"])
@@ -1998,15 +1998,22 @@ def test_convert_refuses_a_truncated_blosc_chunk_zarr_would_misread(tmp_path, ca
     os.truncate(chunk, chunk.stat().st_size // 2)
     assert run("convert", "-q", tmp_path / "in.zarr", tmp_path / "o.zarr") == 2
     err = one_line_error(capsys)
-    assert "in.zarr/X: chunk '3.0' holds 208 bytes but a header of 416 bytes (blosc" in err, err
+    assert (
+        "in.zarr/X: chunk '3.0': blosc header says 416 compressed bytes but the chunk holds 208"
+        in err
+    ), err
     assert not (tmp_path / "o.zarr").exists()
+    from dali_zarr.io import open_reader  # the loader's zarr fallback checks it too
+
+    with pytest.raises(dz.ChunkReadError, match=r"X: chunk '3.0': blosc header says 416 "):
+        open_reader(zarr.open_array(tmp_path / "in.zarr" / "X"), name="X", force_zarr=True)
     shutil.rmtree(tmp_path / "in.zarr")
     with ad.settings.override(zarr_write_format=2):
         ad.AnnData(X=x, var=var).write_zarr(tmp_path / "in.zarr", chunks=(10, 5))
     column = tmp_path / "in.zarr" / "var" / "m" / "0"
     column.write_bytes(column.read_bytes()[:-8])
     assert run("convert", "-q", tmp_path / "in.zarr", tmp_path / "o.zarr") == 2
-    assert "in.zarr/var/m: chunk '0' holds" in one_line_error(capsys)
+    assert "in.zarr/var/m: chunk '0': blosc header says " in one_line_error(capsys)
 
 
 def test_a_bad_chunk_of_indptr_or_a_frame_column_is_named_by_convert_and_inspect(tmp_path, capsys):

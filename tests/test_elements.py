@@ -488,10 +488,10 @@ def test_a_corrupted_chunk_of_what_rides_beside_x_is_named(tmp_path: Path, colum
         dz.Loader(dz.open_dataset(path), sampler(), obs=obs)
     message = str(caught.value)
     assert message.startswith(f"bad.zarr/{array}: chunk '0"), message
-    assert "holds 26 bytes but a header of" in message and "(blosc; " in message, message
+    assert "compressed bytes but the chunk holds 26 (truncated" in message, message
     assert "restore this chunk from an intact copy" in message
     chunk.write_bytes(b"\x02\x01")  # cut inside its header
-    with pytest.raises(dz.ChunkReadError, match=r"holds 2 bytes but no whole 16-byte header"):
+    with pytest.raises(dz.ChunkReadError, match=r"blosc chunk is 2 bytes, shorter than its 16-"):
         dz.Loader(dz.open_dataset(path), sampler(), obs=obs)
 
 

@@ -330,15 +330,17 @@ def frame_index_names(frame: Any, *, where: str) -> tuple[str, ...] | None:
     categorical index's rows by their codes; a missing one is ``"nan"``, as pandas prints
     it); None where there is no index."""
     node = _index_node(frame, where=where)
-    if _is_categorical(node):
-        categories = text_values(node["categories"]) if "categories" in node else None
-        if categories is None or not is_array(node["codes"]):
-            return None
-        labels = np.array([*as_text(categories[...]), "nan"], dtype=object)
-        codes = np.asarray(node["codes"][...]).astype(np.int64)
-        return tuple(labels[np.where(codes < 0, len(labels) - 1, codes)].tolist())
-    values = text_values(node)
-    return None if values is None else as_text(values[...])
+    rows = index_array(node)  # the names, or a categorical index's codes
+    if rows is None:
+        return None
+    if not _is_categorical(node):
+        return as_text(rows[...])
+    categories = text_values(node["categories"]) if "categories" in node else None
+    if categories is None:
+        return None
+    labels = np.array([*as_text(categories[...]), "nan"], dtype=object)
+    codes = np.asarray(rows[...]).astype(np.int64)
+    return tuple(labels[np.where(codes < 0, len(labels) - 1, codes)].tolist())
 
 
 def _index_node(frame: Any, *, where: str) -> Any:

@@ -292,6 +292,23 @@ class _Zstd(_Stage):
 _BLOSC_HEADER = struct.Struct("<BBBBIII")
 
 
+def blosc_header_problem(head: bytes, nbytes: int) -> str:
+    """What is wrong with a stored blosc chunk of ``nbytes`` bytes that starts with
+    ``head`` (its first 16 bytes or fewer), or "" where its header's compressed size is the
+    chunk's. numcodecs trusts that size, so a truncated chunk would be decoded past its end:
+    our decoder and the arrays zarr-python reads (``readers._refuse_truncated_blosc``) look
+    first."""
+    if nbytes < 16 or len(head) < 16:
+        return f"blosc chunk is {nbytes} bytes, shorter than its 16-byte header"
+    cbytes = _BLOSC_HEADER.unpack(head[:16])[6]
+    if cbytes != nbytes:
+        return (
+            f"blosc header says {cbytes} compressed bytes but the chunk holds {nbytes} "
+            "(truncated or corrupted)"
+        )
+    return ""
+
+
 def _zstd_prefix_into(buf: np.ndarray, target: np.ndarray) -> int:
     """Decompress the first ``target.size`` bytes of the zstd frame in ``buf`` into ``target``.
 
@@ -319,17 +336,11 @@ class _Blosc(_Stage):
         self.codec = numcodecs.Blosc()
 
     def _check(self, buf: np.ndarray) -> int:
-        # numcodecs trusts the header's compressed size, so a truncated chunk would make it
-        # read past the buffer: validate the header before handing the bytes over.
-        if buf.size < 16:
-            raise DecodeError(f"blosc chunk is {buf.size} bytes, shorter than its 16-byte header")
-        _, _, _, _, nbytes, _, cbytes = _BLOSC_HEADER.unpack(buf[:16].tobytes())
-        if cbytes != buf.size:
-            raise DecodeError(
-                f"blosc header says {cbytes} compressed bytes but the chunk holds {buf.size} "
-                "(truncated or corrupted)"
-            )
-        return nbytes
+        head = buf[:16].tobytes()
+        problem = blosc_header_problem(head, buf.size)
+        if problem:
+            raise DecodeError(problem)
+        return _BLOSC_HEADER.unpack(head)[4]  # the decoded size
 
     def decode(self, buf: np.ndarray) -> Any:
         self._check(buf)

@@ -57,7 +57,6 @@ import contextlib
 import math
 import os
 import stat
-import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import product
@@ -69,7 +68,7 @@ from ..distributed import cpu_share
 from ..errors import ChunkReadError, DatasetError
 from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
 from . import buffers
-from .codecs import ChunkDecoder, DecodeError, verify_crc32c
+from .codecs import ChunkDecoder, DecodeError, blosc_header_problem, verify_crc32c
 from .layout import ArrayLayout, error_chain, missing_codec, parse_layout, zarr_misreads
 
 __all__ = [
@@ -1284,7 +1283,7 @@ def open_reader(
     _refuse_stale_metadata(array, directory, name)
     _refuse_other_separator(layout, directory, name)
     if force_zarr or layout.unsupported:
-        _refuse_truncated_blosc(array, directory, name)  # zarr decodes them
+        _refuse_truncated_blosc(layout, directory, name)  # zarr decodes them
         reason = "force_zarr=True" if force_zarr else layout.unsupported
         _refuse_zarr_misreads(
             array,
@@ -1312,7 +1311,7 @@ def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> N
     ones. Where it is not (never written, or all fill values), the first chunk entry the
     folder lists tells."""
     zeros = (0,) * len(layout.shape)
-    key = layout.key(zeros)
+    key, flat_zero = layout.key(zeros), ".".join(map(str, zeros))
     if key.startswith("c"):  # v3's default keys, "c/0/0" or "c.0.0" (one axis too)
         if os.path.isdir(os.path.join(directory, "c")):
             nested, found = True, "c/..."
@@ -1325,8 +1324,8 @@ def _refuse_other_separator(layout: ArrayLayout, directory: str, name: str) -> N
         return
     elif os.path.isdir(os.path.join(directory, "0")):
         nested, found = True, "0/..."
-    elif os.path.isfile(os.path.join(directory, ".".join(map(str, zeros)))):
-        nested, found = False, ".".join(map(str, zeros))
+    elif os.path.isfile(os.path.join(directory, flat_zero)):
+        nested, found = False, flat_zero
     else:
         entry = _first_chunk_entry(directory)
         if entry is None:
@@ -1452,20 +1451,17 @@ def refuse_stale_metadata(array: Any, *, name: str) -> None:
     directory, _ = local_directory(array)
     if directory is not None:
         _refuse_stale_metadata(array, directory, name)
-        _refuse_truncated_blosc(array, directory, name)
+        with contextlib.suppress(DatasetError):  # 0-d: refused by whoever reads it
+            _refuse_truncated_blosc(parse_layout(array), directory, name)
 
 
-def _refuse_truncated_blosc(array: Any, directory: str, name: str) -> None:
+def _refuse_truncated_blosc(layout: ArrayLayout, directory: str, name: str) -> None:
     """ChunkReadError for a stored chunk of an array compressed last by blosc whose size is
-    not the one its blosc header gives, for arrays zarr-python reads (obs columns, the
-    ``convert`` input, the zarr fallback). numcodecs trusts that header: a truncated chunk
-    decoded past its end into other memory's bytes, delivered as values without an error
-    (our own decoder checks each chunk as it reads it). One open and a 16-byte read per
-    stored chunk; sharded arrays are left to their index (an inner chunk's length is there)."""
-    try:
-        layout = parse_layout(array)
-    except DatasetError:  # 0-d: refused by whoever reads it
-        return
+    not the one its blosc header gives (:func:`~dali_zarr.io.codecs.blosc_header_problem`),
+    for arrays zarr-python reads (obs columns, the ``convert`` input, the zarr fallback):
+    numcodecs decoded a truncated chunk past its end into other memory's bytes, delivered as
+    values without an error. One open and a 16-byte read per stored chunk; sharded arrays
+    are left to their index (an inner chunk's length is there)."""
     codecs = layout.codecs
     if layout.shard is not None or codecs is None or not codecs.bytes_codecs:
         return
@@ -1473,22 +1469,19 @@ def _refuse_truncated_blosc(array: Any, directory: str, name: str) -> None:
         return
     for coords in product(*(range(n) for n in layout.chunk_grid)):
         key = layout.key(coords)
-        path = os.path.join(directory, *key.split("/"))
         try:
-            fd = open_stored(path)
+            fd = open_stored(os.path.join(directory, key))
+            if fd is None:  # never written: the fill value
+                continue
+            try:
+                problem = blosc_header_problem(os.pread(fd, 16, 0), os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
         except DecodeError as exc:
-            raise ChunkReadError(f"{name}: chunk {key!r}: {exc}") from exc
-        if fd is None:  # never written: the fill value
-            continue
-        try:
-            size, head = os.fstat(fd).st_size, os.pread(fd, 16, 0)
-        finally:
-            os.close(fd)
-        said = struct.unpack_from("<I", head, 12)[0] if len(head) == 16 else None
-        if said != size:
-            told = "no whole 16-byte header" if said is None else f"a header of {said} bytes"
+            problem = str(exc)
+        if problem:
             raise ChunkReadError(
-                f"{name}: chunk {key!r} holds {size} bytes but {told} (blosc; truncated or "
-                "corrupted): zarr would decode it past its end into wrong values without an "
-                "error; restore this chunk from an intact copy, or re-write the array."
+                f"{name}: chunk {key!r}: {problem}; zarr would decode it into wrong values "
+                "without an error: restore this chunk from an intact copy, or re-write the "
+                "array."
             )

@@ -75,6 +75,15 @@ def validate_int(
     return int(v)
 
 
+def validate_flag(name: str, value: object, *, numpy: bool = False) -> bool:
+    """``value`` if it is True or False, else ConfigError (``"no"`` is truthy). ``numpy``:
+    NumPy's bools too, where the flag is not saved as it is given (a state's JSON takes
+    no ``np.True_``)."""
+    if not isinstance(value, bool | np.bool_ if numpy else bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def validate_count(name: str, value: object, *, hint: str = "") -> int:
     """Return ``value`` as a Python int if it is a positive integer, else raise ConfigError."""
     return validate_int(name, value, low=1, what="a positive integer", hint=hint)
@@ -156,7 +165,7 @@ def validate_plan_inputs(
 
 def n_chunks_of(n_obs: int, chunk_size: int) -> int:
     """Number of chunks (the last one may be short)."""
-    return -(-int(n_obs) // int(chunk_size))
+    return -(-n_obs // chunk_size)
 
 
 def window_rows_of(chunk_size: int, preload_nchunks: int, batch_size: int) -> int:

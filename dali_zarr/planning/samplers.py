@@ -38,6 +38,7 @@ from dali_zarr.planning.partition import (
     rows_delivered,
     short_chunk_position,
     slice_ranges,
+    validate_flag,
     validate_plan_inputs,
     validate_seed,
     validate_sizes,
@@ -56,11 +57,6 @@ def _check_shard(shard: object) -> None:
             'chunks is split among ranks every epoch) or shard="contiguous" (each rank keeps '
             "the same contiguous rows every epoch)"
         )
-
-
-def _check_flag(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {value!r}")
 
 
 def plan_epoch(
@@ -115,7 +111,7 @@ def _plan_ranks(
         ("drop_last", drop_last),
         ("enforce_equal_batches", enforce_equal_batches),
     ):
-        _check_flag(name, flag)
+        validate_flag(name, flag)
     for rank in ranks:
         validate_plan_inputs(
             n_obs=n_obs,
@@ -309,8 +305,8 @@ class ChunkSampler:
             preload_nchunks=self.preload_nchunks,
             batch_size=self.batch_size,
         )
-        _check_flag("shuffle", self.shuffle)
-        _check_flag("drop_last", self.drop_last)
+        validate_flag("shuffle", self.shuffle)
+        validate_flag("drop_last", self.drop_last)
         if self.seed is None:
             object.__setattr__(self, "seed", secrets.randbits(63))
             object.__setattr__(self, "seed_was_drawn", True)
@@ -403,7 +399,7 @@ class DistributedSampler:
                     "first"
                 )
             _check_shard(shard)
-            _check_flag("enforce_equal_batches", enforce_equal_batches)
+            validate_flag("enforce_equal_batches", enforce_equal_batches)
         except Exception as exc:
             refused = exc
         try:
