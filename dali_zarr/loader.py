@@ -170,6 +170,10 @@ class Loader:
                 "on each rank, e.g. with an unseeded RNG, gives each rank other rows), open "
                 "the same element= with the same mask_and_scale=, and join the same stores "
                 "in the same order (sort a glob's paths)",
+                "stores' sampled rows": "join the same stores in the same order on every "
+                "rank (sort a glob's paths: equal-size stores in another order number other "
+                "rows alike), and give every node the same copy of each store (the digests "
+                "are of each store's first, middle and last rows)",
             },
         ) as mine:
             if stale_env is not None:
@@ -211,6 +215,9 @@ class Loader:
             mine.update(dataset_fingerprint(dataset))
             del mine["name"]
             mine["selection"] = dataset.selections()
+            stores = dataset.stores() if self._exchange is not None else None
+            if stores:  # read only where the ranks compare them
+                mine["stores' sampled rows"] = [s.sampled_rows_digest() for s in stores]
             if unchecked:
                 settings = compared_settings(sampler.settings)  # type: ignore[union-attr]
                 mine.update({f"sampler {k}": v for k, v in settings.items()})

@@ -178,6 +178,26 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         parts = [dz.open_dataset(big), dz.open_dataset(small)]
         loader(dz.Collection(parts if rank == 0 else parts[::-1]), sampler()).close()
 
+    def equal_parts(order: str) -> Callable[[], object]:
+        """Two stores of one size, written by each rank to a path of its own (node-local
+        copies of the same data): joined in the same order (``"same"``) or, on rank 1, in
+        the other (``"swapped"``, which sizes alone did not tell apart)."""
+
+        def scenario():
+            parts = []
+            for seed in (1, 2):
+                path = Path(big).parent / f"equal_seed{seed}_rank{rank}.zarr"
+                if not path.exists():
+                    synthetic.make_single_cell(
+                        path, n_obs=400, n_features=16, chunk_elements=256, seed=seed
+                    )
+                parts.append(dz.open_dataset(str(path)))
+            swapped = order == "swapped" and rank == 1
+            with loader(dz.Collection(parts[::-1] if swapped else parts), sampler()) as ld:
+                return len(ld)
+
+        return scenario
+
     def int32_refused_on_one_rank():  # JaxLoader: rank 1's copy holds values int32 wraps
         path = Path(big).parent / f"int64_obs_rank{rank}.zarr"
         if not path.exists():
@@ -193,6 +213,8 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "subset_per_rank": subset_per_rank,
         "features_per_rank": features_per_rank,
         "collection_order_per_rank": collection_order_per_rank,
+        "equal_parts_swapped": equal_parts("swapped"),
+        "equal_parts_copies": equal_parts("same"),
         "env_stale_on_one_rank": env_stale_on_one_rank,
         "element_per_rank": element_per_rank,
         "obs_refused_on_one_rank": obs_refused_on_one_rank,

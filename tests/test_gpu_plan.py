@@ -479,6 +479,26 @@ def test_host_kinds_say_why(tmp_path):
     )
 
 
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_chunks_past_a_decode_call_are_decoded_on_the_host(tmp_path, fmt):
+    """A call holds at least one chunk, so a chunk of more than ``CALL_NBYTES`` decoded
+    would pass the call cap's scratch bound (and nvCOMP refuses zstd chunks of 2 GiB or
+    more with a status that names no chunk): such arrays take the host decode."""
+    from dali_zarr.io.nvcomp_batched import CALL_NBYTES
+
+    for codec in ("zstd", "lz4"):
+        kinds = []
+        for width in (CALL_NBYTES // 4, CALL_NBYTES // 4 + 1):  # float32: the cap, one more
+            path = tmp_path / f"{codec}{width}.zarr"
+            array = zarr.create_array(  # metadata only: no chunk is written
+                str(path), shape=(2, width), chunks=(1, width), dtype="float32",
+                compressors=compressors(codec, fmt), zarr_format=fmt,
+            )  # fmt: skip
+            kinds.append(gpu_codec_kind(open_reader(array, name=path.name).layout))
+        assert kinds[0] == (codec, "")
+        assert kinds[1][0] == "host" and "chunks of 512 MiB decoded" in kinds[1][1], kinds
+
+
 @pytest.mark.parametrize("kind", ["none", "zstd", "lz4", "host"])
 @pytest.mark.parametrize(("kvikio", "gds", "nvcomp"), [(1, 1, 1), (1, 0, 1), (1, 0, 0), (0, 0, 1)])
 @pytest.mark.parametrize("reads", ["", "pinned"])

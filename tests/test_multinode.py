@@ -367,6 +367,8 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
         "features_per_rank": ["selection (rank 0: ['2 of 16 features #", "same rows"],
         # the same stores joined in another order: each rank numbers the rows otherwise
         "collection_order_per_rank": ["selection (rank 0: [{'rows': 1000", "same order"],
+        # ... also stores of one size, which sizes alone took for the same order
+        "equal_parts_swapped": ["stores' sampled rows (rank 0: ['", "same order"],
         # the same store and size, another matrix (X, layers/counts): other values, unsaid
         "element_per_rank": [
             "selection (rank 0: ['element X']; rank 1: ['element layers",
@@ -438,8 +440,9 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
     seeds = [r["drawn_seed"] for r in ranks]
     assert seeds[0] == seeds[1] and seeds[0][0] == "ok"  # rank 0's draw, on both
     assert [r["own_world"] for r in ranks] == [["ok", False]] * 2  # not the world: unchecked
-    lens = [r["same_store_other_paths"] for r in ranks]
-    assert lens[0] == lens[1] and lens[0][0] == "ok" and lens[0][1] > 0
+    for name in ("same_store_other_paths", "equal_parts_copies"):  # copies at other paths
+        lens = [r[name] for r in ranks]
+        assert lens[0] == lens[1] and lens[0][0] == "ok" and lens[0][1] > 0, (name, lens)
     # states of one step resume: each rank gets the rest of its epoch, as many batches
     rest = [r["resume_same_step"] for r in ranks]
     assert rest[0][0] == rest[1][0] == "ok" and len(rest[0][1]) == len(rest[1][1]) > 0

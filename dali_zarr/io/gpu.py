@@ -31,7 +31,8 @@ byte order: disk → GPU with no decode), ``"zstd"`` (zarr v3's default; nvCOMP 
 (numcodecs' LZ4: a 4-byte little-endian size header before a raw LZ4 block; the plan reads
 the header with the block but the decoder gets only the block, and the decoded size is
 checked instead of the header), and ``"host"`` for everything else (blosc, gzip, filters,
-big-endian, per-chunk crc32c, F order...), decoded by the same
+big-endian, per-chunk crc32c, F order, zstd or lz4 chunks larger than a decode call...),
+decoded by the same
 :class:`~dali_zarr.io.ChunkDecoder` as the CPU path. Arrays whose chunks do not equal
 the non-leading axes cannot be planned (rows would not be contiguous in a chunk, or not back
 to back where chunks are wider than the array); the caller
@@ -140,6 +141,14 @@ def gpu_codec_kind(layout: ArrayLayout) -> tuple[str, str]:
     ids = [str(c["id"]) for c in codecs.bytes_codecs]
     if not ids:
         return "none", ""
+    chunk_nbytes = math.prod(layout.chunk_shape) * layout.dtype.itemsize
+    if ids in (["zstd"], ["lz4"]) and chunk_nbytes > nvcomp_batched.CALL_NBYTES:
+        # a call holds at least one chunk: its scratch (~3x, ~6.5 GB for a 2 GiB chunk)
+        # would pass the call cap's bound, and nvCOMP refuses zstd chunks of 2 GiB or more
+        return "host", (
+            f"chunks of {chunk_nbytes / 2**20:.0f} MiB decoded, more than a decode call "
+            f"takes ({nvcomp_batched.CALL_NBYTES >> 20} MiB; smaller chunks decode on the GPU)"
+        )
     if ids == ["zstd"]:
         if codecs.bytes_codecs[0].get("checksum"):
             return "host", "zstd frames with content checksums"

@@ -63,7 +63,8 @@ _STATUS = {
 
 #: decoded bytes one decode call covers at most. nvCOMP 5.3's zstd decoder asks for about
 #: 3x a call's decoded bytes of scratch (its size query, tested in CI), so this bounds
-#: the scratch at ~1.5 GiB per reader thread, whatever the window's size. Larger calls
+#: the scratch at ~1.5 GiB per reader thread, whatever the window's size (arrays of larger
+#: chunks are decoded on the host: ``gpu.gpu_codec_kind``). Larger calls
 #: decode faster: nvCOMP works on a call's chunks side by side, and a window of large
 #: chunks cut in two calls keeps too few in flight. On the H200 (2026-11-27, gpu_profile
 #: --call-mb 128,1024) a window's decode took 44 instead of 84 ms with 1 MiB inner chunks,
