@@ -1434,6 +1434,62 @@ def test_integer_and_bool_categories_are_named_as_text(tmp_path: Path) -> None:
     assert [loader.categories("ok")[c] for c in batch["ok"]] == ["True", "False", "True", "True"]
 
 
+def test_date_and_float32_categories_are_named_as_pandas_prints_them(tmp_path: Path) -> None:
+    """Date categories were named by their stored unit: anndata 0.12 writes nanoseconds,
+    which came out as integers, so a collection beside a store with microseconds (anndata
+    0.13) gave one date two codes; float32 categories were named by their float64 value
+    (``0.10000000149011612``). Both are named as pandas prints them now, and merge."""
+    import anndata as ad
+    import pandas as pd
+
+    days = pd.to_datetime(
+        ["2021-05-05", "2020-01-01 00:00:00.5", "2021-05-05", "1969-12-31"], format="ISO8601"
+    )
+    obs = pd.DataFrame(
+        {"day": pd.Categorical(days), "dose": pd.Categorical(np.float32([0.1, 0.5, 0.1, 0.5]))},
+        index=[f"c{i}" for i in range(4)],
+    )
+    adata = ad.AnnData(X=np.ones((4, 2), np.float32), obs=obs)
+    for name in ("ns.zarr", "us.zarr"):
+        adata.write_zarr(tmp_path / name)
+    group = zarr.open_group(tmp_path / "us.zarr", mode="r+")["obs"]
+    # the other store: dates in microseconds (as anndata 0.13 writes them), doses in float64
+    for column, values in (
+        ("day", group["day/categories"][...].astype("datetime64[us]")),
+        ("dose", np.array([0.1, 0.5])),
+    ):
+        assert group[f"{column}/categories"].dtype != values.dtype  # 0.12's: ns and float32
+        del group[f"{column}/categories"]
+        group.create_array(f"{column}/categories", data=values).attrs.update(
+            {"encoding-type": "array", "encoding-version": "0.2.0"}
+        )
+    zarr.consolidate_metadata(tmp_path / "us.zarr")
+    names = {"day": tuple(str(d) for d in days.unique().sort_values())}
+    names["dose"] = ("0.1", "0.5")
+    for stores in (["ns.zarr"], ["us.zarr"], ["ns.zarr", "us.zarr"]):
+        ds = dz.open_dataset([tmp_path / s for s in stores])
+        for column in ("day", "dose"):
+            assert ds.categories(column) == names[column], (stores, column)
+            got = np.array(names[column])[ds.obs_column(column).values]
+            want = [str(np.float32(v)) if column == "dose" else str(v) for v in obs[column]]
+            assert got.tolist() == want * len(stores), (stores, column)
+
+
+def test_obs_errors_of_a_collection_name_the_part(tmp_path: Path) -> None:
+    """Stores are named by their folder's name, so run1/cells.zarr beside run2/cells.zarr
+    gave errors that named neither; the part's position in the collection is named too."""
+    for run, columns in (("run1", ["depth"]), ("run2", [])):
+        (tmp_path / run).mkdir()
+        write_anndata(tmp_path / run / "cells.zarr", n_obs=20, n_features=4, zarr_format=3)
+        group = zarr.open_group(tmp_path / run / "cells.zarr", mode="r+")["obs"]
+        if "depth" not in columns:
+            del group["depth"]
+            zarr.consolidate_metadata(tmp_path / run / "cells.zarr")
+    ds = dz.open_dataset([tmp_path / "run1" / "cells.zarr", tmp_path / "run2" / "cells.zarr"])
+    with pytest.raises(dz.DatasetError, match=r"part 1 \(cells.zarr.*no column 'depth'"):
+        ds.obs_column("depth")
+
+
 def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None:
     """A path for the dataset, None (or torch's sampler) for the sampler, obs that are not
     column names, an epoch that is not a whole number and a state that is not a dict failed

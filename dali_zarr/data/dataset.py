@@ -706,9 +706,16 @@ class Collection(Dataset):
 
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:
-            self._columns[name] = concat_obs_columns(
-                [p.obs_column(name) for p in self.parts], [p.name for p in self.parts]
-            )
+            # parts named by position too: stores are named by their folder's name, and
+            # run1/cells.zarr beside run2/cells.zarr left an error naming neither
+            labels = [f"part {i} ({p.name})" for i, p in enumerate(self.parts)]
+            columns = []
+            for label, part in zip(labels, self.parts, strict=True):
+                try:
+                    columns.append(part.obs_column(name))
+                except DatasetError as exc:
+                    raise DatasetError(f"{self.name}, {label}: {exc}") from exc
+            self._columns[name] = concat_obs_columns(columns, labels)
         return self._columns[name]
 
     @property

@@ -366,13 +366,48 @@ def index_array(node: Any) -> Any:
 
 
 def as_text(values: np.ndarray) -> tuple[str, ...]:
-    """Names (var index, category labels) as text. Fixed-length bytes arrays (``S`` dtype,
-    written by older tools) hold ``bytes``, which ``str`` turned into ``"b'g1'"``: no name
-    matched what anndata reads (``g1``); they are decoded as UTF-8 instead."""
+    """Names (var index, category labels) as text, as pandas prints them, so that stores of
+    a collection merge labels by what they mean, not by how they were stored:
+
+    - fixed-length bytes (``S`` dtype, older tools) are decoded as UTF-8 (``str`` gave
+      ``"b'g1'"``, which matched no name anndata reads);
+    - floats by the shortest text of their own precision (float32 0.1 is ``0.1``, not the
+      ``0.10000000149011612`` of its float64 value);
+    - dates whatever their stored unit (:func:`_timestamp_text`; anndata 0.12 writes ns,
+      0.13 us, and ns values came out as integers).
+    """
+    values = np.asarray(values)
+    if values.dtype.kind == "M":
+        return _timestamp_text(values)
+    if values.dtype.kind == "f":
+        return tuple(str(v) for v in values.reshape(-1))
     return tuple(
         v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-        for v in np.asarray(values).tolist()
+        for v in values.tolist()
     )
+
+
+def _timestamp_text(values: np.ndarray) -> tuple[str, ...]:
+    """``datetime64`` values as ``str(pandas.Timestamp)`` writes them: ``YYYY-MM-DD
+    HH:MM:SS``, then 6 digits where the microseconds are not 0 and 9 where the nanoseconds
+    are not (units finer than nanoseconds are cut to them)."""
+    unit = np.datetime_data(values.dtype)[0]
+    fine = "ns" if unit in ("ns", "ps", "fs", "as") else "us"
+    exact = values.astype(f"datetime64[{fine}]").reshape(-1)
+    seconds = exact.astype("datetime64[s]")  # floors, also before 1970
+    fraction = (exact - seconds).astype(np.int64)  # in `fine` units, >= 0
+    per_us = 1000 if fine == "ns" else 1
+    texts = []
+    for stamp, part in zip(np.datetime_as_string(seconds, unit="s"), fraction.tolist()):
+        text = str(stamp)
+        if text != "NaT":
+            text = text.replace("T", " ")
+            if part % per_us:
+                text += f".{part:09d}"
+            elif part:
+                text += f".{part // per_us:06d}"
+        texts.append(text)
+    return tuple(texts)
 
 
 def text_values(node: Any) -> Any:
