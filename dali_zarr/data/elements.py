@@ -398,7 +398,8 @@ def _timestamp_text(values: np.ndarray) -> tuple[str, ...]:
     fraction = (exact - seconds).astype(np.int64)  # in `fine` units, >= 0
     per_us = 1000 if fine == "ns" else 1
     texts = []
-    for stamp, part in zip(np.datetime_as_string(seconds, unit="s"), fraction.tolist()):
+    stamps = np.datetime_as_string(seconds, unit="s").tolist()
+    for stamp, part in zip(stamps, fraction.tolist(), strict=True):
         text = str(stamp)
         if text != "NaT":
             text = text.replace("T", " ")
