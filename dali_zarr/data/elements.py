@@ -382,8 +382,7 @@ def as_text(values: np.ndarray) -> tuple[str, ...]:
     if values.dtype.kind == "f":
         return tuple(str(v) for v in values.reshape(-1))
     return tuple(
-        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-        for v in values.tolist()
+        v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in values.tolist()
     )
 
 
