@@ -864,6 +864,54 @@ def test_a_store_rewritten_in_the_middle_of_an_epoch_is_refused(tmp_path: Path, 
     assert 0 < served < 2_000, served  # a few windows read ahead of the rewrite, not the epoch
 
 
+@pytest.mark.parametrize("layout", ["sharded store", "unsharded store in a collection"])
+@pytest.mark.parametrize("where", WHERE)
+def test_row_offsets_rewritten_in_place_are_refused(tmp_path: Path, where, layout) -> None:
+    """A CSR's ``indptr`` is read at open. Rewritten in place (``g["X/indptr"][:] = ...``,
+    same shape and nnz, no metadata file touched) beside new ``data`` and ``indices``
+    (which are read anew), every later row was cut at the old offsets, with no error. Its
+    files are now stamped at open and checked around each window and before each epoch."""
+    from dali_zarr import synthetic
+
+    sharded = layout == "sharded store"
+    path = synthetic.make_single_cell(
+        tmp_path / "moving.zarr", n_obs=2_000, n_features=30, chunk_elements=256,
+        shard_chunks=4 if sharded else None,
+    )  # fmt: skip
+    group = zarr.open_group(path, mode="r+")
+    n = 2_000
+    old = sp.csr_matrix(
+        (group["X/data"][...], group["X/indices"][...], group["X/indptr"][...]), shape=(n, 30)
+    )
+    new = old[np.random.default_rng(1).permutation(n)]  # the same nnz, other row lengths
+    assert (new.indptr != old.indptr).any() and new.nnz == old.nnz
+    dataset = dz.open_dataset(path)
+    if not sharded:
+        other = synthetic.make_single_cell(tmp_path / "other.zarr", n_obs=100, n_features=30)
+        dataset = dz.Collection([dataset, dz.open_dataset(other)])
+    loader = dz.Loader(
+        dataset, sampler(), num_threads=1, return_index=True, prefetch_windows=1,
+        **_device(where),
+    )  # fmt: skip
+    old_x, served = old.toarray(), 0
+    try:
+        with pytest.raises(dz.DatasetError, match=r"moving\.zarr/X/indptr: its values were"):
+            for i, batch in enumerate(loader):
+                index = batch["index"].cpu().numpy()
+                mine = index[index < n]  # the collection's other store is not rewritten
+                np.testing.assert_array_equal(batch["X"].cpu().numpy()[index < n], old_x[mine])
+                served += len(index)
+                if i == 0:
+                    for key in ("indptr", "data", "indices"):
+                        group[f"X/{key}"][:] = getattr(new, key)
+        assert 0 < served < dataset.n_obs, served  # windows read ahead of it, not the epoch
+        loader.set_epoch(1)  # ... and refused again as the next epoch starts
+        with pytest.raises(dz.DatasetError, match=r"indptr/.* changed\), and they were read"):
+            next(iter(loader))
+    finally:
+        loader.close()
+
+
 def _compressible_store(tmp_path: Path, shards) -> Path:
     """400 x 16 float32 counting up, zstd, chunks of 10 rows (sharded by ``shards`` or not):
     values that compress well, so that random values rewritten in place change the sizes."""

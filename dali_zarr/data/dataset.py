@@ -60,6 +60,7 @@ from dali_zarr.errors import (
 )
 from dali_zarr.io import (
     ArrayReader,
+    StoredObjectsWatch,
     check_ranges,
     checked_around,
     metadata_file,
@@ -171,8 +172,13 @@ class Dataset(ABC):
         asks before each epoch; each reader also checks around every read): what was read
         at open (a CSR's row offsets, shapes, chunk and shard indexes) would describe the old
         array and give the new one's rows wrong."""
-        for reader in self.readers():
+        for reader in [*self.readers(), *self.watches()]:
             reader.check_unchanged()
+
+    def watches(self) -> list[StoredObjectsWatch]:
+        """Watches of the arrays read whole at open (a CSR's row offsets), which
+        :meth:`check_unchanged` checks besides the readers."""
+        return []
 
     def unchanged_around(self) -> contextlib.AbstractContextManager[None]:
         """:meth:`check_unchanged` before and after a read that bypasses the readers (the
@@ -525,6 +531,7 @@ class CsrDataset(_StoreDataset):
                 "one offset per row, plus one); the store is inconsistent: re-write the matrix."
             )
         refuse_stale_metadata(array, name=where)
+        self.indptr_watch = StoredObjectsWatch(array, name=where)  # stamped before the read
         return indptr_as_int64(read_whole(array, name=where), where)
 
     def _check_indptr(self) -> None:
@@ -540,10 +547,12 @@ class CsrDataset(_StoreDataset):
 
     def read_rows(self, ranges: np.ndarray) -> CsrRows:
         ranges = check_ranges(ranges, self.n_obs, self.name)
-        element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
-        indptr = sub_indptr(self.indptr, ranges_to_rows(ranges))
-        data = self.data_reader.read_rows(element_ranges)
-        indices = self.indices_reader.read_rows(element_ranges)
+        # the offsets read at open, checked around the window's reads (a few stats)
+        with checked_around(lambda: self.indptr_watch.check(ranges)):
+            element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
+            indptr = sub_indptr(self.indptr, ranges_to_rows(ranges))
+            data = self.data_reader.read_rows(element_ranges)
+            indices = self.indices_reader.read_rows(element_ranges)
         self.check_indices(indices, ranges)
         return CsrRows(data, indices, indptr)
 
@@ -570,6 +579,9 @@ class CsrDataset(_StoreDataset):
 
     def readers(self) -> list[ArrayReader]:
         return [self.data_reader, self.indices_reader]
+
+    def watches(self) -> list[StoredObjectsWatch]:
+        return [self.indptr_watch]
 
 
 def sub_indptr(indptr: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -778,6 +790,9 @@ class Collection(Dataset):
 
     def readers(self) -> list[ArrayReader]:
         return [reader for part in self.parts for reader in part.readers()]
+
+    def watches(self) -> list[StoredObjectsWatch]:
+        return [watch for part in self.parts for watch in part.watches()]
 
 
 def common_index_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:

@@ -25,7 +25,7 @@ from dali_zarr.data.elements import CfDecoding
 from dali_zarr.data.obs import ObsColumn, as_text
 from dali_zarr.data.subset import refuse_integer_mask
 from dali_zarr.errors import DatasetError
-from dali_zarr.io import ArrayReader
+from dali_zarr.io import ArrayReader, StoredObjectsWatch
 
 FeatureSelection = np.ndarray | Sequence[int] | Sequence[str] | Sequence[bool]
 
@@ -274,6 +274,9 @@ class FeatureSubset(Dataset):
 
     def readers(self) -> list[ArrayReader]:
         return self.parent.readers()
+
+    def watches(self) -> list[StoredObjectsWatch]:
+        return self.parent.watches()
 
     def var_names(self) -> tuple[str, ...] | None:
         names = self.parent.var_names()

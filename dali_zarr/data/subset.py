@@ -21,7 +21,7 @@ from dali_zarr.data.dataset import Dataset, Rows, StoreRun
 from dali_zarr.data.elements import CfDecoding
 from dali_zarr.data.obs import ObsColumn
 from dali_zarr.errors import DatasetError
-from dali_zarr.io import ArrayReader
+from dali_zarr.io import ArrayReader, StoredObjectsWatch
 from dali_zarr.planning.partition import concat_aranges, run_offsets
 
 
@@ -204,3 +204,6 @@ class Subset(Dataset):
 
     def readers(self) -> list[ArrayReader]:
         return self.parent.readers()
+
+    def watches(self) -> list[StoredObjectsWatch]:
+        return self.parent.watches()

@@ -1069,6 +1069,56 @@ class _MetadataWatch:
             )
 
 
+class StoredObjectsWatch:
+    """The stored objects (chunk or shard files) of a local 1-D array read whole at open (a
+    CSR's row offsets), stamped before that read. Values rewritten in place (same shape,
+    same metadata file: ``g["X/indptr"][:] = ...``) left the copy read at open describing
+    the old array: beside the new ``data`` and ``indices`` (read anew) every row came out
+    cut at the old offsets, with no error. ``check(ranges)`` stats the objects that hold
+    the offsets of rows ``ranges``; ``check()`` all of them (before an epoch). A remote or
+    in-memory array has nothing to watch."""
+
+    def __init__(self, array: Any, *, name: str) -> None:
+        self.name = name
+        self._paths: list[str] = []
+        self._stamps: list[tuple[int, ...]] = []
+        self._rows_per_object = 1
+        directory, _ = local_directory(array)
+        if directory is None or len(array.shape) != 1:
+            return
+        layout = parse_layout(array)
+        if layout.encode_key is None:
+            return
+        self._rows_per_object = rows = int(layout.grid_chunk_shape[0])
+        n_objects = -(-int(array.shape[0]) // rows)
+        self._paths = [os.path.join(directory, layout.key((i,))) for i in range(n_objects)]
+        self._stamps = [_file_stamp(path) for path in self._paths]  # (): missing (fill)
+
+    def check(self, ranges: np.ndarray | None = None) -> None:
+        """DatasetError where an object that holds rows ``ranges`` (``(k, 2)`` ``[start,
+        stop)``, whose offsets ``start .. stop`` are read) changed; all objects for None."""
+        if not self._paths:
+            return
+        if ranges is None:
+            objects: Sequence[int] = range(len(self._paths))
+        else:
+            ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+            first = ranges[:, 0] // self._rows_per_object
+            last = np.minimum(ranges[:, 1] // self._rows_per_object, len(self._paths) - 1)
+            objects = np.unique(concat_aranges(first, last - first + 1)).tolist()
+        for i in objects:
+            if _file_stamp(self._paths[i]) != self._stamps[i]:
+                raise DatasetError(
+                    f"{self.name}: its values were rewritten since the store was opened "
+                    f"({self._paths[i]} changed), and they were read then: the new ones "
+                    "would be read with the old. Open the store again (dz.open_dataset) and "
+                    "make a new Loader."
+                )
+
+    def check_unchanged(self) -> None:
+        self.check()
+
+
 # ---------------------------------------------------------------------------- zarr fallback
 
 
