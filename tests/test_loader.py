@@ -330,6 +330,51 @@ def test_a_ctrl_c_while_a_batch_is_drawn_leaves_the_next_loops_right(
     loader.close()
 
 
+def test_a_ctrl_c_in_the_callback_is_not_raised_again_for_a_later_error(sc_store: Path) -> None:
+    """A Ctrl-C that landed while the callback waited for a window was kept as the
+    callback's error, and raised again two epochs later in place of a transform's own
+    error: a crash reported as an interrupt (and taken as one by a handler that saves and
+    exits on KeyboardInterrupt)."""
+    import signal
+    import time
+
+    from nvidia.dali import fn
+
+    dataset = dz.open_dataset(sc_store)
+    read_rows, interrupt = dataset.read_rows, [True]
+
+    def interrupted_once(ranges):  # the prefetch thread: the loop waits in the callback
+        if interrupt[0]:
+            interrupt[0] = False
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(0.5)
+        return read_rows(ranges)
+
+    dataset.read_rows = interrupted_once
+    fail = [False]
+
+    def check(x):
+        if fail[0]:
+            raise ValueError("the transform's own error")
+        return x
+
+    loader = dz.Loader(
+        dataset,
+        sampler(),
+        return_index=True,
+        transform=lambda n: {**n, "X": fn.python_function(n["X"], function=check)},
+    )
+    with loader:
+        with pytest.raises(KeyboardInterrupt):
+            run_epoch(loader, 0)
+        assert len(run_epoch(loader, 1)["index"]) == 3_001  # goes on after it
+        fail[0] = True
+        with pytest.raises(BaseException) as raised:  # on the old code a KeyboardInterrupt
+            run_epoch(loader, 2)
+        assert not isinstance(raised.value, KeyboardInterrupt), repr(raised.value)
+        assert "the transform's own error" in str(raised.value)
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu-host"])
 def test_a_state_saved_on_ctrl_c_counts_only_batches_handed_out(
     sc_store: Path, device: str

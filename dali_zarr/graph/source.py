@@ -372,8 +372,11 @@ class BatchSource:
     def restart(self) -> None:
         """Forget the DALI pipeline fed so far (the loader dropped it): a new one counts its
         epochs from 0 again, which must not find the old one's epochs bound, cut short or
-        read ahead (on the GPU path a cached window's ring slot may have been recycled)."""
+        read ahead (on the GPU path a cached window's ring slot may have been recycled),
+        nor the old one's callback error (a Ctrl-C caught in the callback was raised later
+        in place of an unrelated error)."""
         with self._lock:
+            self.error = None
             self._epochs.clear()
             self._stop_at.clear()
             self._expected.clear()
