@@ -184,11 +184,20 @@ def output_permutation(
     parts = list(_output_rows(n_obs, shuffle))
     order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
     if digest is not None and order_digest(parts) != digest:
+        why = (
+            f"NumPy {numpy} then, {np.__version__} now: its permutation stream changed"
+            if numpy is not None and numpy != np.__version__
+            else "the same NumPy: the keywords differ from the store's shuffle entry"
+        )
+        advice = (
+            "Recompute it under the NumPy version that wrote the store."
+            if numpy is not None and numpy != np.__version__
+            else "Pass the output's dali_zarr attribute's shuffle entry as it is "
+            "(output_permutation(n_obs, **attrs['dali_zarr']['shuffle']))."
+        )
         raise DatasetError(
             f"the shuffled order recomputed here differs from the one the store was written "
-            f"in (NumPy {numpy} then, {np.__version__} now: its permutation stream changed), "
-            "so it would map rows to the wrong input rows. Recompute it under the NumPy "
-            "version that wrote the store."
+            f"in ({why}), so it would map rows to the wrong input rows. {advice}"
         )
     return order
 

@@ -60,7 +60,8 @@ class Loader:
 
     ``batch["X"]`` is ``[B, *features]`` (``dtype``, float32 by default) or, with
     ``output="csr"``, a ``torch.sparse_csr_tensor``; every name in ``obs`` gives ``[B]``
-    (categorical codes as int64, numeric columns in their dtype); ``return_index=True`` adds
+    (categorical codes as int64, -1 for a missing value; numeric columns in their dtype,
+    float16 as float32), or ``[B, ...]`` for an ``obsm/<key>`` entry; ``return_index=True`` adds
     ``batch["index"]``, the global observation ids. Call :meth:`set_epoch` before each epoch
     to reshuffle, as with torch's ``DistributedSampler``.
 

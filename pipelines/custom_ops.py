@@ -41,7 +41,8 @@ def main() -> None:
         x = batch["X"]
         print(
             f"batch {i}: X {tuple(x.shape)} {x.dtype}, max log1p count {x.max().item():.3f}, "
-            f"labels {torch.bincount(batch['cell_type']).tolist()}"
+            # code -1: a cell without a label (a missing value)
+            f"labels {torch.bincount(batch['cell_type'][batch['cell_type'] >= 0]).tolist()}"
         )
         if i + 1 >= args.batches:
             break

@@ -362,6 +362,10 @@ def test_shuffle_is_a_recorded_permutation(tmp_path, h5ad_file):
     other = {**info["shuffle"], "digest": "0" * 16, "numpy": "1.0"}
     with pytest.raises(dz.DatasetError, match=r"NumPy 1\.0 then, .* now: its permutation"):
         output_permutation(700, **other)
+    # ... and under the same NumPy, keywords that are not the store's (another seed) are
+    # named as such: the advice to use the NumPy that wrote the store could not help
+    with pytest.raises(dz.DatasetError, match=r"the same NumPy: the keywords differ"):
+        output_permutation(700, **{**info["shuffle"], "seed": 8})
     np.testing.assert_array_equal(back.X.toarray(), adata.X.toarray()[perm])
     np.testing.assert_array_equal(loader_rows(dst), adata.X.toarray()[perm])
     assert_same_obs(back.obs, adata.obs.iloc[perm])
