@@ -669,17 +669,26 @@ def test_array_with_a_bad_fill_value_is_not_called_not_a_store(tmp_path: Path) -
     assert "not a Zarr store" not in str(info.value)
 
 
-def test_anndata_inside_a_plain_group_is_pointed_at(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group_format", [2, 3])
+def test_anndata_inside_a_plain_group_is_pointed_at(tmp_path: Path, group_format: int) -> None:
+    """Also where the group is in the other Zarr format (zarr 3 makes v3 groups, anndata
+    0.12 writes v2 stores): zarr lists a group's members in its own format only, and the
+    error named no store."""
     from anndata.io import write_elem
 
     root = tmp_path / "nested.zarr"
     write_elem(zarr.open_group(root, mode="w", zarr_format=2), "sample1", make_adata())
+    if group_format == 3:  # the same v2 store inside a v3 group
+        (root / ".zgroup").unlink()
+        zarr.open_group(root, mode="a", zarr_format=3)
     hint = r"It holds AnnData stores: open one of nested\.zarr/sample1\."
     with pytest.raises(dz.DatasetError, match=rf"neither an AnnData store .*{hint}"):
         dz.open_dataset(root)
     with pytest.raises(
         dz.DatasetError,
-        match=rf"'sample1/X' is a group \(encoding-type 'csr_matrix'\), not an array.*{hint}",
+        match=rf"'sample1/X' is a group \(encoding-type 'csr_matrix'\), not an array.*{hint}"
+        if group_format == 2
+        else rf"has no array 'sample1/X'.*{hint}",  # zarr does not reach into the v2 store
     ):
         dz.open_dataset(root, element="sample1/X")
     assert dz.open_dataset(root / "sample1").n_obs == N_OBS

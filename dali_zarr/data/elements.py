@@ -515,8 +515,11 @@ def pick_element(
         key = (element or "X").strip("/")
         return Picked(anndata_element(root, key, store=store), key, True)
     # AnnData stores written inside a plain group (anndata's write_elem(group, "sample1", ...))
-    nested = [f"{store}/{k}" for k, v in _readable_members(root) if _is_anndata_group(v)]
-    inside = f" It holds AnnData stores: open one of {', '.join(nested)}." if nested else ""
+
+    def inside() -> str:  # only errors say it: the listing opens every member
+        nested = [f"{store}/{k}" for k in _nested_anndata(root)]
+        return f" It holds AnnData stores: open one of {', '.join(nested)}." if nested else ""
+
     if element is None and encoding in ("csr_matrix", "csc_matrix", "csr", "csc"):
         # its arrays (data, indices, indptr) are no observations: loading one is no advice
         raise DatasetError(
@@ -537,7 +540,7 @@ def pick_element(
         raise DatasetError(
             f"{store}: is a Zarr group but neither an AnnData store (root attribute "
             f"'encoding-type' is {encoding!r}, expected 'anndata') nor an array."
-            f"{_enclosing_store_hint(root) or hint}{inside}"  # its arrays: no advice there
+            f"{_enclosing_store_hint(root) or hint}{inside()}"  # its arrays: no advice there
         )
     key = element.strip("/")
     if any(part in (".", "..") for part in key.split("/")):  # zarr raises a bare ValueError
@@ -553,12 +556,12 @@ def pick_element(
         held = f" (arrays in it: {_names(inner)})" if inner else ""
         raise DatasetError(
             f"{store}: {element!r} is a group{encoded}, not an array{held}; pass element= the "
-            f"path of an array.{inside}"
+            f"path of an array.{inside()}"
         )
     if node is None:
         raise DatasetError(
             f"{store}: has no array {element!r}{_listing_of(_arrays_in(root))}; pass "
-            f"element= the path of one.{inside}" + stale_listing_hint(root, key)
+            f"element= the path of one.{inside()}" + stale_listing_hint(root, key)
         )
     return Picked(node, key, False)
 
@@ -690,6 +693,38 @@ def _readable_members(group: Any) -> list[tuple[str, Any]]:
         except (KeyError, ValueError, TypeError):  # named when it is the element asked for
             continue
     return found
+
+
+def _nested_anndata(root: Any) -> list[str]:
+    """Names of ``root``'s members that are AnnData stores, also those in the other Zarr
+    format (anndata 0.12 writes v2 into a v3 group that zarr 3 made; zarr lists a group's
+    members in its own format only, so the error named none of them)."""
+    found = {k for k, v in _readable_members(root) if _is_anndata_group(v)}
+    from dali_zarr.io import local_directory
+
+    directory, _ = local_directory(root)
+    if directory is not None:
+        for entry in os.scandir(directory):
+            other = entry.is_dir() and entry.name not in found
+            if other and _metadata_encoding(entry.path) == "anndata":
+                found.add(entry.name)
+    return sorted(found)
+
+
+def _metadata_encoding(folder: str) -> object:
+    """The ``encoding-type`` attribute a group's metadata file in ``folder`` records, in
+    either Zarr format (None where there is none or it cannot be read)."""
+    import json
+
+    for name, attrs_of in ((".zattrs", lambda m: m), ("zarr.json", lambda m: m.get("attributes"))):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                attrs = attrs_of(json.load(f))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(attrs, dict) and "encoding-type" in attrs:
+            return attrs["encoding-type"]
+    return None
 
 
 def _is_anndata_group(node: Any) -> bool:
