@@ -398,6 +398,11 @@ def _pread_into(fd: int, buf: np.ndarray, offset: int) -> int:
     return total
 
 
+#: an edge chunk is decoded whole into a buffer of its own up to this size, or 4x its valid
+#: part (:meth:`DirectReader._plan`)
+EDGE_WHOLE_BYTES = 64 << 20
+
+
 class _Piece:
     """One stored chunk (or inner chunk) to read, and where its rows go."""
 
@@ -589,13 +594,20 @@ class DirectReader:
         # (one allocation a call, from the window's pool where one is active: a buffer
         # each cost a fresh allocation, and its page faults, per boundary chunk). An edge
         # chunk (short, or narrower than the chunk shape) of a single-chunk-wide array is
-        # decoded whole into a chunk-shaped buffer, of which the valid part is used.
+        # decoded whole into a chunk-shaped buffer, of which the valid part is used; not
+        # where that buffer is far larger than the valid part (a missing chunk of 2**40 rows
+        # asked for 42 TiB): such a chunk is cropped from its decode, which allocates the
+        # whole chunk only where it is stored (then zarr wrote it whole too).
+        itemsize = self.dtype.itemsize
         temp: dict[int, tuple[tuple[int, ...], int, bool]] = {}  # shape, rows, edge
         for c in needed.tolist():
             if c not in bufs and c not in heads:
                 rows = min(C, n - c * C)
+                valid = (rows, *shape[1:])
+                whole = math.prod(chunk) * itemsize
                 edge = single and not (rows == C and self._whole_rows)
-                temp[c] = (tuple(chunk) if edge else (rows, *shape[1:]), rows, edge)
+                edge = edge and whole <= max(4 * math.prod(valid) * itemsize, EDGE_WHOLE_BYTES)
+                temp[c] = (tuple(chunk) if edge else valid, rows, edge)
         flat = buffers.empty(sum(math.prod(t[0]) for t in temp.values()), self.dtype)
         at = 0
         pieces: list[_Piece] = []
