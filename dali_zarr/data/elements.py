@@ -783,8 +783,17 @@ def stale_listing_hint(root: Any, key: str) -> str:
     if not key or directory is None:
         return ""
     where = os.path.join(directory, *key.split("/"))
-    if metadata_file(where) is None:
+    found = metadata_file(where)
+    if found is None:
         return ""
+    fmt = 3 if os.path.basename(found) == "zarr.json" else 2
+    root_fmt = getattr(getattr(root, "metadata", None), "zarr_format", fmt)
+    if fmt != root_fmt:  # zarr does not walk from a group into members of the other format
+        return (
+            f" (It is on disk at {where}, in Zarr format {fmt} inside a format {root_fmt} "
+            "group, which zarr does not read through: open the store it belongs to by its "
+            "own path.)"
+        )
     return (
         f" (It is on disk at {where}, but not in the store's consolidated metadata, which was "
         "written before it: run zarr.consolidate_metadata on the store.)"
