@@ -1531,7 +1531,7 @@ def test_obs_errors_of_a_collection_name_the_part(tmp_path: Path) -> None:
             del group["depth"]
             zarr.consolidate_metadata(tmp_path / run / "cells.zarr")
     ds = dz.open_dataset([tmp_path / "run1" / "cells.zarr", tmp_path / "run2" / "cells.zarr"])
-    with pytest.raises(dz.DatasetError, match=r"part 1 \(cells.zarr.*no column 'depth'"):
+    with pytest.raises(dz.DatasetError, match=r"cells.zarr/X \(part 1\): .*no column 'depth'"):
         ds.obs_column("depth")
 
 

@@ -720,7 +720,7 @@ class Collection(Dataset):
         if name not in self._columns:
             # parts named by position too: stores are named by their folder's name, and
             # run1/cells.zarr beside run2/cells.zarr left an error naming neither
-            labels = [f"part {i} ({p.name})" for i, p in enumerate(self.parts)]
+            labels = [f"{p.name} (part {i})" for i, p in enumerate(self.parts)]
             columns = []
             for label, part in zip(labels, self.parts, strict=True):
                 try:

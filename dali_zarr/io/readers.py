@@ -1096,6 +1096,8 @@ class StoredObjectsWatch:
         self._stamps: list[tuple[int, ...]] = []
         self._rows_per_object = 1
         directory, _ = local_directory(array)
+        # checked first: a store replaced whole is named as such, not as values rewritten
+        self._metadata = _MetadataWatch(directory, name)
         if directory is None or len(array.shape) != 1:
             return
         layout = parse_layout(array)
@@ -1109,6 +1111,7 @@ class StoredObjectsWatch:
     def check(self, ranges: np.ndarray | None = None) -> None:
         """DatasetError where an object that holds rows ``ranges`` (``(k, 2)`` ``[start,
         stop)``, whose offsets ``start .. stop`` are read) changed; all objects for None."""
+        self._metadata.check()
         if not self._paths:
             return
         if ranges is None:
