@@ -458,7 +458,8 @@ def run_annbatch(args, store: str) -> dict:
     cmd = ["--worker", "annbatch", "--store", store]
     cmd += ["--batch-size", str(args.batch_size), "--chunk-size", str(args.chunk_size)]
     cmd += ["--preload-nchunks", str(args.preload_nchunks), "--batches", str(args.batches)]
-    cmd += ["--warmup", str(warmup_batches(args))] + (["--smoke"] if args.smoke else [])
+    cmd += ["--warmup", str(warmup_batches(args)), "--device-id", str(args.device_id)]
+    cmd += ["--smoke"] if args.smoke else []
     result = run_script(py, os.path.abspath(__file__), cmd, timeout=1800)
     if "error" in result:
         return {"skipped": f"annbatch worker failed: {result['error']}"}
@@ -473,6 +474,16 @@ def annbatch_worker(args) -> None:
         import zarr
         from annbatch import Loader
 
+        # as annbatch's README asks for local stores, and as the CPU benchmark runs it:
+        # without zarrs its reads decoded ~1.6-2.8x slower on the CPU (2026-11-28)
+        try:
+            import zarrs  # noqa: F401
+
+            zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
+        except ImportError:
+            pass
+        if not args.smoke:
+            torch.cuda.set_device(args.device_id)  # the GPU the dali_zarr rows ran on
         loader = Loader(
             chunk_size=args.chunk_size,
             preload_nchunks=args.preload_nchunks,
@@ -486,6 +497,7 @@ def annbatch_worker(args) -> None:
         loader.add_dataset(ad.io.sparse_dataset(zarr.open_group(args.store, mode="r")["X"]))
         result = timed(args, epochs(lambda _e: loader), lambda b: b["X"].to_dense().shape[0])
         result["version"] = __import__("annbatch").__version__
+        result["paths"] = {"codec pipeline": zarr.config.get("codec_pipeline.path")}
         del torch
     except Exception as e:
         result = {"skipped": f"{type(e).__name__}: {e}"}
@@ -614,11 +626,15 @@ def report(args, store: str, results: dict, ceilings: dict) -> None:
             why = r.get("skipped", "no time measured")
             lines.append(f"| {name} | – | – |" + " – |" * len(RATIO_TO) + f" skipped: {why} |")
             continue
-        gbs = rps * 4 * r.get("width", genes) / 1e9
+        width = r.get("width", genes)
+        gbs = rps * 4 * width / 1e9
         bars[name] = gbs
         ratios = [rows_per_second(results.get(base, {"skipped": ""})) for base in RATIO_TO]
-        cells_ratio = " | ".join(f"{rps / b:.2f}" if b else "–" for b in ratios)
+        # rows of a panel are narrower than the baseline's and annbatch's: no rows/s ratio
+        cells_ratio = " | ".join(f"{rps / b:.2f}" if b and width == genes else "–" for b in ratios)
         note = "; ".join(f"{k}: {v}" for k, v in r.get("paths", {}).items())
+        if width != genes:
+            note = f"{width:,}-gene rows (others {genes:,}): ratios left out; {note}"
         lines.append(f"| {name} | {rps:,.0f} | {gbs:.2f} | {cells_ratio} | {note} |")
     # ceilings are in bytes moved; a loader delivers dense bytes, so also show what each
     # ceiling allows in dense float32 (x the dense/stored or dense/CSR size ratio)

@@ -387,7 +387,8 @@ def build_contenders(args, envs: dict[str, Any], cuda: bool) -> list[Contender]:
                         "dali_zarr_runner.py",
                         py,
                         {**sizes_measure, "output": o, "device": device},
-                        ref[o],
+                        # annbatch runs on the CPU here: no ratio for the GPU rows
+                        ref[o] if device == "cpu" else None,
                         ceiling[o],
                     )
                 )
