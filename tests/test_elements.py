@@ -980,7 +980,8 @@ def test_obsm_entries_of_any_rank_and_dtype_in_a_collection(tmp_path: Path) -> N
         dz.Loader(both_stores, sampler(), obs=["obsm/spatial"])
     message = str(caught.value)
     assert "'obsm/spatial': its rows have other shapes in the stores of the collection" in message
-    assert "s0.zarr/X (None, 2)" in message and "s1.zarr/X (None, 3)" in message, message
+    assert "s0.zarr/X (part 0) (None, 2)" in message, message
+    assert "s1.zarr/X (part 1) (None, 3)" in message, message
 
 
 def test_obsm_entries_that_cannot_ride_are_named_with_what_to_do(
