@@ -8,6 +8,7 @@ nothing after close().
 from __future__ import annotations
 
 import gc
+import threading
 
 import numpy as np
 import pytest
@@ -74,7 +75,7 @@ def test_idle_buffers_are_bounded_and_freed_on_close():
     arrays = [pool.empty(MB * (i + 1), np.uint8) for i in range(4)]
     del arrays
     gc.collect()
-    assert len(pool._free) == 2
+    assert pool.idle_nbytes > 0 and len(pool._free) == 2
     late = pool.empty(2 * MB, np.uint8)
     pool.close()
     assert pool.idle_nbytes == 0
@@ -82,6 +83,27 @@ def test_idle_buffers_are_bounded_and_freed_on_close():
     gc.collect()
     assert pool.idle_nbytes == 0
     assert pool.empty(2 * MB, np.uint8).flags.owndata  # closed: plain arrays
+
+
+def test_a_buffer_let_go_while_its_pool_is_locked_does_not_wait_for_the_lock():
+    """A finalizer that took the pool's lock waited forever where the garbage collection
+    that ran it was set off, on the same thread, while that lock was held (allocation in
+    ``_take`` or when buffers come back)."""
+    pool = BufferPool(min_nbytes=MB)
+
+    def let_go_under_the_lock():
+        held = pool.empty(2 * MB, np.uint8)
+        cycle = [held]
+        cycle.append(cycle)  # freed only by the cyclic collector, as a dropped loader's is
+        del held, cycle
+        with pool._lock:
+            gc.collect()  # runs the finalizer here, on the thread that holds the lock
+
+    worker = threading.Thread(target=let_go_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the finalizer waited for the lock its own thread held"
+    assert pool.idle_nbytes >= 2 * MB  # and the buffer came back
 
 
 def test_module_empty_takes_from_the_active_pool_on_this_thread_only():

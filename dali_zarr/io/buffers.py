@@ -27,6 +27,7 @@ is a fresh ``mmap`` (the benchmark store's 49 MB windows), where the pool gains.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import threading
@@ -53,6 +54,10 @@ class BufferPool:
         self.max_free = int(max_free)
         self.min_nbytes = int(min_nbytes)
         self._free: list[np.ndarray] = []  # idle buffers (uint8), smallest first
+        # buffers let go, not yet in _free: a finalizer only appends here (atomic, no lock).
+        # It may run inside a garbage collection that allocation under the lock set off,
+        # on the thread that holds it, which a finalizer taking the lock would wait on forever
+        self._returned: collections.deque[np.ndarray] = collections.deque()
         self._lock = threading.Lock()
         self._closed = False
         self.allocated = 0  # buffers made (a measure of how often the pool could not serve)
@@ -69,7 +74,7 @@ class BufferPool:
         # np.frombuffer over a memoryview: views of `out` keep `out` (not `buf`) alive, so
         # `out` is garbage only once no view of the memory is left anywhere
         out = np.frombuffer(buf.data, dtype=np.uint8, count=nbytes)
-        weakref.finalize(out, self._give_back, buf)
+        weakref.finalize(out, self._returned.append, buf)
         return out.view(dtype).reshape(shape)
 
     def _capacity(self, nbytes: float) -> int:
@@ -80,6 +85,7 @@ class BufferPool:
     def _take(self, nbytes: int) -> np.ndarray:
         largest = self._capacity(nbytes * self.MAX_SLACK)
         with self._lock:
+            self._take_returned()
             for i, buf in enumerate(self._free):  # the smallest that fits
                 if nbytes <= buf.size <= largest:
                     self.reused += 1
@@ -87,10 +93,12 @@ class BufferPool:
             self.allocated += 1
         return np.empty(self._capacity(nbytes), dtype=np.uint8)
 
-    def _give_back(self, buf: np.ndarray) -> None:
-        with self._lock:
+    def _take_returned(self) -> None:
+        """Move the buffers let go since into the pool (the lock held)."""
+        while self._returned:
+            buf = self._returned.popleft()
             if self._closed:
-                return
+                continue
             self._free.append(buf)
             self._free.sort(key=lambda b: b.size)
             while len(self._free) > self.max_free:
@@ -99,6 +107,7 @@ class BufferPool:
     @property
     def idle_nbytes(self) -> int:
         with self._lock:
+            self._take_returned()
             return sum(b.size for b in self._free)
 
     def close(self) -> None:
@@ -106,6 +115,7 @@ class BufferPool:
         with self._lock:
             self._closed = True
             self._free.clear()
+            self._returned.clear()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[BufferPool]:
