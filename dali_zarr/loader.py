@@ -26,6 +26,7 @@ from dali_zarr.distributed import (
     collectives_may_hang,
     exchange_of_initialized,
     exchange_over,
+    initialized_worlds,
     refuse_another_world,
     world_is,
 )
@@ -53,6 +54,22 @@ Device = Literal["cpu", "gpu", "auto"]
 #: The most DALI worker threads a Loader asks for: far past what a node's cores use, and
 #: refused by name here, where DALI would abort the whole process (100,000 did).
 MAX_THREADS = 1024
+
+
+def _warn_every_rank_reads_everything(dataset: object) -> None:
+    """A plain ChunkSampler where torch.distributed or JAX runs several processes: every
+    rank reads every row (right for an evaluation every rank runs whole, or one rank runs
+    alone; for training each rank then sees the same epoch, unsaid)."""
+    for who, _, world in initialized_worlds():
+        if world > 1:
+            warnings.warn(
+                f"{getattr(dataset, 'name', dataset)}: the sampler is a ChunkSampler while "
+                f"{who} runs {world} processes, so every rank reads every row. To give each "
+                "rank its own share, wrap it: dz.DistributedSampler(sampler, "
+                f"dist_info={who!r}); an evaluation every rank runs whole can ignore this.",
+                stacklevel=3,
+            )
+            return
 
 
 class Loader:
@@ -134,6 +151,8 @@ class Loader:
             )
         self.dataset = dataset
         self.sampler = sampler
+        if not isinstance(sampler, DistributedSampler):
+            _warn_every_rank_reads_everything(dataset)
         # the sampler's exchange travels with it when pickled; it needs this process's world
         over: Exchange | None = getattr(sampler, "exchange", None)
         rank, world = getattr(sampler, "rank", 0), getattr(sampler, "world_size", 1)

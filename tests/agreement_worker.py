@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -198,6 +199,14 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
 
         return scenario
 
+    def chunk_sampler_under_a_world():  # every rank reads every row: said, not refused
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            inner = dz.ChunkSampler(chunk_size=40, preload_nchunks=4, batch_size=32, seed=0)
+            with loader(big, inner) as ld:
+                rows = len(ld) * 32
+        return [rows, [str(w.message) for w in caught if "every rank reads" in str(w.message)]]
+
     def int32_refused_on_one_rank():  # JaxLoader: rank 1's copy holds values int32 wraps
         path = Path(big).parent / f"int64_obs_rank{rank}.zarr"
         if not path.exists():
@@ -215,6 +224,7 @@ def scenarios(rank: int, big: str, small: str, link: str) -> dict[str, Callable[
         "collection_order_per_rank": collection_order_per_rank,
         "equal_parts_swapped": equal_parts("swapped"),
         "equal_parts_copies": equal_parts("same"),
+        "chunk_sampler_under_a_world": chunk_sampler_under_a_world,
         "env_stale_on_one_rank": env_stale_on_one_rank,
         "element_per_rank": element_per_rank,
         "obs_refused_on_one_rank": obs_refused_on_one_rank,

@@ -440,6 +440,11 @@ def test_ranks_that_disagree_are_refused_on_every_rank(tmp_path: Path, world: st
     seeds = [r["drawn_seed"] for r in ranks]
     assert seeds[0] == seeds[1] and seeds[0][0] == "ok"  # rank 0's draw, on both
     assert [r["own_world"] for r in ranks] == [["ok", False]] * 2  # not the world: unchecked
+    # a plain ChunkSampler under a world of 2: every rank reads all 1,000 rows, and is told
+    for kind, (rows, said) in (r["chunk_sampler_under_a_world"] for r in ranks):
+        assert kind == "ok" and rows >= 960 and len(said) == 1, (rows, said)
+        assert "processes, so every rank reads every row" in said[0], said
+        assert "dz.DistributedSampler(sampler, dist_info=" in said[0], said
     for name in ("same_store_other_paths", "equal_parts_copies"):  # copies at other paths
         lens = [r[name] for r in ranks]
         assert lens[0] == lens[1] and lens[0][0] == "ok" and lens[0][1] > 0, (name, lens)
