@@ -607,6 +607,17 @@ def resume_point(
                 f"has {int(n)}: the state does not match this dataset and settings"
             )
     if world_size == old_world:
+        left = [int(n) - c for c, n in zip(consumed, counts, strict=True)]
+        steps_agree = settings.enforce_equal_batches or bool((counts == counts[0]).all())
+        if len(by_rank) > 1 and steps_agree and len(set(left)) > 1:
+            # the ranks' exchange refuses this where there is one (Loader.load_state_dict);
+            # without a process group nothing did, and DDP waited forever on the last step
+            raise ConfigError(
+                f"the loader states were saved after different steps of epoch {epoch} "
+                f"(batches consumed {consumed}), so the ranks would have {left} batches left "
+                "and DDP would wait forever on the last step; save every rank's state after "
+                "the same step (Loader.state_dict() on every rank at once)"
+            )
         return ResumePoint(epoch, history, consumed[rank], by_rank.get(rank))
     if not any(consumed):
         # the run delivered nothing of the epoch (saved before its first step): as a segment
