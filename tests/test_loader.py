@@ -1535,6 +1535,29 @@ def test_obs_errors_of_a_collection_name_the_part(tmp_path: Path) -> None:
         ds.obs_column("depth")
 
 
+@pytest.mark.parametrize("device", ["cpu", "gpu-host"])
+def test_csr_output_through_a_transform_takes_the_dtype_asked_for(
+    sc_store: Path, device: str
+) -> None:
+    """``output="csr"``, ``dtype="float64"`` and a transform (even one that changes
+    nothing) gave float32 values: NumPy takes ``None == np.dtype("float64")`` as true, and
+    None stood for the values' unknown dtype after a transform, so the cast was skipped."""
+    from dali_zarr.graph.window_backends import HostBackend
+
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    reference = csr_reference(sc_store).toarray()
+    for transform in (None, lambda outputs: outputs):
+        loader = dz.Loader(
+            dz.open_dataset(sc_store), sampler(), output="csr", dtype="float64",
+            return_index=True, transform=transform, **where,
+        )  # fmt: skip
+        with loader:
+            batch = next(iter(loader))
+        x = batch["X"].cpu()
+        assert x.values().dtype == torch.float64, (transform, x.values().dtype)
+        np.testing.assert_array_equal(x.to_dense().numpy(), reference[batch["index"].cpu()])
+
+
 def test_arguments_of_the_wrong_kind_are_refused_by_name(sc_store: Path) -> None:
     """A path for the dataset, None (or torch's sampler) for the sampler, obs that are not
     column names, an epoch that is not a whole number and a state that is not a dict failed

@@ -161,7 +161,7 @@ def convert_csr_values(
     rounded from their float64 (exact for every float32 and every integer up to 2**53)."""
     wire = None if transformed else window_dtype("csr", stored)
     if dtype in ("float32", "float64"):
-        if wire == np.dtype(dtype):
+        if wire is not None and wire == np.dtype(dtype):  # None == dtype("float64") holds
             return data
         return fn.cast(data, dtype=types.FLOAT if dtype == "float32" else types.FLOAT64)
     column = fn.reshape(data, shape=[-1, 1])  # the half ops take 2-D batches
