@@ -44,6 +44,7 @@ from dali_zarr.planning.resume import (
     dataset_fingerprint,
     make_state,
     resume_point,
+    steps_must_agree,
 )
 from dali_zarr.planning.samplers import SAME_SEED_HINT, DistributedSampler, compared_settings
 
@@ -631,14 +632,10 @@ class Loader:
             self._source.close()
 
     def _steps_must_agree(self, settings: PlanSettings, point: ResumePoint) -> bool:
-        """Whether the ranks must have as many batches left in the resumed epoch: always
-        with equal batches, and also without them wherever the epoch's ranks have equal
-        counts (``_check_even`` then lets the epoch run under DDP, and ranks that loaded
-        states of other steps would deliver rows twice and wait forever on the last step)."""
-        if settings.enforce_equal_batches:
-            return True
+        """:func:`~dali_zarr.planning.resume.steps_must_agree` for the resumed epoch of this
+        world (``_check_even`` lets an epoch of equal counts run under DDP)."""
         counts = self._batch_counts(settings, point.epoch, point.history)
-        return bool((counts == counts[0]).all())
+        return steps_must_agree(settings, counts)
 
     def _batch_counts(
         self, settings: PlanSettings, epoch: int, history: tuple[Segment, ...]

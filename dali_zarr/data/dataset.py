@@ -548,7 +548,7 @@ class CsrDataset(_StoreDataset):
     def read_rows(self, ranges: np.ndarray) -> CsrRows:
         ranges = check_ranges(ranges, self.n_obs, self.name)
         # the offsets read at open, checked around the window's reads (a few stats)
-        with checked_around(lambda: self.indptr_watch.check(ranges)):
+        with self.indptr_watch.around(ranges):
             element_ranges = self.indptr[ranges]  # (k, 2): [indptr[start], indptr[stop])
             indptr = sub_indptr(self.indptr, ranges_to_rows(ranges))
             data = self.data_reader.read_rows(element_ranges)

@@ -95,14 +95,15 @@ class BufferPool:
 
     def _take_returned(self) -> None:
         """Move the buffers let go since into the pool (the lock held)."""
+        if not self._returned:
+            return
         while self._returned:
             buf = self._returned.popleft()
-            if self._closed:
-                continue
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.size)
-            while len(self._free) > self.max_free:
-                self._free.pop(0)  # keep the largest: they serve any smaller request too
+            if not self._closed:
+                self._free.append(buf)
+        self._free.sort(key=lambda b: b.size)
+        # keep the largest: they serve any smaller request too
+        del self._free[: max(0, len(self._free) - self.max_free)]
 
     @property
     def idle_nbytes(self) -> int:

@@ -1086,8 +1086,8 @@ class StoredObjectsWatch:
     CSR's row offsets), stamped before that read. Values rewritten in place (same shape,
     same metadata file: ``g["X/indptr"][:] = ...``) left the copy read at open describing
     the old array: beside the new ``data`` and ``indices`` (read anew) every row came out
-    cut at the old offsets, with no error. ``check(ranges)`` stats the objects that hold
-    the offsets of rows ``ranges``; ``check()`` all of them (before an epoch). A remote or
+    cut at the old offsets, with no error. :meth:`around` a window's read stats the objects
+    that hold its rows' offsets; :meth:`check` all of them (before an epoch). A remote or
     in-memory array has nothing to watch."""
 
     def __init__(self, array: Any, *, name: str) -> None:
@@ -1108,20 +1108,22 @@ class StoredObjectsWatch:
         self._paths = [os.path.join(directory, layout.key((i,))) for i in range(n_objects)]
         self._stamps = [_file_stamp(path) for path in self._paths]  # (): missing (fill)
 
-    def check(self, ranges: np.ndarray | None = None) -> None:
-        """DatasetError where an object that holds rows ``ranges`` (``(k, 2)`` ``[start,
-        stop)``, whose offsets ``start .. stop`` are read) changed; all objects for None."""
-        self._metadata.check()
-        if not self._paths:
-            return
-        if ranges is None:
-            objects: Sequence[int] = range(len(self._paths))
-        else:
+    def around(self, ranges: np.ndarray) -> contextlib.AbstractContextManager[None]:
+        """:func:`checked_around` a read that uses the offsets of rows ``ranges`` (``(k, 2)``
+        ``[start, stop)``: offsets ``start .. stop``), the objects holding them found once."""
+        objects: Sequence[int] = range(len(self._paths))
+        if len(self._paths) > 1:
             ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
             first = ranges[:, 0] // self._rows_per_object
             last = np.minimum(ranges[:, 1] // self._rows_per_object, len(self._paths) - 1)
             objects = np.unique(concat_aranges(first, last - first + 1)).tolist()
-        for i in objects:
+        return checked_around(lambda: self.check(objects))
+
+    def check(self, objects: Sequence[int] | None = None) -> None:
+        """DatasetError where the metadata file or one of the stored ``objects`` (indices;
+        all for None) changed since open."""
+        self._metadata.check()
+        for i in range(len(self._paths)) if objects is None else objects:
             if _file_stamp(self._paths[i]) != self._stamps[i]:
                 raise DatasetError(
                     f"{self.name}: its values were rewritten since the store was opened "

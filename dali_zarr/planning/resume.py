@@ -519,6 +519,14 @@ def _compared_settings(settings: PlanSettings, saved: Mapping[str, Any]) -> dict
     return now
 
 
+def steps_must_agree(settings: PlanSettings, counts: np.ndarray) -> bool:
+    """Whether the ranks must have as many batches left in a resumed epoch whose ranks
+    plan ``counts`` batches: always with equal batches, and also without them wherever the
+    counts are equal (the epoch then runs under DDP, and ranks resumed from other steps
+    would deliver rows twice and wait forever on the last step)."""
+    return settings.enforce_equal_batches or bool((counts == counts[0]).all())
+
+
 def resume_point(
     states: Mapping[str, Any] | Sequence[Mapping[str, Any]],
     *,
@@ -608,8 +616,7 @@ def resume_point(
             )
     if world_size == old_world:
         left = [int(n) - c for c, n in zip(consumed, counts, strict=True)]
-        steps_agree = settings.enforce_equal_batches or bool((counts == counts[0]).all())
-        if len(by_rank) > 1 and steps_agree and len(set(left)) > 1:
+        if len(by_rank) > 1 and steps_must_agree(settings, counts) and len(set(left)) > 1:
             # the ranks' exchange refuses this where there is one (Loader.load_state_dict);
             # without a process group nothing did, and DDP waited forever on the last step
             raise ConfigError(
