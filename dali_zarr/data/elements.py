@@ -698,33 +698,25 @@ def _readable_members(group: Any) -> list[tuple[str, Any]]:
 def _nested_anndata(root: Any) -> list[str]:
     """Names of ``root``'s members that are AnnData stores, also those in the other Zarr
     format (anndata 0.12 writes v2 into a v3 group that zarr 3 made; zarr lists a group's
-    members in its own format only, so the error named none of them)."""
-    found = {k for k, v in _readable_members(root) if _is_anndata_group(v)}
+    members in its own format only, so the error named none of them): a local store's
+    folders are opened as groups of either format."""
+    import zarr
+
     from dali_zarr.io import local_directory
 
+    found = {k for k, v in _readable_members(root) if _is_anndata_group(v)}
     directory, _ = local_directory(root)
     if directory is not None:
         for entry in os.scandir(directory):
-            other = entry.is_dir() and entry.name not in found
-            if other and _metadata_encoding(entry.path) == "anndata":
+            if not entry.is_dir() or entry.name in found:
+                continue
+            try:
+                node = zarr.open_group(entry.path, mode="r")
+            except Exception:  # an array, a plain folder, unreadable metadata: no store
+                continue
+            if _is_anndata_group(node):
                 found.add(entry.name)
     return sorted(found)
-
-
-def _metadata_encoding(folder: str) -> object:
-    """The ``encoding-type`` attribute a group's metadata file in ``folder`` records, in
-    either Zarr format (None where there is none or it cannot be read)."""
-    import json
-
-    for name, attrs_of in ((".zattrs", lambda m: m), ("zarr.json", lambda m: m.get("attributes"))):
-        try:
-            with open(os.path.join(folder, name)) as f:
-                attrs = attrs_of(json.load(f))
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(attrs, dict) and "encoding-type" in attrs:
-            return attrs["encoding-type"]
-    return None
 
 
 def _is_anndata_group(node: Any) -> bool:
