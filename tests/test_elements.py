@@ -1062,3 +1062,40 @@ def test_a_v2_bool_array_with_dimension_names_is_not_packed(tmp_path: Path) -> N
     assert decoded.cf_decoding() is None
     got = run_epoch(dz.Loader(decoded, sampler(), return_index=True))
     np.testing.assert_array_equal(got["X"], flags.astype(np.float32)[got["index"]])
+
+
+def test_mask_and_scale_on_anndata_elements(tmp_path: Path) -> None:
+    """mask_and_scale= was only read for plain arrays: on an AnnData element whose attributes
+    pack its values it was silently ignored, so True delivered the stored int16 counts. A
+    dense element now decodes (and warns when not asked), and a CSR element with packing is
+    refused with True, since its implicit zeros cannot be unpacked."""
+    rng = np.random.default_rng(3)
+    packed = rng.integers(-100, 100, size=(30, 5)).astype("i2")
+    packed[2, 3] = -32767
+    adata = ad.AnnData(
+        X=sp.csr_matrix(packed.astype("f4")), obsm={"packed": packed}, layers={"dense": packed}
+    )
+    path = tmp_path / "packed.zarr"
+    adata.write_zarr(path)
+    group = zarr.open_group(path, mode="r+")
+    cf = {"scale_factor": 0.5, "add_offset": 10.0, "_FillValue": -32767}
+    for element in ("obsm/packed", "layers/dense", "X/data"):
+        group[element].attrs.update(cf)
+    zarr.consolidate_metadata(path)  # anndata consolidates; the store is opened through it
+    expected = cf_decoded_reference(packed, scale=0.5, offset=10.0, fills=[-32767])
+    for element in ("obsm/packed", "layers/dense"):
+        with pytest.warns(dz.PackedValuesWarning, match=element):
+            dz.open_dataset(path, element=element)
+        decoded = dz.open_dataset(path, element=element, mask_and_scale=True)
+        got = run_epoch(dz.Loader(decoded, sampler(chunk_size=7, batch_size=5), return_index=True))
+        np.testing.assert_allclose(got["X"], expected[got["index"]], rtol=1e-6)
+    raw = dz.open_dataset(path, element="obsm/packed", mask_and_scale=False)
+    got = run_epoch(dz.Loader(raw, sampler(chunk_size=7, batch_size=5), return_index=True))
+    np.testing.assert_array_equal(got["X"], packed[got["index"]])
+    with pytest.raises(dz.ConfigError, match=r"packed\.zarr/X.*implicit zero"):
+        dz.open_dataset(path, mask_and_scale=True)
+    with pytest.warns(dz.PackedValuesWarning, match="X"):
+        dz.open_dataset(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", dz.PackedValuesWarning)
+        dz.open_dataset(path, mask_and_scale=False)

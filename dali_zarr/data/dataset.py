@@ -863,11 +863,12 @@ def open_dataset(
     looked up in each store's own ``var``, so stores written with different gene orders or
     gene sets load as one collection in the order asked. ``force_zarr`` makes every array
     use zarr-python's reading instead of the direct path (for debugging or comparison).
-    ``mask_and_scale`` (plain arrays; xarray's name and meaning): True decodes CF-packed
-    values in the graph (``_Unsigned``, then a ``_FillValue``/``missing_value`` becomes NaN,
-    then ``* scale_factor + add_offset``, in float32); False hands them on as stored; None,
-    the default, hands them on as stored and warns (:class:`PackedValuesWarning`) where the
-    attributes pack them.
+    ``mask_and_scale`` (dense arrays, AnnData's included; xarray's name and meaning; a CSR
+    matrix with packed values is refused, as its implicit zeros cannot be decoded): True
+    decodes CF-packed values in the graph (``_Unsigned``, then a ``_FillValue``/
+    ``missing_value`` becomes NaN, then ``* scale_factor + add_offset``, in float32); False
+    hands them on as stored; None, the default, hands them on as stored and warns
+    (:class:`PackedValuesWarning`) where the attributes pack them.
     """
     from dali_zarr.data.features import FeatureSubset, selects_by_name  # builds on this module
 
@@ -939,8 +940,21 @@ def _open_one(
     if matrix_layout(x, where=x_name, any_rank=x_key.startswith("obsm/")) == "dense":
         reader = open_reader(x, name=x_name, executor=executor, force_zarr=force_zarr)
         shown = name if x_key == "X" else x_name
-        dataset = DenseDataset(reader, name=shown, obs=obs, var=var, store=name, element=x_key)
+        packing = packing_attributes(x)
+        if mask_and_scale is None:
+            _warn_if_packed(packing, x, x_name)
+        dataset = DenseDataset(
+            reader,
+            name=shown,
+            obs=obs,
+            var=var,
+            store=name,
+            element=x_key,
+            packing=packing,
+            mask_and_scale=bool(mask_and_scale),
+        )
     else:
+        _refuse_packed_sparse_values(x, x_name, mask_and_scale)
         dataset = CsrDataset(
             x,
             name=x_name,
@@ -956,7 +970,31 @@ def _open_one(
     return dataset
 
 
-def _warn_if_packed(found: dict[str, Any], node: Any, name: str) -> None:
+def _refuse_packed_sparse_values(group: Any, name: str, mask_and_scale: bool | None) -> None:
+    """Refuse ``mask_and_scale=True`` on a CSR element whose values carry CF packing: decoding
+    only the stored non-zeros would leave every implicit zero at 0 where the packing means
+    ``add_offset`` (or a scaled 0), so no batch would be what xarray's decoding means. Left
+    as stored, it is decoded in a ``transform=`` the user writes knowingly."""
+    data = group.get("data") if isinstance(group, zarr.Group) else None
+    packing = {
+        **packing_attributes(group),
+        **(packing_attributes(data) if data is not None else {}),
+    }
+    if not packing or mask_and_scale is False:
+        return
+    listed = ", ".join(f"{k}={v!r}" for k, v in packing.items())
+    if mask_and_scale is None:
+        _warn_if_packed(packing, data if data is not None else group, name, stacklevel=5)
+        return
+    raise ConfigError(
+        f"{name}: a sparse (CSR) matrix whose attributes pack its values ({listed}) cannot be "
+        "decoded with mask_and_scale=True: only its stored non-zeros would be unpacked, and "
+        "every implicit zero would stay 0 instead of what the packing makes of it. Open it "
+        "with mask_and_scale=False and decode the values in a transform=, or store it unpacked."
+    )
+
+
+def _warn_if_packed(found: dict[str, Any], node: Any, name: str, *, stacklevel: int = 4) -> None:
     """Warn that a CF-packed array (xarray's int16 + scale_factor/add_offset) arrives as its
     stored values: trained on as such, a temperature of 280 K is a count in -32767..32767, and
     nothing else would say so."""
@@ -971,7 +1009,7 @@ def _warn_if_packed(found: dict[str, Any], node: Any, name: str) -> None:
         "dz.open_dataset(..., mask_and_scale=True) to have the graph decode them as xarray "
         "does, or with mask_and_scale=False to take the stored values without this warning.",
         PackedValuesWarning,
-        stacklevel=4,  # open_dataset's caller
+        stacklevel=stacklevel,  # open_dataset's caller
     )
 
 
