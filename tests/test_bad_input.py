@@ -785,6 +785,34 @@ def test_a_column_categorical_in_one_store_and_numeric_in_another_names_both(
         dz.open_dataset([a, b]).obs_column("k")
 
 
+def test_an_ordered_categorical_ranked_otherwise_in_another_store_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Categories are merged first-seen, so an ordered column (a disease stage, which a
+    model may read as ranks) ranked low < high in one store and low < mid < high in
+    another got mid's code above high's, silently. Stores that agree on the ranking (or
+    add categories at its end) join, and keep the order; any other mix is refused."""
+
+    def stage(path: Path, categories: list[str], *, ordered: bool = True) -> Path:
+        values = pd.Categorical([categories[i % len(categories)] for i in range(N_OBS)],
+                                categories=categories, ordered=ordered)  # fmt: skip
+        return write_store(path, make_adata(obs_extra={"stage": values}))
+
+    a = stage(tmp_path / "a.zarr", ["low", "high"])
+    extended = stage(tmp_path / "b.zarr", ["low", "high", "severe"])
+    joined = dz.open_dataset([a, extended]).obs_column("stage")
+    assert joined.categories == ("low", "high", "severe") and joined.ordered
+    np.testing.assert_array_equal(joined.values[:4], [0, 1, 0, 1])
+    np.testing.assert_array_equal(joined.values[N_OBS : N_OBS + 3], [0, 1, 2])
+    assert dz.Subset(dz.open_dataset([a, extended]), [0, 1]).obs_column("stage").ordered
+    between = stage(tmp_path / "c.zarr", ["low", "mid", "high"])
+    unordered = stage(tmp_path / "d.zarr", ["low", "high"], ordered=False)
+    for other, said in ((between, "ordered \\['low', 'mid', 'high'\\]"), (unordered, "unordered")):
+        with pytest.raises(dz.DatasetError, match=f"'stage': an ordered categorical .*{said}"):
+            dz.open_dataset([a, other]).obs_column("stage")
+    assert not dz.open_dataset([unordered, unordered]).obs_column("stage").ordered
+
+
 @pytest.mark.parametrize("kind", ["csr", "dense-smaller", "sharded-csr"])
 def test_a_store_rewritten_while_a_loader_reads_it_is_refused(tmp_path: Path, kind: str) -> None:
     """A loader keeps what it read at open (a CSR's row offsets, shapes, shard indexes). A
@@ -1262,6 +1290,37 @@ def test_a_truncated_blosc_obs_column_is_refused_not_misread(tmp_path: Path) -> 
     said = r"a.zarr/obs/v: chunk '0': blosc header says \d+ compressed bytes but the chunk "
     with pytest.raises(dz.ChunkReadError, match=said + r"holds \d+ \(truncated"):
         dz.Loader(ds, dz.ChunkSampler(chunk_size=8, preload_nchunks=2, batch_size=8), obs=["v"])
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_truncated_blosc_chunk_zarr_reads_is_refused_before_it_is_misread(
+    tmp_path: Path, sharded: bool
+) -> None:
+    """An array with a transpose codec is read by zarr-python, and its blosc chunks were only
+    checked where they were whole files: an inner chunk of a shard cut short (the index says
+    where it ends; zarr never compares that with the file) was decoded past the shard's end,
+    and a transpose before blosc skipped the check altogether. Both are refused at open now,
+    naming the shard or chunk; the direct path refuses the same shard at its first read."""
+    from zarr.codecs import BloscCodec, BytesCodec, ShardingCodec, TransposeCodec
+
+    values = np.arange(32 * 8, dtype=np.float32).reshape(32, 8) + 1
+    chain = [TransposeCodec(order=(1, 0)), BytesCodec(), BloscCodec(cname="lz4", clevel=1)]
+    if sharded:
+        serializer = ShardingCodec(chunk_shape=(8, 8), codecs=chain, index_location="start")
+        kw = {"serializer": serializer, "compressors": None}
+    else:
+        kw = {"filters": chain[:1], "serializer": chain[1], "compressors": chain[2:]}
+    path = tmp_path / "t.zarr"
+    zarr.create_array(path, shape=values.shape, dtype="f4", chunks=(16, 8), **kw)[...] = values
+    intact = dz.open_dataset(path)
+    assert "transpose" in next(iter(intact.read_paths().values()))
+    np.testing.assert_array_equal(intact.read_rows(np.array([[0, 32]])).values, values)
+    stored = path / "c" / "1" / "0"
+    stored.write_bytes(stored.read_bytes()[:-10])
+    said = r"shard 'c/1/0': inner chunk 1 \(in C order\): shard index says bytes \[\d+, \d+\)"
+    said = said if sharded else r"chunk 'c/1/0': blosc header says \d+ compressed bytes"
+    with pytest.raises(dz.ChunkReadError, match=r"t\.zarr: " + said):
+        dz.open_dataset(path)
 
 
 def test_loader_flags_and_transform_are_checked_when_built(tmp_path: Path) -> None:

@@ -954,7 +954,6 @@ def _open_one(
             mask_and_scale=bool(mask_and_scale),
         )
     else:
-        _refuse_packed_sparse_values(x, x_name, mask_and_scale)
         dataset = CsrDataset(
             x,
             name=x_name,
@@ -965,6 +964,7 @@ def _open_one(
             store=name,
             element=x_key,
         )
+        _refuse_packed_sparse_values(x, x_name, mask_and_scale)  # after the arrays' checks
     if var is not None:
         _check_var_width(var, dataset.feature_shape, var_name=f"{name}/{names_at}", x_name=x_name)
     return dataset

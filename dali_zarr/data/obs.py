@@ -31,6 +31,8 @@ class ObsColumn:
     name: str
     values: np.ndarray
     categories: tuple[str, ...] | None = None
+    #: pandas' ``ordered``: the codes' order is the categories' (an ordinal label)
+    ordered: bool = False
 
     @property
     def is_categorical(self) -> bool:
@@ -124,7 +126,7 @@ def read_obs_column(obs: zarr.Group, column: str, *, where: str) -> ObsColumn:
                 f"row {i}: {codes[i]}), for {len(categories)} categories; the column is "
                 "corrupted: re-write it from the source data."
             )
-        return ObsColumn(column, codes, categories)
+        return ObsColumn(column, codes, categories, ordered=bool(node.attrs.get("ordered")))
     if encoding in ("nullable-integer", "nullable-boolean"):
         values = _batched(_member(node, "values", where=where, encoding=encoding))
         mask = _member(node, "mask", where=where, encoding=encoding).astype(bool)
@@ -270,4 +272,33 @@ def concat_obs_columns(parts: list[ObsColumn], stores: list[str]) -> ObsColumn:
             [merged.setdefault(c, len(merged)) for c in part.categories] + [-1], dtype=np.int64
         )
         remapped.append(lookup[part.values])  # code -1 indexes the trailing -1: stays missing
-    return ObsColumn(name, np.concatenate(remapped), tuple(merged))
+    ordered = [p.ordered for p in parts]
+    if any(ordered):
+        _refuse_other_orders(name, parts, stores, tuple(merged))
+    return ObsColumn(name, np.concatenate(remapped), tuple(merged), ordered=all(ordered))
+
+
+def _refuse_other_orders(
+    name: str, parts: list[ObsColumn], stores: list[str], merged: tuple[str, ...]
+) -> None:
+    """Refuse an ordered categorical (an ordinal label: a model may read its codes as ranks)
+    whose stores rank its categories otherwise, or that is ordered in one store and not in
+    another: the merged codes would follow the first store's ranking, silently contradicting
+    the others'. Stores that add categories in between (``low, high`` and ``low, mid,
+    high``) fail too: merged first-seen, ``mid`` would rank above ``high``."""
+    rank = {c: i for i, c in enumerate(merged)}
+    for store, part in zip(stores, parts, strict=True):
+        ranks = [rank[c] for c in part.categories or ()]
+        if part.ordered and ranks == sorted(ranks) and all(p.ordered for p in parts):
+            continue
+        held = "; ".join(
+            f"{s}: {'ordered' if p.ordered else 'unordered'} {list(p.categories or ())}"
+            for s, p in zip(stores, parts, strict=True)
+        )
+        raise DatasetError(
+            f"obs column {name!r}: an ordered categorical must rank its categories the same "
+            f"way in every store of the collection, and {store} does not ({held}); the "
+            "joined codes would follow the first store's ranking. Re-write the column with "
+            "one ordered list of categories in every store (pandas: "
+            "s.cat.set_categories([...], ordered=True)), or unordered everywhere."
+        )

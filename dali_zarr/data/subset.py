@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -174,9 +175,7 @@ class Subset(Dataset):
     def obs_column(self, name: str) -> ObsColumn:
         if name not in self._columns:
             column = self.parent.obs_column(name)
-            self._columns[name] = ObsColumn(
-                column.name, column.values[self.parent_rows], column.categories
-            )
+            self._columns[name] = replace(column, values=column.values[self.parent_rows])
         return self._columns[name]
 
     @property

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -249,18 +249,62 @@ def _parse_v3(md: Any, base: dict[str, Any], *, where: str) -> ArrayLayout:
         _refuse_empty_chunks(where, "inner chunk", inner)
         if len(inner) != len(outer) or any(o % i for o, i in zip(outer, inner, strict=True)):
             raise _Unsupported(f"inner chunk shape {inner} does not divide shard shape {outer}")
-        shard = _parse_index_codecs(cfg.get("index_codecs", []), cfg.get("index_location", "end"))
-        shard = ShardLayout(
+        shard = replace(
+            _parse_index_codecs(cfg.get("index_codecs", []), cfg.get("index_location", "end")),
             chunks_per_shard=tuple(o // i for o, i in zip(outer, inner, strict=True)),
-            index_location=shard.index_location,
-            index_byteorder=shard.index_byteorder,
-            index_crc32c=shard.index_crc32c,
         )
         inner_codecs = [_named(c) for c in cfg.get("codecs", [])]
         chain = _parse_v3_chain(inner_codecs, dtype)
         base = {**base, "chunk_shape": inner}
         return ArrayLayout(codecs=chain, shard=shard, **base)
     return ArrayLayout(codecs=_parse_v3_chain(codecs, dtype), **base)
+
+
+class BloscFrames(NamedTuple):
+    """Where an array's stored objects are blosc frames (the last codec is blosc): each
+    object one frame (``shard`` None), or each inner chunk of a shard one frame."""
+
+    grid: tuple[int, ...]  # stored objects (chunks, or shards) along each axis
+    shard: ShardLayout | None
+
+
+_BLOSC_NAMES = ("blosc", "numcodecs.blosc")
+
+
+def blosc_frames(array: Any) -> BloscFrames | None:
+    """:class:`BloscFrames` of ``array`` read from its metadata alone, whatever codecs come
+    before blosc (a transpose the direct path leaves to zarr included); None where blosc is
+    not the last codec, or the sharding cannot be described. numcodecs trusts a frame's
+    header for its length, so whoever hands zarr such an array checks the frames first."""
+    md = array.metadata
+    d = md.to_dict()
+    shape = tuple(int(s) for s in array.shape)
+    if int(md.zarr_format) == 2:
+        compressor = d.get("compressor") or {}
+        if compressor.get("id") != "blosc":
+            return None
+        chunks = tuple(int(c) for c in md.chunks)
+        return BloscFrames(tuple(-(-s // c) for s, c in zip(shape, chunks, strict=True)), None)
+    try:
+        codecs = [_named(c) for c in d["codecs"]]
+        outer = tuple(int(c) for c in d["chunk_grid"]["configuration"]["chunk_shape"])
+        grid = tuple(-(-s // c) for s, c in zip(shape, outer, strict=True))
+        if len(codecs) == 1 and codecs[0][0] == "sharding_indexed":
+            cfg = codecs[0][1]
+            inner_codecs = [_named(c) for c in cfg.get("codecs", [])]
+            if not inner_codecs or inner_codecs[-1][0] not in _BLOSC_NAMES:
+                return None
+            inner = tuple(int(c) for c in cfg["chunk_shape"])
+            index = _parse_index_codecs(
+                cfg.get("index_codecs", []), cfg.get("index_location", "end")
+            )
+            per_shard = tuple(o // i for o, i in zip(outer, inner, strict=True))
+            return BloscFrames(grid, replace(index, chunks_per_shard=per_shard))
+    except (_Unsupported, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if not codecs or codecs[-1][0] not in _BLOSC_NAMES:
+        return None
+    return BloscFrames(grid, None)
 
 
 def _parse_v3_chain(codecs: Sequence[tuple[str, dict[str, Any]]], dtype: np.dtype) -> ChunkCodecs:
@@ -279,8 +323,11 @@ def _parse_v3_chain(codecs: Sequence[tuple[str, dict[str, Any]]], dtype: np.dtyp
         i += 1
     if i >= len(codecs) or codecs[i][0] != "bytes":
         got = codecs[i][0] if i < len(codecs) else "nothing"
-        if got == "sharding_indexed":
-            raise _Unsupported("nested sharding_indexed is not supported by the direct path")
+        if got == "sharding_indexed":  # inside a shard, or after a filter at the top
+            raise _Unsupported(
+                "sharding_indexed nested in a shard, or after other codecs, is not supported "
+                "by the direct path"
+            )
         raise _Unsupported(
             f"array→bytes codec {got!r} is not decoded by the direct path (only 'bytes')"
         )

@@ -69,7 +69,15 @@ from ..errors import ChunkReadError, DatasetError
 from ..planning.partition import concat_aranges, run_offsets, split_at_chunks
 from . import buffers
 from .codecs import ChunkDecoder, DecodeError, blosc_header_problem, verify_crc32c
-from .layout import ArrayLayout, error_chain, missing_codec, parse_layout, zarr_misreads
+from .layout import (
+    ArrayLayout,
+    ShardLayout,
+    blosc_frames,
+    error_chain,
+    missing_codec,
+    parse_layout,
+    zarr_misreads,
+)
 
 __all__ = [
     "FILE_STAMP",
@@ -962,25 +970,31 @@ class DirectReader:
             return
         try:
             stamp = stamp_of(os.fstat(fd))
-            size = stamp[2]
-            want = sl.index_nbytes
-            if size < want:
-                raise fail(f"file is {size} bytes, shorter than its {want}-byte shard index")
-            buf = np.empty(want, dtype=np.uint8)
-            got = _pread_into(fd, buf, size - want if sl.index_location == "end" else 0)
+            index = read_shard_index(fd, stamp[2], sl)
         except OSError as e:
             raise fail(f"reading the shard index failed ({e})") from e
+        except DecodeError as e:
+            raise fail(str(e)) from e
         finally:
             os.close(fd)
-        if got != want:
-            raise fail(f"read {got} of {want} shard index bytes (file shrank while reading)")
-        if sl.index_crc32c:
-            try:
-                buf = verify_crc32c(buf, "shard index")
-            except DecodeError as e:
-                raise fail(str(e)) from e
-        index = buf.view(np.dtype(sl.index_byteorder + "u8")).astype(np.uint64)
-        self._shard_index[shard] = (index.reshape((*sl.chunks_per_shard, 2)), stamp)
+        self._shard_index[shard] = (index, stamp)
+
+
+def read_shard_index(fd: int, size: int, sl: ShardLayout) -> np.ndarray:
+    """The ``(*chunks_per_shard, 2)`` uint64 (offset, nbytes) index of the open shard file
+    ``fd`` of ``size`` bytes, its crc32c checked where it has one. Raises DecodeError for a
+    file shorter than its index or an index that fails its checksum."""
+    want = sl.index_nbytes
+    if size < want:
+        raise DecodeError(f"file is {size} bytes, shorter than its {want}-byte shard index")
+    buf = np.empty(want, dtype=np.uint8)
+    got = _pread_into(fd, buf, size - want if sl.index_location == "end" else 0)
+    if got != want:
+        raise DecodeError(f"read {got} of {want} shard index bytes (file shrank while reading)")
+    if sl.index_crc32c:
+        buf = verify_crc32c(buf, "shard index")
+    index = buf.view(np.dtype(sl.index_byteorder + "u8")).astype(np.uint64)
+    return index.reshape((*sl.chunks_per_shard, 2))
 
 
 #: A file as it was seen: what tells a rewritten one. zarr writes a chunk or shard as a new
@@ -1350,7 +1364,7 @@ def open_reader(
     _refuse_stale_metadata(array, directory, name)
     _refuse_other_separator(layout, directory, name)
     if force_zarr or layout.unsupported:
-        _refuse_truncated_blosc(layout, directory, name)  # zarr decodes them
+        _refuse_truncated_blosc(array, directory, name)  # zarr decodes them
         reason = "force_zarr=True" if force_zarr else layout.unsupported
         _refuse_zarr_misreads(
             array,
@@ -1507,6 +1521,23 @@ def read_whole(array: Any, *, name: str) -> np.ndarray:
         raise _zarr_read_failed(name, 0, max(n, 1), max(n, rows, 1), e, by) from e
 
 
+def _blosc_frames_problem(fd: int, size: int, shard: ShardLayout | None) -> str:
+    """What is wrong with the blosc frames of one stored object (``shard``: how a shard
+    holds them; None: the object is one frame), or ""."""
+    if shard is None:
+        return blosc_header_problem(os.pread(fd, 16, 0), size)
+    index = read_shard_index(fd, size, shard).reshape(-1, 2)
+    for inner, (offset, nbytes) in enumerate(index.tolist()):
+        if offset == _EMPTY and nbytes == _EMPTY:
+            continue
+        if offset + nbytes > size:
+            return f"inner chunk {inner} (in C order): {_past_end(offset, nbytes, size)}"
+        problem = blosc_header_problem(os.pread(fd, 16, offset), nbytes)
+        if problem:
+            return f"inner chunk {inner} (in C order): {problem}"
+    return ""
+
+
 def refuse_stale_metadata(array: Any, *, name: str) -> None:
     """:func:`_refuse_stale_metadata` for an array read whole at open (obs columns, a CSR's
     row offsets), where it is in a local store; and, since zarr-python reads such arrays,
@@ -1519,36 +1550,37 @@ def refuse_stale_metadata(array: Any, *, name: str) -> None:
     if directory is not None:
         _refuse_stale_metadata(array, directory, name)
         with contextlib.suppress(DatasetError):  # 0-d: refused by whoever reads it
-            _refuse_truncated_blosc(parse_layout(array), directory, name)
+            _refuse_truncated_blosc(array, directory, name)
 
 
-def _refuse_truncated_blosc(layout: ArrayLayout, directory: str, name: str) -> None:
-    """ChunkReadError for a stored chunk of an array compressed last by blosc whose size is
-    not the one its blosc header gives (:func:`~dali_zarr.io.codecs.blosc_header_problem`),
-    for arrays zarr-python reads (obs columns, the ``convert`` input, the zarr fallback):
-    numcodecs decoded a truncated chunk past its end into other memory's bytes, delivered as
-    values without an error. One open and a 16-byte read per stored chunk; sharded arrays
-    are left to their index (an inner chunk's length is there)."""
-    codecs = layout.codecs
-    if layout.shard is not None or codecs is None or not codecs.bytes_codecs:
+def _refuse_truncated_blosc(array: Any, directory: str, name: str) -> None:
+    """ChunkReadError for a stored blosc frame (a chunk, or an inner chunk of a shard, of an
+    array compressed last by blosc) whose size is not the one its blosc header gives
+    (:func:`~dali_zarr.io.codecs.blosc_header_problem`), for arrays zarr-python reads (obs
+    columns, the ``convert`` input, the zarr fallback): numcodecs decoded a truncated frame
+    past its end into other memory's bytes, delivered as values without an error, and
+    zarr-python never compares a shard index's lengths with the file. One 16-byte read per
+    stored frame (plus each shard's index)."""
+    frames = blosc_frames(array)
+    if frames is None:  # e.g. a crc32c after blosc checks the frame itself
         return
-    if codecs.bytes_codecs[-1].get("id") != "blosc":  # e.g. a crc32c after it checks itself
-        return
-    for coords in product(*(range(n) for n in layout.chunk_grid)):
+    layout = parse_layout(array)
+    for coords in product(*(range(n) for n in frames.grid)):
         key = layout.key(coords)
         try:
             fd = open_stored(os.path.join(directory, key))
             if fd is None:  # never written: the fill value
                 continue
             try:
-                problem = blosc_header_problem(os.pread(fd, 16, 0), os.fstat(fd).st_size)
+                problem = _blosc_frames_problem(fd, os.fstat(fd).st_size, frames.shard)
             finally:
                 os.close(fd)
         except DecodeError as exc:
             problem = str(exc)
         if problem:
+            what = "chunk" if frames.shard is None else "shard"
             raise ChunkReadError(
-                f"{name}: chunk {key!r}: {problem}; zarr would decode it into wrong values "
-                "without an error: restore this chunk from an intact copy, or re-write the "
+                f"{name}: {what} {key!r}: {problem}; zarr would decode it into wrong values "
+                f"without an error: restore this {what} from an intact copy, or re-write the "
                 "array."
             )
