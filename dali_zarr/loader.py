@@ -35,7 +35,7 @@ from dali_zarr.graph.iterator import DaliEpochIterator
 from dali_zarr.graph.pipeline import Transform, build_pipeline, output_dtype_name
 from dali_zarr.graph.source import BatchSource, Output, Planner, obs_list
 from dali_zarr.planning import EpochPlan
-from dali_zarr.planning.partition import validate_flag, validate_int
+from dali_zarr.planning.partition import validate_count, validate_flag, validate_int
 from dali_zarr.planning.resume import (
     PlanSettings,
     ResumePoint,
@@ -214,7 +214,8 @@ class Loader:
                     f"transform={transform!r} is not callable: pass a function that takes the "
                     "dict of output DataNodes and returns the dict to emit (or None)."
                 )
-            validate_int(
+            prefetch_queue_depth = validate_count("prefetch_queue_depth", prefetch_queue_depth)
+            num_threads = validate_int(  # a NumPy integer: DALI and deque(maxlen=) want int
                 "num_threads", num_threads, low=1, high=MAX_THREADS + 1,
                 what=f"a whole number from 1 to {MAX_THREADS} (DALI aborts the process where "
                 "it cannot start that many threads)",
@@ -1100,6 +1101,20 @@ def check_device(device: object) -> None:
 def _choose_device(device: str, gpu_backend: Any) -> tuple[str, str]:
     """("cpu" | "gpu", a sentence saying why) for ``Loader(device=...)``."""
     check_device(device)
+    if gpu_backend is not None:
+        from dali_zarr.graph.window_backends import CudaBackend, HostBackend
+
+        if not isinstance(gpu_backend, CudaBackend | HostBackend):
+            raise ConfigError(
+                f"gpu_backend={gpu_backend!r} is not a window backend: leave it None (the "
+                "GPU path picks CUDA), or pass dali_zarr.graph.window_backends.HostBackend() "
+                "to run the GPU path's graph on the host."
+            )
+        if device == "cpu":  # it was ignored: the run was not the one asked for
+            raise ConfigError(
+                "gpu_backend= drives the GPU path, and device='cpu' takes the CPU path: "
+                "pass device='gpu' with it, or drop gpu_backend=."
+            )
     if device == "cpu":
         return "cpu", "dali_zarr: CPU path (device='cpu')"
     if gpu_backend is not None:

@@ -71,7 +71,12 @@ from dali_zarr.io import (
     refuse_unfinished,
     unknown_codec_id,
 )
-from dali_zarr.planning.partition import concat_aranges, ranges_to_rows, run_offsets
+from dali_zarr.planning.partition import (
+    concat_aranges,
+    ranges_to_rows,
+    run_offsets,
+    validate_flag,
+)
 
 Layout = Literal["csr", "dense"]
 
@@ -187,6 +192,10 @@ class Dataset(ABC):
 
     def categories(self, column: str) -> tuple[str, ...] | None:
         """Category names of a categorical obs column, to map batch codes back to labels."""
+        if not isinstance(column, str):  # failed deep inside as "'int' has no 'startswith'"
+            raise ConfigError(
+                f"{self.name}: categories() takes an obs column's name, not {column!r}."
+            )
         return self.obs_column(column).categories
 
     def var_names(self) -> tuple[str, ...] | None:
@@ -879,8 +888,10 @@ def open_dataset(
             "axis (xarray: ds[['t2m', 'sst']].to_dataarray('variable').transpose('time', "
             "'variable', ...).to_dataset(name='x').to_zarr(...)), then pass element='x'."
         )
-    if mask_and_scale not in (None, True, False):
+    if mask_and_scale is not None and not isinstance(mask_and_scale, bool | np.bool_):
         raise ConfigError(f"mask_and_scale= takes True, False or None, not {mask_and_scale!r}.")
+    mask_and_scale = None if mask_and_scale is None else bool(mask_and_scale)
+    force_zarr = validate_flag("force_zarr", force_zarr, numpy=True)  # "no" was taken as True
     options = {"force_zarr": force_zarr, "mask_and_scale": mask_and_scale}
     if isinstance(source, Sequence) and not isinstance(source, str | bytes):
         parts = []
@@ -1121,9 +1132,19 @@ def _open_node(source: Source) -> tuple[zarr.Group | zarr.Array, str]:
             f"{accepted}zarr store, not a {type(source).__name__}. Write in-memory data to a "
             "Zarr array first (zarr.create_array(path, data=values, chunks=...)) and open that."
         ) from None
-    if isinstance(path, str) and path.startswith("file://"):  # a local store, read directly
-        path = urllib.parse.urlparse(path).path
-    elif isinstance(path, str) and "://" in path:
+    if isinstance(path, bytes):  # os.fspath passes bytes on; every check below takes str
+        path = os.fsdecode(path)
+    if not path:
+        raise ConfigError("open_dataset got an empty path; pass the path of a Zarr store.")
+    if path.startswith("file://"):  # a local store, read directly
+        url = urllib.parse.urlparse(path)
+        if url.netloc not in ("", "localhost"):  # file://cells.zarr: "cells.zarr" is a host
+            raise ConfigError(
+                f"{path}: a file:// URL names a host ({url.netloc!r}) here, not a local path; "
+                f"write file:///absolute/path/{url.netloc} (three slashes) or the plain path."
+            )
+        path = urllib.parse.unquote(url.path)  # Path.as_uri() writes a space as %20
+    elif "://" in path:
         return _open_url(path)
     name = os.path.basename(os.path.normpath(path)) or path
     if not os.path.exists(path):

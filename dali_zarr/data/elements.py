@@ -509,6 +509,7 @@ def pick_element(
                 f"{store}: is a Zarr array, so element={element!r} has nothing to pick from; "
                 "drop element= (--element on the command line)."
             )
+        _refuse_sparse_member(_parent_group(root), store)
         return Picked(root, None, False)
     encoding = attribute(root, "encoding-type")
     if anndata or (anndata is None and encoding == "anndata"):
@@ -520,7 +521,7 @@ def pick_element(
         nested = [f"{store}/{k}" for k in _nested_anndata(root)]
         return f" It holds AnnData stores: open one of {', '.join(nested)}." if nested else ""
 
-    if element is None and encoding in ("csr_matrix", "csc_matrix", "csr", "csc"):
+    if element is None and encoding in _SPARSE_ENCODINGS:
         # its arrays (data, indices, indptr) are no observations: loading one is no advice
         raise DatasetError(
             f"{store}: is a sparse matrix group (encoding-type {encoding!r}), an element of an "
@@ -563,7 +564,49 @@ def pick_element(
             f"{store}: has no array {element!r}{_listing_of(_arrays_in(root))}; pass "
             f"element= the path of one.{inside()}" + stale_listing_hint(root, key)
         )
+    if "/" in key:
+        parent = None
+        with contextlib.suppress(DatasetError, ConfigError):  # it was found, so is its group
+            parent = zarr_member(root, key.rsplit("/", 1)[0], where=store)
+        _refuse_sparse_member(parent, store)
     return Picked(node, key, False)
+
+
+_SPARSE_ENCODINGS = ("csr_matrix", "csc_matrix", "csr", "csc")
+
+
+def _parent_group(array: Any) -> Any:
+    """The group holding ``array`` of a local store (None where it has none, or the store
+    is not local): only an array opened by its own path needs it looked up."""
+    import zarr
+
+    from dali_zarr.io import local_directory
+
+    directory, _ = local_directory(array)
+    if directory is None:
+        return None
+    try:
+        return zarr.open_group(os.path.dirname(os.path.normpath(directory)), mode="r")
+    except Exception:  # no group above it: a store of its own
+        return None
+
+
+def _refuse_sparse_member(parent: Any, store: str) -> None:
+    """DatasetError where the array picked is ``data``, ``indices`` or ``indptr`` of a
+    sparse matrix group: one entry per stored non-zero (or row), not per observation, so
+    each "row" of a batch would be one non-zero, trained on as a sample, without an error."""
+    if parent is None or is_array(parent):
+        return
+    encoding = attribute(parent, "encoding-type")
+    if encoding not in _SPARSE_ENCODINGS:
+        return
+    raise DatasetError(
+        f"{store}: is an array of a sparse matrix group (encoding-type {encoding!r}): it holds "
+        "one entry per stored non-zero (or per row offset), not one per observation. Open "
+        "the AnnData store that holds the matrix and name it with element= (e.g. "
+        "dz.open_dataset('cells.zarr', element='layers/counts'); X is the default; "
+        "`dali-zarr inspect cells.zarr` lists the elements)."
+    )
 
 
 #: arrays an error lists by name (then "..." where there are more)

@@ -316,6 +316,14 @@ def as_selection(
     ``"1"`` and ``"2"``, other columns of a store whose var names are numbers, and a
     boolean mask as the names ``"True"``/``"False"``. Elements of mixed types (or None)
     are refused, naming ``argument`` and what it ``accepted``."""
+    if isinstance(features, list | tuple):  # np.asarray([True, 3]) is the ids [1, 3]
+        bools = [isinstance(v, bool | np.bool_) for v in features]
+        if any(bools) and not all(bools):
+            kinds = sorted({type(v).__name__ for v in features})
+            raise DatasetError(
+                f"{where}: {argument} mixes booleans with other values ({', '.join(kinds)}); "
+                f"pass {accepted}, one kind only."
+            )
     chosen = np.asarray(features)
     if chosen.dtype != object or chosen.size == 0:
         return chosen

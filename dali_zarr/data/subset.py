@@ -81,6 +81,8 @@ def select_rows(rows: np.ndarray | list | tuple, n_obs: int, name: str) -> np.nd
             f"{name}: rows must be a 1-D array of integer observation ids or a boolean mask, "
             f"got dtype {rows.dtype} and shape {rows.shape}."
         )
+    if rows.dtype.kind == "u" and int(rows.max()) >= n_obs:  # before int64 wraps it negative
+        raise DatasetError(f"{name}: row id {int(rows.max())} is outside [0, {n_obs}).")
     rows = rows.astype(np.int64, copy=False)
     if np.any(rows[1:] <= rows[:-1]):
         rows = np.sort(rows)

@@ -401,6 +401,11 @@ def build_pipeline(
     and ``checkpoint`` are DALI's own (``pipe.checkpoint()`` saves, ``checkpoint=`` restores
     operator state such as the RNG of random ops in ``transform``).
     """
+    if not isinstance(source, BatchSource):  # a dataset failed as "has no attribute 'dataset'"
+        raise ConfigError(
+            f"build_pipeline takes a BatchSource, not {type(source).__name__}: build one "
+            "first, BatchSource(dataset, sampler), or let dz.Loader(dataset, sampler) do both."
+        )
     return assemble_pipeline(
         lambda: build_graph(source),
         dataset=source.dataset,

@@ -176,7 +176,7 @@ class BatchSource:
         self.return_index = return_index
         self.names = source_names(dataset.layout, output, list(obs), return_index)
         self.prefetch_windows = validate_prefetch_windows(prefetch_windows)
-        validate_count("prefetch_queue_depth", prefetch_queue_depth)
+        prefetch_queue_depth = validate_count("prefetch_queue_depth", prefetch_queue_depth)
         # windows read at once (up to prefetch_windows + 1 are wanted at a time)
         self._pool = ThreadPoolExecutor(
             max_workers=validate_count("read_threads", read_threads),

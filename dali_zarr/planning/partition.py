@@ -96,11 +96,14 @@ def validate_seed(seed: object) -> int:
     )
 
 
-def validate_sizes(*, chunk_size: int, preload_nchunks: int, batch_size: int) -> None:
-    """Check the sampler settings that do not depend on the dataset."""
-    validate_count("chunk_size", chunk_size)
-    validate_count("preload_nchunks", preload_nchunks)
-    validate_count("batch_size", batch_size)
+def validate_sizes(
+    *, chunk_size: int, preload_nchunks: int, batch_size: int
+) -> tuple[int, int, int]:
+    """Check the sampler settings that do not depend on the dataset; returns them as Python
+    ints (NumPy int32 sizes wrapped around in the products below)."""
+    chunk_size = validate_count("chunk_size", chunk_size)
+    preload_nchunks = validate_count("preload_nchunks", preload_nchunks)
+    batch_size = validate_count("batch_size", batch_size)
     if preload_nchunks * chunk_size < batch_size:
         raise ConfigError(
             f"batch_size={batch_size} is larger than a window of preload_nchunks={preload_nchunks}"
@@ -109,6 +112,7 @@ def validate_sizes(*, chunk_size: int, preload_nchunks: int, batch_size: int) ->
             f"{-(-batch_size // chunk_size)} or lower batch_size to at most "
             f"{preload_nchunks * chunk_size}"
         )
+    return chunk_size, preload_nchunks, batch_size
 
 
 def validate_plan_inputs(
@@ -173,7 +177,7 @@ def window_rows_of(chunk_size: int, preload_nchunks: int, batch_size: int) -> in
 
     A multiple of batch_size so that no batch spans two windows.
     """
-    return (preload_nchunks * chunk_size // batch_size) * batch_size
+    return (int(preload_nchunks) * int(chunk_size) // int(batch_size)) * int(batch_size)
 
 
 def rank_bounds(n_obs: int, world_size: int) -> np.ndarray:

@@ -300,11 +300,13 @@ class ChunkSampler:
     seed_was_drawn: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        validate_sizes(
+        sizes = validate_sizes(
             chunk_size=self.chunk_size,
             preload_nchunks=self.preload_nchunks,
             batch_size=self.batch_size,
         )
+        for name, value in zip(("chunk_size", "preload_nchunks", "batch_size"), sizes, strict=True):
+            object.__setattr__(self, name, value)  # Python ints: NumPy int32 products wrap
         validate_flag("shuffle", self.shuffle)
         validate_flag("drop_last", self.drop_last)
         if self.seed is None:
