@@ -377,8 +377,18 @@ class Loader:
             this_pass = self._looping = self._passes
         try:
             while True:
-                with self._loop_lock:  # the check and the draw as one: no loop starts between
-                    batch = self._next_batch(iterator, this_pass)
+                batch = None
+                try:
+                    with self._loop_lock:  # the check and the draw as one: no loop starts
+                        batch = self._next_batch(iterator, this_pass)  # between
+                except BaseException:
+                    # a Ctrl-C (or a signal handler's SystemExit) that CPython delivered as
+                    # the lock was released: the batch was counted and never handed out, and
+                    # a state saved then resumed past its rows
+                    if batch is not None:
+                        self._consumed -= 1
+                        self._dali_ahead = self.enable_checkpointing  # DALI's checkpoint has it
+                    raise
                 if batch is None:
                     return
                 yield batch

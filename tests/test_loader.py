@@ -375,14 +375,37 @@ def test_a_ctrl_c_in_the_callback_is_not_raised_again_for_a_later_error(sc_store
         assert "the transform's own error" in str(raised.value)
 
 
+class _LockReleasedIntoCtrlC:
+    """A loader's loop lock whose release, once armed, is where a real SIGINT lands: CPython
+    delivers a pending signal after a C call such as a lock's release, here the one after a
+    batch was drawn and before the loop got it."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.armed = lock, False
+
+    def __enter__(self):
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc):
+        import signal
+
+        released = self.lock.__exit__(*exc)
+        if self.armed:
+            self.armed = False
+            signal.raise_signal(signal.SIGINT)
+        return released
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu-host"])
+@pytest.mark.parametrize("at", ["conversion", "lock release"])
 def test_a_state_saved_on_ctrl_c_counts_only_batches_handed_out(
-    sc_store: Path, device: str
+    sc_store: Path, device: str, at: str
 ) -> None:
     """A Ctrl-C (or a signal handler's SystemExit) that landed while a drawn batch became
     torch tensors left it counted in ``consumed`` though the loop never got it: a state
     saved in ``except KeyboardInterrupt`` resumed one batch later, and its rows were not
-    delivered that epoch (in a tight loop, 5 of 60 random Ctrl-Cs)."""
+    delivered that epoch (in a tight loop, 5 of 60 random Ctrl-Cs). So did one landing as
+    the loop lock was released after the draw (2 of 60)."""
     import signal
     import sys
 
@@ -400,13 +423,15 @@ def test_a_state_saved_on_ctrl_c_counts_only_batches_handed_out(
 
     whole = run_epoch(make())["index"]
     loader = make()
+    loader._loop_lock = lock = _LockReleasedIntoCtrlC(loader._loop_lock)
     handed = []
     with pytest.raises(KeyboardInterrupt):
         try:
             for i, batch in enumerate(loader):
                 handed.append(batch["index"].numpy())
-                if i == 2:
+                if i == 2 and at == "conversion":
                     sys.settrace(interrupt_conversion)
+                lock.armed = i == 2 and at == "lock release"
         finally:
             sys.settrace(None)
     state = loader.state_dict()
