@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -463,8 +464,10 @@ class Loader:
         path: device memory, kvikio files, nvCOMP codecs). Iterating afterwards raises
         ConfigError. A ``with dz.Loader(...) as loader:`` block calls it on exit."""
         self._closed = True
+        pipe = None if self._pipe is None else weakref.ref(self._pipe)
         self._iterator = self._pipe = None  # freed unless a generator of __iter__ holds them
-        self._source.close()
+        # a pipeline freed here has joined its threads: the batches it was handed can go
+        self._source.close(pipeline_gone=pipe is None or pipe() is None)
 
     def __enter__(self) -> Loader:
         return self

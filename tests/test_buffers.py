@@ -81,6 +81,7 @@ def test_idle_buffers_are_bounded_and_freed_on_close():
     assert pool.idle_nbytes == 0
     del late  # in use at close: freed, not pooled
     gc.collect()
+    assert not pool._returned, "a buffer let go after close() stayed held by the pool"
     assert pool.idle_nbytes == 0
     assert pool.empty(2 * MB, np.uint8).flags.owndata  # closed: plain arrays
 

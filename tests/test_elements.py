@@ -806,10 +806,16 @@ def wide_fill_store(path: Path) -> dict[str, tuple[np.ndarray, list]]:
              "scale_factor": 0.01},
             [int32_fill, 16777217],
         ),
-        "int64": (  # NC_FILL_INT64: as a float it is -2**63, which is a valid value here
-            [int64_fill, -(2**63), int64_fill + 1, 2**62, 7, -7, 0, 1],
+        "int64": (  # NC_FILL_INT64: xarray compares in float64, where it is -2**63, as are
+            # the words up to -2**63 + 512 (xarray's to_zarr stores the fill as -2**63)
+            [int64_fill, -(2**63), -(2**63) + 512, -(2**63) + 513, 2**62, 7, -7, 0],
             {"_FillValue": int64_fill},
             [int64_fill],
+        ),
+        "uint64": (  # 2**63 in float64: the words around it, across the signed boundary
+            [2**63 - 1, 2**63, 2**63 + 1024, 2**63 + 1025, 2**64 - 1, 5, 0, 1],
+            {"_FillValue": 2**63, "scale_factor": 2.0},
+            [2**63],
         ),
         "uint32": (  # NC_FILL_UINT; words past int32 compare by their bits
             [4294967295, 4294967294, 4294967040, 2**31, 5, 0, 1, 2],
@@ -835,16 +841,20 @@ def wide_fill_store(path: Path) -> dict[str, tuple[np.ndarray, list]]:
 def test_wide_fills_are_compared_with_the_stored_words(tmp_path: Path, where: str) -> None:
     """A 32/64-bit integer or float64 array was masked after its values became float32,
     where netCDF's int fill -2147483647 is -2147483648, as are -2147483600 and every word
-    within 128 of it: valid values arrived as NaN, and an int64 fill (past float64 too)
-    masked -2**63. Such fills are now compared with the stored words, as xarray compares
-    them, on both paths; a fill no word can be (25000000.5 in int32) masks nothing."""
+    within 128 of it: valid values arrived as NaN. Such fills are now compared with the
+    stored words as xarray compares them (made float64), on both paths: exactly for 32-bit
+    words; a 64-bit fill past 2**53 masks the words float64 rounds to it, so xarray's own
+    int64 round trip (NaN stored as -2**63 under the fill -2**63 + 2) reads back as NaN,
+    where -2**63 had arrived as -9.2e18; a fill no word can be (25000000.5) masks nothing."""
     stores = wide_fill_store(tmp_path / "wide.zarr")
     for name, (stored, fills) in stores.items():
         ds = dz.open_dataset(tmp_path / "wide.zarr", element=name, mask_and_scale=True)
         decoding = ds.cf_decoding()
         assert decoding is not None
         want = cf_decoded_reference(stored, scale=decoding.scale, offset=decoding.offset)
-        want[np.isin(stored, np.array(fills, dtype=stored.dtype))] = np.nan
+        want[np.isin(stored.astype(np.float64), np.array(fills, dtype=np.float64))] = (
+            np.nan
+        )  # xarray
         assert 0 < np.isnan(want).sum() < want.size
         assert_decoded_epoch(ds, want, where=where, name=name)
 

@@ -152,18 +152,21 @@ class GatherReading(NamedTuple):
     and what is left to do to the float32 values it makes of them.
 
     ``dtype``: the type the words are read as (the other signedness where ``_Unsigned``
-    says so). ``word_fills``: the fills float32 cannot tell from their neighbours, as the
-    same-width signed integers that hold their bits: compared with the gathered words
-    before they become float32. ``rest``: the decoding left for the float32 values.
+    says so). ``word_fills``: the fills float32 cannot tell from their neighbours, as
+    inclusive ``(low, high)`` ranges of the same-width signed integers that hold their
+    bits (one word where low is high): compared with the gathered words before they become
+    float32. ``rest``: the decoding left for the float32 values.
     """
 
     dtype: np.dtype
-    word_fills: tuple[int, ...]
+    word_fills: tuple[tuple[int, int], ...]
     rest: CfDecoding | None
 
 
 #: integers of this magnitude and above share float32 values with their neighbours
 _FLOAT32_EXACT_INTEGERS = 1 << 24
+#: ... and float64 values, from this magnitude on
+_FLOAT64_EXACT_INTEGERS = 1 << 53
 
 
 def cf_gather_reading(stored: np.dtype, decoding: CfDecoding | None) -> GatherReading:
@@ -173,11 +176,15 @@ def cf_gather_reading(stored: np.dtype, decoding: CfDecoding | None) -> GatherRe
     signedness (a view, no copy) and ``wrap`` drops out: made float32 first, a uint32 word
     4294967295 (-1 under ``_Unsigned="false"``) rounds to 2**32 and the wrap took it to 0.
 
-    A fill is compared as xarray compares it, exactly. In float32 that holds for bytes,
-    shorts, halves and floats, and for 32/64-bit integers below 2**24 in magnitude. The
-    others (netCDF's int fill -2147483647, any float64 fill) are compared as words: in
-    float32, -2147483600 is -2147483647 and a valid value became NaN. An integer fill no
-    word can hold (2.5, or past the type's range) matches none and is dropped.
+    A fill is compared as xarray compares it: xarray makes 32/64-bit integers float64 and
+    then compares. In float32 that is exact for bytes, shorts, halves and floats, and for
+    32/64-bit integers below 2**24 in magnitude. The others (netCDF's int fill -2147483647,
+    any float64 fill) are compared as words: in float32, -2147483600 is -2147483647 and a
+    valid value became NaN. A 64-bit integer fill of 2**53 or more matches every word
+    float64 rounds to it, as in xarray: its to_zarr stores netCDF's int64 fill
+    -9223372036854775806 as the word -2**63 (the fill made float64, then int64), which it
+    reads back as missing. An integer fill no word can match (2.5, or past the type's
+    range) is dropped.
     """
     stored = np.dtype(stored).newbyteorder("=")  # as windows hold them: a v2 ">f8" too
     if decoding is None:
@@ -185,27 +192,65 @@ def cf_gather_reading(stored: np.dtype, decoding: CfDecoding | None) -> GatherRe
     dtype = stored
     if decoding.wrap:
         dtype = np.dtype(f"{'u' if decoding.wrap > 0 else 'i'}{stored.itemsize}")
-    signed = np.dtype(f"i{dtype.itemsize}")
-    word_fills: list[int] = []
+    word_fills: list[tuple[int, int]] = []
     float32_fills: list[float] = []
     for fill in decoding.fills:
         if dtype.kind in "iu" and dtype.itemsize >= 4:
-            limits = np.iinfo(dtype)
-            if not limits.min <= fill <= limits.max or fill != int(fill):
-                continue
             if abs(fill) < _FLOAT32_EXACT_INTEGERS:
                 float32_fills.append(fill)
             else:
-                word_fills.append(int(np.array(int(fill), dtype).view(signed)))
+                word_fills += _signed_ranges(_words_equal_in_float64(fill, dtype), dtype)
         elif dtype == np.float64:  # 0.0 equals -0.0, whose bits differ
             for same in (0.0, -0.0) if fill == 0 else (fill,):  # (a set holds one of them)
-                word_fills.append(int(np.float64(same).view(np.int64)))
+                bits = int(np.float64(same).view(np.int64))
+                word_fills.append((bits, bits))
         else:
             float32_fills.append(fill)
     rest = decoding._replace(wrap=0, fills=tuple(float32_fills))
     return GatherReading(
         dtype, tuple(word_fills), None if rest == CfDecoding(0, (), 1.0, 0.0) else rest
     )
+
+
+def _words_equal_in_float64(fill: float, dtype: np.dtype) -> tuple[int, int] | None:
+    """The inclusive range of ``dtype`` integers ``w`` with ``float64(w) == float64(fill)``
+    (xarray's comparison), or None where there is none (2.5; past the type's range)."""
+    limits = np.iinfo(dtype)
+    target = float(fill)
+    if not target.is_integer():
+        return None
+    if abs(target) < _FLOAT64_EXACT_INTEGERS:  # one word, if the type holds it
+        word = int(target)
+        return (word, word) if limits.min <= word <= limits.max else None
+    # the integers that round (to nearest, ties to even) to target lie between the midpoints
+    # to its float64 neighbours; Python's int -> float rounds as NumPy's cast does
+    below = int(np.nextafter(target, -np.inf))
+    above = int(np.nextafter(target, np.inf))
+    low, high = -(-(below + int(target)) // 2), (int(target) + above) // 2
+    low, high = max(low, limits.min), min(high, limits.max)
+    while low <= high and float(low) != target:
+        low += 1
+    while high >= low and float(high) != target:
+        high -= 1
+    return (low, high) if low <= high else None
+
+
+def _signed_ranges(words: tuple[int, int] | None, dtype: np.dtype) -> list[tuple[int, int]]:
+    """Inclusive ``dtype`` word range ``words`` as ranges of the same-width signed integers
+    holding their bits (an unsigned range across 2**(bits-1) wraps: two ranges)."""
+    if words is None:
+        return []
+    low, high = words
+    if dtype.kind == "i":
+        return [(low, high)]
+    half = 1 << (8 * dtype.itemsize - 1)
+
+    def signed(word: int) -> int:
+        return word - 2 * half if word >= half else word
+
+    if low < half <= high:
+        return [(signed(low), half - 1), (signed(half), signed(high))]
+    return [(signed(low), signed(high))]
 
 
 def is_array(node: Any) -> bool:

@@ -197,6 +197,16 @@ class BufferRing:
             self._closed = True
             self._cond.notify_all()
 
+    def drop_buffers(self) -> None:
+        """Let the slots' device buffers go, once closed and no DALI run can read them: the
+        queued uploads and kernels into them are waited for first (a reader thread still
+        filling one holds its own reference, freed when it is done)."""
+        with contextlib.suppress(Exception):  # a sticky CUDA error: nothing left to wait for
+            self.backend.wait_all()  # the reader threads' streams, not this thread's
+        with self._cond:
+            assert self._closed, "drop_buffers() of an open ring"
+            self._bufs = [None] * len(self._bufs)
+
 
 # ---------------------------------------------------------------------------- window reader
 
@@ -263,6 +273,7 @@ class GpuBatchSource(BatchSource):
         self.ring = BufferRing(self.prefetch_windows + prefetch_queue_depth + 3, self.backend)
         self._served = 0
         self._leases: list[Lease] = []
+        self._leases_closed = False
         self._lease_lock = threading.Lock()
         self._twins: dict[tuple[int, int, int], list] = {}
         self._twin_lock = threading.Lock()
@@ -286,7 +297,8 @@ class GpuBatchSource(BatchSource):
             raise
         lease.key = wkey
         with self._lease_lock:
-            self._leases.append(lease)
+            if not self._leases_closed:  # a read finishing after close() is never served
+                self._leases.append(lease)
         return DeviceWindow(plan, arrays, host_indptr, lease)
 
     def _read_into_slot(self, ranges: np.ndarray) -> tuple[tuple, np.ndarray | None, Any]:
@@ -372,9 +384,17 @@ class GpuBatchSource(BatchSource):
         with self._twin_lock:
             self._twins.clear()
 
-    def close(self) -> None:
-        super().close()
+    def close(self, *, pipeline_gone: bool = False) -> None:
+        super().close(pipeline_gone=pipeline_gone)
         self.ring.close()  # a reader waiting for a slot the stopped consumer holds ends
+        with self._twin_lock:
+            self._twins.clear()
+        with self._lease_lock:
+            self._leases_closed = True
+            if pipeline_gone:  # no DALI run reads a slot any more: its memory can go
+                self._leases.clear()
+        if pipeline_gone:
+            self.ring.drop_buffers()
         self.backend.close()
 
 

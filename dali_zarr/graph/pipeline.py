@@ -116,7 +116,7 @@ def nan_where_not(keep: Any) -> Any:
 
 
 def masked_words(words: Any, reading: GatherReading) -> Any:
-    """Gathered ``words`` (of ``reading.dtype``) as float32, NaN where a word is one of
+    """Gathered ``words`` (of ``reading.dtype``) as float32, NaN where a word lies in one of
     ``reading.word_fills``: compared as same-width signed integers (DALI's constants are
     int64 or float32, so a float64 fill is compared by its bits), before float32 merges a
     fill with its neighbours."""
@@ -124,8 +124,12 @@ def masked_words(words: Any, reading: GatherReading) -> Any:
     signed = kernels.dali_type(np.dtype(f"i{width}"))
     bits = words if reading.dtype == np.dtype(f"i{width}") else fn.reinterpret(words, dtype=signed)
     keep = None
-    for fill in reading.word_fills:
-        kept = bits != types.Constant(fill, dtype=signed)
+    for low, high in reading.word_fills:
+        if low == high:
+            kept = bits != types.Constant(low, dtype=signed)
+        else:
+            below = bits < types.Constant(low, dtype=signed)
+            kept = below | (bits > types.Constant(high, dtype=signed))
         keep = kept if keep is None else keep & kept
     return dense_to_float32(words, reading.dtype) + nan_where_not(keep)
 

@@ -384,6 +384,17 @@ class BatchSource:
                 future.cancel()
             self._windows.clear()
 
-    def close(self) -> None:
+    def close(self, *, pipeline_gone: bool = False) -> None:
+        """Stop the readers and let the windows go: the read-ahead cache held whole windows
+        for as long as a closed loader stayed referenced (Lightning keeps its dataloaders).
+        The last batches handed to DALI (``no_copy``: it reads our memory) are let go only
+        where ``pipeline_gone`` says no DALI pipeline can read them any more."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for future in self._windows.values():
+                future.cancel()
+            self._windows.clear()
+            self._plans.clear()
+            if pipeline_gone:
+                self._alive.clear()
         self._buffers.close()

@@ -111,6 +111,9 @@ class _Backend:
     def before_reuse(self) -> None:
         """Wait until nothing may still read a buffer about to be overwritten."""
 
+    def wait_all(self) -> None:
+        """Wait until all work queued on the device, by any thread, has finished."""
+
     def close(self) -> None:
         """Release what the backend holds open."""
 
@@ -320,6 +323,10 @@ class CudaBackend(_Backend):
 
     def finish(self) -> None:
         self.executor.stream.synchronize()
+
+    def wait_all(self) -> None:
+        with self.cp.cuda.Device(self.device_id):
+            self.cp.cuda.runtime.deviceSynchronize()
 
     def before_reuse(self) -> None:
         if self.ring_sync == "device":  # any DALI kernel still reading the slot has finished

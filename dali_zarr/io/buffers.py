@@ -74,8 +74,15 @@ class BufferPool:
         # np.frombuffer over a memoryview: views of `out` keep `out` (not `buf`) alive, so
         # `out` is garbage only once no view of the memory is left anywhere
         out = np.frombuffer(buf.data, dtype=np.uint8, count=nbytes)
-        weakref.finalize(out, self._returned.append, buf)
+        weakref.finalize(out, self._give_back, buf)
         return out.view(dtype).reshape(shape)
+
+    def _give_back(self, buf: np.ndarray) -> None:
+        """A finalizer's hand-back (any thread; deque operations are atomic): after close it
+        is dropped, or the buffers of the last batches stayed held by a closed loader."""
+        self._returned.append(buf)
+        if self._closed:  # checked after the append: a close() in between cleared it
+            self._returned.clear()
 
     def _capacity(self, nbytes: float) -> int:
         """The size of a new buffer for ``nbytes``."""
