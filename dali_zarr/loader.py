@@ -990,13 +990,14 @@ def panel_reorders(dataset: Dataset) -> bool:
     return any(c is not None and bool(np.any(np.diff(c[c >= 0]) < 0)) for _, c in pairs)
 
 
-def _rows_unsorted(crow: torch.Tensor, col: torch.Tensor) -> bool:
-    """Whether some row's column ids decrease (an id below its left neighbour that does
-    not start a row): one pass, in NumPy on the host (torch's elementwise ops took ~15x as
-    long on a 1M-id batch), in torch on the device."""
+def _rows_not_increasing(crow: torch.Tensor, col: torch.Tensor) -> bool:
+    """Whether some row's column ids do not strictly increase (an id at or below its left
+    neighbour that does not start a row: unsorted, or stored twice): one pass, in NumPy on
+    the host (torch's elementwise ops took ~15x as long on a 1M-id batch), in torch on the
+    device."""
     nnz = col.numel()
     if col.device.type == "cpu":
-        down = np.diff(col.numpy()) < 0
+        down = np.diff(col.numpy()) <= 0
         starts = crow.numpy()[1:-1]
         down[starts[(starts > 0) & (starts < nnz)] - 1] = False
         return bool(down.any())
@@ -1004,7 +1005,7 @@ def _rows_unsorted(crow: torch.Tensor, col: torch.Tensor) -> bool:
     # would sync too (crow's values lie in [0, nnz], an empty last row's start at nnz)
     starts = torch.zeros(nnz + 1, dtype=torch.bool, device=col.device)
     starts[crow[:-1].to(torch.int64)] = True
-    return bool(((col[1:] < col[:-1]) & ~starts[1:nnz]).any())
+    return bool(((col[1:] <= col[:-1]) & ~starts[1:nnz]).any())
 
 
 def canonical_csr(
@@ -1016,32 +1017,51 @@ def canonical_csr(
     sort_rows: bool,
 ) -> torch.Tensor:
     """A batch CSR as torch's sparse ops expect it: row pointers and column ids of one
-    integer type (int32 where they fit; stores may hold uint8/uint16/uint32 ids) and, with
-    ``sort_rows``, each row's ids increasing (a reordered panel keeps the stored order);
-    without it, rows are sorted where the batch finds some stored unsorted (anndata writes
-    ids as scipy holds them: unsorted after ``adata[:, genes]`` in another order). An
-    unsorted CSR is right for ``to_dense()`` and ``@`` but wrong for sparse-sparse ops."""
+    integer type (int32 where they fit; stores may hold uint8/uint16/uint32 ids) and each
+    row's ids strictly increasing. Rows are sorted with ``sort_rows`` (a reordered panel),
+    or where the batch finds some stored unsorted (anndata writes ids as scipy holds them:
+    unsorted after ``adata[:, genes]`` in another order); an id a row stores twice (scipy
+    allows it, and sums them) is summed into one entry, as the dense output sums it. An
+    unsorted CSR, or one with repeats, is right for ``to_dense()`` and ``@`` but wrong for
+    sparse-sparse ops (a repeated id was multiplied as 1*1 + 2*2, not 3*3)."""
     nnz = col.numel()
     wide = nnz >= 2**31 or col.dtype in (torch.int64, torch.uint32, torch.uint64)
     index_type = torch.int64 if wide else torch.int32
     crow, col = crow.to(index_type), col.to(index_type)
-    if not sort_rows and nnz > 1:
-        sort_rows = _rows_unsorted(crow, col)
-    if sort_rows and nnz > 1:
+    n_rows = crow.numel() - 1
+    if nnz > 1 and (sort_rows or _rows_not_increasing(crow, col)):
         rows = torch.repeat_interleave(
-            torch.arange(crow.numel() - 1, device=col.device), crow.diff(), output_size=nnz
+            torch.arange(n_rows, device=col.device), crow.diff(), output_size=nnz
         )
-        # stable: duplicate ids of a row keep their stored order, on either device (the
+        # stable: a repeated id's entries keep their stored order, on either device (the
         # CPU's unstable sort reorders ties, the GPU's may not)
-        order = torch.argsort(rows * n_features + col.to(torch.int64), stable=True)
-        col, values = col[order], values[order]
+        keys = rows * n_features + col.to(torch.int64)
+        order = torch.argsort(keys, stable=True)
+        keys, col, values = keys[order], col[order], values[order]
+        if bool((keys[1:] == keys[:-1]).any()):  # one sync, only where rows were unsorted
+            crow, col, values = _summed_repeats(keys, values, n_rows, n_features, index_type)
     return torch.sparse_csr_tensor(
         crow,
         col,
         values,
-        size=(crow.numel() - 1, n_features),
+        size=(n_rows, n_features),
         check_invariants=False,  # built by our gather op from validated column ids
     )
+
+
+def _summed_repeats(
+    keys: torch.Tensor, values: torch.Tensor, n_rows: int, n_features: int, index_type: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(crow, col, values)`` of sorted ``keys`` (row * n_features + id) with each repeated
+    key's values summed (in float32, float64 for float64 values, as the densify sums)."""
+    unique, inverse = torch.unique_consecutive(keys, return_inverse=True)
+    wide = torch.float64 if values.dtype == torch.float64 else torch.float32
+    summed = torch.zeros(unique.numel(), dtype=wide, device=values.device)
+    summed.index_add_(0, inverse, values.to(wide))
+    counts = torch.bincount(unique // n_features, minlength=n_rows)
+    crow = torch.zeros(n_rows + 1, dtype=index_type, device=keys.device)
+    crow[1:] = torch.cumsum(counts, 0)
+    return crow, (unique % n_features).to(index_type), summed.to(values.dtype)
 
 
 def _check_arguments(dataset: Dataset, output: str, dtype: Any) -> str:

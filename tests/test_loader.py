@@ -1470,24 +1470,62 @@ def test_a_dataset_of_ones_own_needs_only_rows_and_obs(sc_store: Path) -> None:
         assert sum(len(b["X"]) for b in loader) == inner.n_obs
 
 
-def test_canonical_csr_keeps_the_stored_order_of_duplicate_ids():
-    """Sorting a reordered panel's rows keeps duplicate column ids (which add up) in their
-    stored order: an unstable sort put their values in another order on the CPU than on
-    the GPU, so the two paths' X_data differed."""
+def test_canonical_csr_sums_the_ids_a_row_stores_twice():
+    """A row storing a column id more than once (scipy allows it and sums them) came out
+    with the repeats: an invalid torch CSR whose sparse-sparse products paired the wrong
+    entries. Sorted rows now hold each id once, its values summed in stored order (an
+    unstable sort had put them in another order on the CPU than on the GPU)."""
     import torch
 
     from dali_zarr.loader import canonical_csr
 
     rng = np.random.default_rng(0)
-    col = torch.from_numpy(rng.integers(0, 50, 5000))
-    values = torch.arange(5000, dtype=torch.float32)
-    x = canonical_csr(torch.tensor([0, 2500, 5000]), col, values, n_features=50, sort_rows=True)
-    got_col, got_val = x.col_indices(), x.values()
-    for a, b in ((0, 2500), (2500, 5000)):
-        c, v = got_col[a:b].numpy(), got_val[a:b].numpy()
-        assert (np.diff(c) >= 0).all()
-        for j in np.unique(c):
-            assert (np.diff(v[c == j]) > 0).all(), f"column {j}: duplicates reordered"
+    col = rng.integers(0, 50, 5000)
+    values = rng.standard_normal(5000).astype(np.float32)
+    crow = np.array([0, 2500, 2500, 5000])
+    for sort_rows in (True, False):
+        x = canonical_csr(torch.from_numpy(crow), torch.from_numpy(col),
+                          torch.from_numpy(values), n_features=50, sort_rows=sort_rows)  # fmt: skip
+        want = sp.csr_matrix((values, col, crow), shape=(3, 50))
+        want.sum_duplicates()
+        np.testing.assert_array_equal(x.crow_indices().numpy(), want.indptr)
+        np.testing.assert_array_equal(x.col_indices().numpy(), want.indices)
+        np.testing.assert_allclose(x.values().numpy(), want.data, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", "gpu-host-backend"])
+def test_a_column_id_a_row_stores_twice_comes_out_once(tmp_path: Path, device: str) -> None:
+    """anndata writes a non-canonical scipy CSR as it is: dense X summed a row's repeated
+    ids (as scipy does), but output="csr" handed the repeats on, so torch's invariants
+    failed and X * X gave 1 + 4 where 9 was meant. They are summed into one entry now."""
+    import anndata as ad
+
+    from dali_zarr.graph.window_backends import HostBackend
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(0, 8, 60)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    indices = rng.integers(0, 10, indptr[-1]).astype(np.int32)  # repeats within rows
+    data = rng.integers(1, 5, indptr[-1]).astype(np.float32)
+    x = sp.csr_matrix((data, indices, indptr), shape=(60, 10))
+    assert not x.has_canonical_format
+    ad.AnnData(X=x).write_zarr(tmp_path / "d.zarr")
+    full = x.toarray()  # sums the repeats
+    where = {"device": "gpu", "gpu_backend": HostBackend()} if device != "cpu" else {}
+    ds = dz.open_dataset(tmp_path / "d.zarr")
+    with dz.Loader(ds, sampler(chunk_size=16, batch_size=10), output="csr",
+                   return_index=True, **where) as loader:  # fmt: skip
+        seen = []
+        for batch in loader:
+            X = batch["X"]
+            torch.sparse_csr_tensor(
+                X.crow_indices(), X.col_indices(), X.values(), X.shape, check_invariants=True
+            )
+            want = torch.from_numpy(full[batch["index"].numpy()])
+            torch.testing.assert_close(X.to_dense(), want, rtol=0, atol=0)
+            torch.testing.assert_close((X * X).to_dense(), want * want, rtol=0, atol=0)
+            seen.append(batch["index"].numpy())
+    assert sorted(np.concatenate(seen)) == list(range(60))
 
 
 def test_a_bool_csr_with_a_column_id_stored_twice_densifies_to_one(tmp_path: Path) -> None:
