@@ -1109,3 +1109,19 @@ def test_mask_and_scale_on_anndata_elements(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", dz.PackedValuesWarning)
         dz.open_dataset(path, mask_and_scale=False)
+
+
+def test_float64_batches_of_a_decoded_variable_warn_of_float32_decoding(tmp_path: Path) -> None:
+    """mask_and_scale=True decodes in float32, so dtype="float64" delivered xarray's values
+    to about 7 digits (259.0914001464844 for 259.0914) without a word: the warning for
+    float64 batches looked at the stored int16 only, which float32 holds exactly."""
+    path = tmp_path / "era5.zarr"
+    xarray_like_store(path, 3)
+    decoded = dz.open_dataset(path, element="t2m", mask_and_scale=True)
+    with pytest.warns(UserWarning, match=r"t2m: mask_and_scale=True decodes in float32"):
+        dz.Loader(decoded, sampler(chunk_size=7, batch_size=4), dtype="float64").close()
+    raw = dz.open_dataset(path, element="t2m", mask_and_scale=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dz.Loader(raw, sampler(chunk_size=7, batch_size=4), dtype="float64").close()
+        dz.Loader(decoded, sampler(chunk_size=7, batch_size=4)).close()
