@@ -1493,6 +1493,19 @@ def test_canonical_csr_sums_the_ids_a_row_stores_twice():
         np.testing.assert_allclose(x.values().numpy(), want.data, rtol=1e-5, atol=1e-5)
 
 
+def assert_canonical_csr(X: torch.Tensor, want: np.ndarray) -> None:
+    """``X`` is a valid torch CSR (each row's ids strictly increasing) holding ``want``, and
+    a sparse-sparse product with it pairs the right entries."""
+    torch.sparse_csr_tensor(
+        X.crow_indices(), X.col_indices(), X.values(), X.shape, check_invariants=True
+    )
+    dense = torch.from_numpy(want)
+    torch.testing.assert_close(X.to_dense(), dense, rtol=0, atol=0)
+    own = dense.to_sparse_csr()
+    torch.testing.assert_close((X * own).to_dense(), dense * dense, rtol=0, atol=0)
+    torch.testing.assert_close((X * X).to_dense(), dense * dense, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", ["cpu", "gpu-host-backend"])
 def test_a_column_id_a_row_stores_twice_comes_out_once(tmp_path: Path, device: str) -> None:
     """anndata writes a non-canonical scipy CSR as it is: dense X summed a row's repeated
@@ -1517,13 +1530,7 @@ def test_a_column_id_a_row_stores_twice_comes_out_once(tmp_path: Path, device: s
                    return_index=True, **where) as loader:  # fmt: skip
         seen = []
         for batch in loader:
-            X = batch["X"]
-            torch.sparse_csr_tensor(
-                X.crow_indices(), X.col_indices(), X.values(), X.shape, check_invariants=True
-            )
-            want = torch.from_numpy(full[batch["index"].numpy()])
-            torch.testing.assert_close(X.to_dense(), want, rtol=0, atol=0)
-            torch.testing.assert_close((X * X).to_dense(), want * want, rtol=0, atol=0)
+            assert_canonical_csr(batch["X"], full[batch["index"].numpy()])
             seen.append(batch["index"].numpy())
     assert sorted(np.concatenate(seen)) == list(range(60))
 
@@ -1755,12 +1762,5 @@ def test_csr_rows_stored_unsorted_come_out_sorted(tmp_path: Path, device: str) -
         want_x = full if features is None else full[:, features]
         loader = dz.Loader(ds, sampler(), output="csr", return_index=True, **where)
         for batch in loader:
-            X = batch["X"]
-            torch.sparse_csr_tensor(
-                X.crow_indices(), X.col_indices(), X.values(), X.shape, check_invariants=True
-            )
-            want = torch.from_numpy(want_x[batch["index"].numpy()])
-            torch.testing.assert_close(X.to_dense(), want, rtol=0, atol=0)
-            own = want.to_sparse_csr()
-            torch.testing.assert_close((X * own).to_dense(), want * want, rtol=0, atol=0)
+            assert_canonical_csr(batch["X"], want_x[batch["index"].numpy()])
         loader.close()
