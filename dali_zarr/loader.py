@@ -286,6 +286,8 @@ class Loader:
         self._closed = False
         self._iterator: Any = None  # DaliEpochIterator or a framework's DALI iterator
         self._pipe = None
+        #: every DALI pipeline built, while alive: close() frees what they read once none is
+        self._pipes_built: weakref.WeakSet[Any] = weakref.WeakSet()
         self._names: list[str] = []
         self._dali_epoch = -1  # DALI's epoch counter of the epoch now bound
         self._open_epoch = False  # an epoch was started and not run to its end
@@ -473,10 +475,10 @@ class Loader:
         path: device memory, kvikio files, nvCOMP codecs). Iterating afterwards raises
         ConfigError. A ``with dz.Loader(...) as loader:`` block calls it on exit."""
         self._closed = True
-        pipe = None if self._pipe is None else weakref.ref(self._pipe)
         self._iterator = self._pipe = None  # freed unless a generator of __iter__ holds them
-        # a pipeline freed here has joined its threads: the batches it was handed can go
-        self._source.close(pipeline_gone=pipe is None or pipe() is None)
+        # a pipeline freed has joined its threads: the batches it was handed can go once
+        # every pipeline built is (one a Ctrl-C dropped may live on in its traceback)
+        self._source.close(pipeline_gone=not self._pipes_built)
 
     def __enter__(self) -> Loader:
         return self
@@ -827,6 +829,7 @@ class Loader:
             restore, self._restore = self._restore, None
             pipe, self._names = self._build_pipeline(restore["checkpoint"] if restore else None)
             self._pipe = pipe
+            self._pipes_built.add(pipe)
             if restore is None:
                 self._dali_epoch = 0
                 self._source.bind_epoch(
@@ -974,6 +977,7 @@ class Loader:
                 batch.pop("X_data"),
                 n_features=self.dataset.n_features,
                 sort_rows=self._panel_reorders,
+                repeats_or=np.dtype(self.dataset.dtype) == np.bool_,
             )
         return batch
 
@@ -1024,13 +1028,15 @@ def canonical_csr(
     *,
     n_features: int,
     sort_rows: bool,
+    repeats_or: bool = False,
 ) -> torch.Tensor:
     """A batch CSR as torch's sparse ops expect it: row pointers and column ids of one
     integer type (int32 where they fit; stores may hold uint8/uint16/uint32 ids) and each
     row's ids strictly increasing. Rows are sorted with ``sort_rows`` (a reordered panel),
     or where the batch finds some stored unsorted (anndata writes ids as scipy holds them:
     unsorted after ``adata[:, genes]`` in another order); an id a row stores twice (scipy
-    allows it, and sums them) is summed into one entry, as the dense output sums it. An
+    allows it, and sums them) is summed into one entry, as the dense output sums it (with
+    ``repeats_or``, a bool store's, True twice is 1, as scipy and the dense output have it). An
     unsorted CSR, or one with repeats, is right for ``to_dense()`` and ``@`` but wrong for
     sparse-sparse ops (a repeated id was multiplied as 1*1 + 2*2, not 3*3)."""
     nnz = col.numel()
@@ -1049,6 +1055,8 @@ def canonical_csr(
         keys, col, values = keys[order], col[order], values[order]
         if bool((keys[1:] == keys[:-1]).any()):  # one sync, only where rows were unsorted
             crow, col, values = _summed_repeats(keys, values, n_rows, n_features, index_type)
+            if repeats_or:
+                values = values.clamp(max=1)
     return torch.sparse_csr_tensor(
         crow,
         col,

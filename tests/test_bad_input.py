@@ -1370,6 +1370,11 @@ def test_numpy_sizes_urls_flags_and_sparse_arrays_given_as_stores(tmp_path: Path
     for array in ("data", "indices", "indptr"):
         with pytest.raises(dz.DatasetError, match=f"{array}: is an array of a sparse matrix"):
             dz.open_dataset(path / "X" / array)
+        with pytest.raises(dz.DatasetError, match="X: is an array of a sparse matrix"):
+            dz.open_dataset(path / "X", element=array)
+    node = zarr.open_group(path, mode="r")["X/data"]  # a node: its group is in its store
+    with pytest.raises(dz.DatasetError, match="is an array of a sparse matrix"):
+        dz.open_dataset(node)
     zarr.open_group(tmp_path / "plain.zarr", mode="w")  # a plain group holding a CSR group
     shutil.copytree(path / "X", tmp_path / "plain.zarr" / "counts")
     with pytest.raises(dz.DatasetError, match=r"plain\.zarr: is an array of a sparse matrix"):

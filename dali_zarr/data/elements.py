@@ -609,11 +609,11 @@ def pick_element(
             f"{store}: has no array {element!r}{_listing_of(_arrays_in(root))}; pass "
             f"element= the path of one.{inside()}" + stale_listing_hint(root, key)
         )
+    parent = root
     if "/" in key:
-        parent = None
         with contextlib.suppress(DatasetError, ConfigError):  # it was found, so is its group
             parent = zarr_member(root, key.rsplit("/", 1)[0], where=store)
-        _refuse_sparse_member(parent, store)
+    _refuse_sparse_member(parent, store)
     return Picked(node, key, False)
 
 
@@ -621,18 +621,23 @@ _SPARSE_ENCODINGS = ("csr_matrix", "csc_matrix", "csr", "csc")
 
 
 def _parent_group(array: Any) -> Any:
-    """The group holding ``array`` of a local store (None where it has none, or the store
-    is not local): only an array opened by its own path needs it looked up."""
+    """The group holding ``array`` (None where it has none): in its own store where the
+    array sits below the store's root (a node opened from a store), else the folder above
+    a local store's (an array opened by its own path)."""
     import zarr
 
     from dali_zarr.io import local_directory
 
-    directory, _ = local_directory(array)
-    if directory is None:
-        return None
+    path = str(getattr(getattr(array, "store_path", None), "path", "") or "").strip("/")
     try:
+        if path:
+            parent = path.rsplit("/", 1)[0] if "/" in path else ""
+            return zarr.open_group(store=array.store, path=parent, mode="r")
+        directory, _ = local_directory(array)
+        if directory is None:
+            return None
         return zarr.open_group(os.path.dirname(os.path.normpath(directory)), mode="r")
-    except Exception:  # no group above it: a store of its own
+    except Exception:  # no group above it (a store of its own), or an h5py dataset
         return None
 
 
