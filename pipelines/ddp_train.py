@@ -116,6 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         p.error("--resume and --checkpoint-every need --checkpoint-dir")
+    if args.checkpoint_dir:
+        problem = unwritable_directory(Path(args.checkpoint_dir))
+        if problem:  # found at the first save otherwise: after the training it was to keep
+            p.error(f"--checkpoint-dir {args.checkpoint_dir}: {problem}")
     if args.checkpoint_dir and not args.resume and checkpoint_file(args.checkpoint_dir).exists():
         # a new run would overwrite the old one's checkpoint at its first save
         p.error(
@@ -123,6 +127,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "run, or another --checkpoint-dir to start a new one"
         )
     return args
+
+
+def unwritable_directory(directory: Path) -> str:
+    """Why checkpoints cannot be written into ``directory`` (made where missing), or ""."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return ""
 
 
 def checkpoint_file(directory: str) -> Path:

@@ -270,13 +270,18 @@ def test_a_resume_on_more_ranks_than_the_checkpoint_allows_says_so(
 
 def test_a_checkpoint_is_not_overwritten_without_resume(tmp_path: Path) -> None:
     """Without --resume, a checkpoint in the directory is refused before anything starts
-    (the new run's first save would replace it); --resume needs a directory."""
+    (the new run's first save would replace it); --resume needs a directory. A directory
+    that cannot be one (a file, or below a file) was found at the first save, after the
+    epoch it was to keep (with --resume the run even said "no checkpoint yet")."""
     store = str(tmp_path / "never.zarr")
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "checkpoint.pt").write_bytes(b"")
+    (tmp_path / "afile").write_bytes(b"")
     for flags, said in (
         (["--checkpoint-dir", str(tmp_path / "ck")], "exists: pass --resume to continue"),
         (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir"),
+        (["--checkpoint-dir", str(tmp_path / "afile"), "--resume"], "afile is not a directory"),
+        (["--checkpoint-dir", str(tmp_path / "afile" / "ck")], "afile is not a directory"),
     ):
         done = subprocess.run(
             [sys.executable, "pipelines/ddp_train.py", "--data", store, *flags],
