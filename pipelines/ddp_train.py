@@ -70,7 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="default: dali-zarr inspect's suggestion",
     )
     p.add_argument("--hidden", type=positive, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="Adam's learning rate (default 1e-3; on --resume, the checkpoint's unless given)",
+    )
     p.add_argument("--seed", type=non_negative, default=0)
     p.add_argument(
         "--device",
@@ -335,13 +340,23 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = mlp(dataset.feature_shape, hidden=args.hidden, n_classes=n_classes).to(device)
     if resumed is not None:
-        model.load_state_dict(resumed["model"])
+        try:
+            model.load_state_dict(resumed["model"])
+        except RuntimeError as exc:  # torch's message names layers, not the flag
+            raise SystemExit(
+                f"{checkpoint_file(args.checkpoint_dir)} holds a model of other shapes than "
+                f"--hidden {args.hidden} builds: resume with the --hidden it was trained "
+                f"with ({exc})"
+            ) from None
         torch.set_rng_state(resumed["rng"])
     ddp = DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
-    optimizer = torch.optim.Adam(ddp.parameters(), lr=args.lr)
+    optimizer = torch.optim.Adam(ddp.parameters(), lr=1e-3 if args.lr is None else args.lr)
     step, epoch_step = 0, 0  # optimizer steps in all; batches of the current epoch
     if resumed is not None:
-        optimizer.load_state_dict(resumed["optimizer"])
+        optimizer.load_state_dict(resumed["optimizer"])  # its learning rate too
+        if args.lr is not None:  # given: it was silently replaced by the checkpoint's
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr
         step, epoch_step = resumed["step"], resumed["epoch_step"]
         if rank == 0:
             print(

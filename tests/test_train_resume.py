@@ -196,8 +196,11 @@ def test_a_checkpoint_at_the_max_steps_step_resumes_with_that_epoch_done(
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "4"]
     train(store, *flags, *ck, "--stop-after-steps", "4", "--log-indices", str(tmp_path / "a"),
           nproc=1)  # fmt: skip
-    out = train(store, *flags, *ck, "--resume", "--log-indices", str(tmp_path / "b"), nproc=1)
+    out = train(store, *flags, *ck, "--resume", "--lr", "0.0025",
+                "--log-indices", str(tmp_path / "b"), nproc=1)  # fmt: skip
     assert "step 4, epoch 0 after 4 of its batches" in out, out
+    # --lr given on resume holds (the checkpoint's optimizer state had replaced it)
+    assert load(tmp_path / "ck")["optimizer"]["param_groups"][0]["lr"] == 0.0025
     # the resumed epoch 0 had no step left: its loss is unknown, not 0 (a dip in a plot)
     assert "epoch 0: 0 steps" in out and "loss n/a (no step)" in out, out
     assert "[all] epoch 0: mean loss n/a" in out, out
