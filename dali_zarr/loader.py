@@ -259,7 +259,8 @@ class Loader:
         self.output: Output = output
         self.obs = list(obs)
         self.return_index = return_index
-        if self.dtype == "float64" and output == "dense" and dataset.cf_decoding() is not None:
+        float64_dense = self.dtype == "float64" and output == "dense"
+        if float64_dense and dataset.cf_decoding() is not None:
             warnings.warn(  # xarray decodes a packed int32/int64 in float64
                 f"{dataset.name}: mask_and_scale=True decodes in float32 (* scale_factor + "
                 "add_offset) and X is cast to float64 last, so the decoded values arrive "
@@ -268,7 +269,7 @@ class Loader:
                 "decode the batches in torch (x * scale_factor + add_offset, fills to NaN).",
                 stacklevel=2,
             )
-        elif self.dtype == "float64" and output == "dense" and not _exact_in_float32(dataset.dtype):
+        elif float64_dense and not _exact_in_float32(dataset.dtype):
             warnings.warn(
                 f"{dataset.name}: dense X is built in float32 (where `transform` runs) and "
                 f"cast to float64 last, so its stored {np.dtype(dataset.dtype)} values arrive "

@@ -993,10 +993,10 @@ def _refuse_packed_sparse_values(group: Any, name: str, mask_and_scale: bool | N
     }
     if not packing or mask_and_scale is False:
         return
-    listed = ", ".join(f"{k}={v!r}" for k, v in packing.items())
     if mask_and_scale is None:
         _warn_if_packed(packing, data if data is not None else group, name, stacklevel=5)
         return
+    listed = ", ".join(f"{k}={v!r}" for k, v in packing.items())
     raise ConfigError(
         f"{name}: a sparse (CSR) matrix whose attributes pack its values ({listed}) cannot be "
         "decoded with mask_and_scale=True: only its stored non-zeros would be unpacked, and "

@@ -27,6 +27,8 @@ from dali_zarr.io.layout import missing_codec_advice, unknown_codec_id
 #: Where elements whose rows are observations live, and the form each name takes.
 ELEMENT_FORMS = "X, raw/X, layers/<name>, obsm/<name> or obsp/<name>"
 _KEYED_GROUPS = ("layers", "obsm", "obsp")
+#: encoding-type of the sparse matrix groups anndata writes (and older names of them)
+_SPARSE_ENCODINGS = ("csr_matrix", "csc_matrix", "csr", "csc")
 
 
 def attribute(node: Any, key: str) -> Any:
@@ -260,7 +262,7 @@ def is_array(node: Any) -> bool:
 
 def _is_matrix(node: Any) -> bool:
     encoding = attribute(node, "encoding-type") or attribute(node, "h5sparse_format")
-    return is_array(node) or encoding in ("csr_matrix", "csc_matrix", "csr", "csc")
+    return is_array(node) or encoding in _SPARSE_ENCODINGS
 
 
 def available_elements(root: Any) -> list[str]:
@@ -615,9 +617,6 @@ def pick_element(
             parent = zarr_member(root, key.rsplit("/", 1)[0], where=store)
     _refuse_sparse_member(parent, store)
     return Picked(node, key, False)
-
-
-_SPARSE_ENCODINGS = ("csr_matrix", "csc_matrix", "csr", "csc")
 
 
 def _parent_group(array: Any) -> Any:

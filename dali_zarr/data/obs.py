@@ -287,9 +287,10 @@ def _refuse_other_orders(
     the others'. Stores that add categories in between (``low, high`` and ``low, mid,
     high``) fail too: merged first-seen, ``mid`` would rank above ``high``."""
     rank = {c: i for i, c in enumerate(merged)}
+    every_part_ordered = all(p.ordered for p in parts)
     for store, part in zip(stores, parts, strict=True):
         ranks = [rank[c] for c in part.categories or ()]
-        if part.ordered and ranks == sorted(ranks) and all(p.ordered for p in parts):
+        if every_part_ordered and ranks == sorted(ranks):
             continue
         held = "; ".join(
             f"{s}: {'ordered' if p.ordered else 'unordered'} {list(p.categories or ())}"

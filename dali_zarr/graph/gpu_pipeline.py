@@ -387,8 +387,6 @@ class GpuBatchSource(BatchSource):
     def close(self, *, pipeline_gone: bool = False) -> None:
         super().close(pipeline_gone=pipeline_gone)
         self.ring.close()  # a reader waiting for a slot the stopped consumer holds ends
-        with self._twin_lock:
-            self._twins.clear()
         with self._lease_lock:
             self._leases_closed = True
             if pipeline_gone:  # no DALI run reads a slot any more: its memory can go

@@ -390,10 +390,8 @@ class BatchSource:
         The last batches handed to DALI (``no_copy``: it reads our memory) are let go only
         where ``pipeline_gone`` says no DALI pipeline can read them any more."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.restart()  # the windows read ahead (and the GPU path's twin halves) go
         with self._lock:
-            for future in self._windows.values():
-                future.cancel()
-            self._windows.clear()
             self._plans.clear()
             if pipeline_gone:
                 self._alive.clear()

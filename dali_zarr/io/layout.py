@@ -249,10 +249,7 @@ def _parse_v3(md: Any, base: dict[str, Any], *, where: str) -> ArrayLayout:
         _refuse_empty_chunks(where, "inner chunk", inner)
         if len(inner) != len(outer) or any(o % i for o, i in zip(outer, inner, strict=True)):
             raise _Unsupported(f"inner chunk shape {inner} does not divide shard shape {outer}")
-        shard = replace(
-            _parse_index_codecs(cfg.get("index_codecs", []), cfg.get("index_location", "end")),
-            chunks_per_shard=tuple(o // i for o, i in zip(outer, inner, strict=True)),
-        )
+        shard = _shard_layout(cfg, outer, inner)
         inner_codecs = [_named(c) for c in cfg.get("codecs", [])]
         chain = _parse_v3_chain(inner_codecs, dtype)
         base = {**base, "chunk_shape": inner}
@@ -295,11 +292,7 @@ def blosc_frames(array: Any) -> BloscFrames | None:
             if not inner_codecs or inner_codecs[-1][0] not in _BLOSC_NAMES:
                 return None
             inner = tuple(int(c) for c in cfg["chunk_shape"])
-            index = _parse_index_codecs(
-                cfg.get("index_codecs", []), cfg.get("index_location", "end")
-            )
-            per_shard = tuple(o // i for o, i in zip(outer, inner, strict=True))
-            return BloscFrames(grid, replace(index, chunks_per_shard=per_shard))
+            return BloscFrames(grid, _shard_layout(cfg, outer, inner))
     except (_Unsupported, KeyError, TypeError, ValueError, ZeroDivisionError):
         return None
     if not codecs or codecs[-1][0] not in _BLOSC_NAMES:
@@ -498,6 +491,17 @@ def _filter_encoded_dtype(conf: Mapping[str, Any], dtype: np.dtype) -> np.dtype:
     if fid == "astype":
         return np.dtype(conf["encode_dtype"])
     return dtype
+
+
+def _shard_layout(
+    cfg: Mapping[str, Any], outer: tuple[int, ...], inner: tuple[int, ...]
+) -> ShardLayout:
+    """The :class:`ShardLayout` of a ``sharding_indexed`` configuration ``cfg`` whose shards
+    of shape ``outer`` hold inner chunks of shape ``inner``."""
+    return replace(
+        _parse_index_codecs(cfg.get("index_codecs", []), cfg.get("index_location", "end")),
+        chunks_per_shard=tuple(o // i for o, i in zip(outer, inner, strict=True)),
+    )
 
 
 def _parse_index_codecs(codecs: Sequence[Any], location: str) -> ShardLayout:

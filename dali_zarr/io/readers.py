@@ -1564,9 +1564,8 @@ def _refuse_truncated_blosc(array: Any, directory: str, name: str) -> None:
     frames = blosc_frames(array)
     if frames is None:  # e.g. a crc32c after blosc checks the frame itself
         return
-    layout = parse_layout(array)
     for coords in product(*(range(n) for n in frames.grid)):
-        key = layout.key(coords)
+        key = array.metadata.encode_chunk_key(coords)
         try:
             fd = open_stored(os.path.join(directory, key))
             if fd is None:  # never written: the fill value

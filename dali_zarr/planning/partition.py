@@ -177,7 +177,7 @@ def window_rows_of(chunk_size: int, preload_nchunks: int, batch_size: int) -> in
 
     A multiple of batch_size so that no batch spans two windows.
     """
-    return (int(preload_nchunks) * int(chunk_size) // int(batch_size)) * int(batch_size)
+    return (preload_nchunks * chunk_size // batch_size) * batch_size
 
 
 def rank_bounds(n_obs: int, world_size: int) -> np.ndarray:
